@@ -1,0 +1,180 @@
+//! The admin listener: metrics, health, readiness and the fence API.
+//!
+//! It binds loopback by default and is separate from the proxy port, so the
+//! data path never exposes it. It has no mutating endpoint yet; when one is
+//! added it must go through [`Admin::authorized`] (bearer token from
+//! `--admin-token-file`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{full, problem_response, ProxyBody};
+use crate::fence::Fence;
+use crate::metrics::Metrics;
+
+/// State the admin endpoints read.
+pub struct Admin {
+    pub fence: Arc<Fence>,
+    pub metrics: Arc<Metrics>,
+    pub admin_token: Option<String>,
+    /// Cancelled when shutdown starts: `/readyz` turns 503 so load balancers
+    /// stop sending new work while in-flight requests drain.
+    pub draining: CancellationToken,
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response<ProxyBody> {
+    problem_response(
+        status,
+        json!({
+            "type": "about:blank",
+            "title": status.canonical_reason().unwrap_or(""),
+            "status": status.as_u16(),
+            "detail": detail,
+        }),
+    )
+}
+
+fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ProxyBody> {
+    let mut r = Response::new(full(body.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// Decodes one percent-encoded path segment into the key text.
+fn decode_segment(seg: &str) -> Option<String> {
+    let b = seg.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+impl Admin {
+    /// Whether a request carries the admin bearer token. Without a
+    /// configured token, nothing is authorized.
+    pub fn authorized<B>(&self, req: &Request<B>) -> bool {
+        let Some(expected) = &self.admin_token else {
+            return false;
+        };
+        let Some(got) = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+        else {
+            return false;
+        };
+        // Constant-time comparison: do not leak the token through timing.
+        got.len() == expected.len()
+            && got
+                .bytes()
+                .zip(expected.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let path = req.uri().path().to_string();
+        let get = req.method() == Method::GET || req.method() == Method::HEAD;
+        let resp = match path.as_str() {
+            "/metrics" if get => {
+                self.metrics
+                    .recovering
+                    .set(i64::from(self.fence.recovering_for().is_some()));
+                let mut r = Response::new(full(self.metrics.render()));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                r
+            }
+            "/healthz" if get => json_response(StatusCode::OK, json!({"status": "ok"})),
+            "/readyz" if get => self.ready().await,
+            p if p.starts_with("/v1/fences/") && get => {
+                let seg = &p["/v1/fences/".len()..];
+                match decode_segment(seg).filter(|k| !seg.is_empty() && !seg.contains('/') && !k.is_empty()) {
+                    None => problem(StatusCode::BAD_REQUEST, "the key must be one percent-encoded path segment, e.g. /v1/fences/default%3A%2Fbucket%2Fobj"),
+                    Some(key) => match self.fence.store().highest(&key).await {
+                        Ok(Some(h)) => json_response(StatusCode::OK, json!({"key": key, "highest": h.to_string()})),
+                        Ok(None) => problem(StatusCode::NOT_FOUND, "this key has never been fenced"),
+                        Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+                    },
+                }
+            }
+            "/metrics" | "/healthz" | "/readyz" => {
+                let mut r = problem(StatusCode::METHOD_NOT_ALLOWED, "use GET");
+                r.headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+                r
+            }
+            p if p.starts_with("/v1/fences/") => {
+                if self.authorized(&req) {
+                    let mut r = problem(
+                        StatusCode::METHOD_NOT_ALLOWED,
+                        "only GET is supported on fences",
+                    );
+                    r.headers_mut()
+                        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+                    r
+                } else {
+                    let mut r = problem(
+                        StatusCode::UNAUTHORIZED,
+                        "admin mutations need a bearer token (--admin-token-file)",
+                    );
+                    r.headers_mut()
+                        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                    r
+                }
+            }
+            _ => problem(StatusCode::NOT_FOUND, "unknown admin endpoint"),
+        };
+        Ok(resp)
+    }
+
+    async fn ready(&self) -> Response<ProxyBody> {
+        if self.draining.is_cancelled() {
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "draining"}),
+            );
+        }
+        let recovering = self.fence.recovering_for().map(|d| d.as_secs_f64());
+        match self.fence.store().ping().await {
+            Ok(()) => {
+                self.metrics.store_up.set(1);
+                json_response(
+                    StatusCode::OK,
+                    json!({"status": "ready", "store": self.fence.store().kind(), "recovering_seconds": recovering}),
+                )
+            }
+            Err(e) => {
+                self.metrics.store_up.set(0);
+                json_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"status": "store unavailable", "store": self.fence.store().kind(), "error": e.to_string()}),
+                )
+            }
+        }
+    }
+}

@@ -1,0 +1,696 @@
+//! Configuration: the raw TOML/flag shape and the validated [`Config`].
+//!
+//! [`RawConfig`] is what a file (or the quick-start flags) says, with every
+//! field optional and unknown fields refused. [`Config`] is built from it
+//! with `TryFrom`, which checks each value and names the field on failure; a
+//! `Config` that exists is one the server can run with.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::key::KeyTemplate;
+
+/// A configuration error, naming the field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+    #[error("cannot read config file {path}: {reason}")]
+    Read { path: PathBuf, reason: String },
+    #[error("config file {path}: {reason}")]
+    Parse { path: PathBuf, reason: String },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The file format. Every field is optional; defaults are applied in
+/// [`Config::try_from`].
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub listen: Option<String>,
+    pub admin_listen: Option<String>,
+    /// A file path, or `redb://PATH`.
+    pub store: Option<String>,
+    /// redb page cache, MiB.
+    pub store_cache_mib: Option<u64>,
+    /// How many highest tokens to keep in memory.
+    pub highest_cache_entries: Option<u64>,
+    pub admin_token_file: Option<PathBuf>,
+    pub shutdown_grace: Option<String>,
+    #[serde(default)]
+    pub limits: RawLimits,
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    pub max_header_bytes: Option<u64>,
+    pub max_body_bytes: Option<u64>,
+    pub header_read_timeout: Option<String>,
+    pub body_read_timeout: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub name: Option<String>,
+    pub host: Option<String>,
+    pub path_prefix: Option<String>,
+    pub upstream: Option<String>,
+    pub key: Option<String>,
+    pub namespace: Option<String>,
+    pub write_methods: Option<Vec<String>>,
+    pub literal_keys: Option<bool>,
+    pub strip_token: Option<bool>,
+    pub connect_timeout: Option<String>,
+    pub upstream_timeout: Option<String>,
+}
+
+/// Where fences are kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    Embedded { path: PathBuf, cache_bytes: usize },
+}
+
+/// Which methods are writes on a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteMethods {
+    /// Everything except exactly `GET`, `HEAD` and `OPTIONS` (so `get`
+    /// spelled in lower case, `MKCOL` or any unknown method is a write).
+    AllButSafe,
+    /// Only these (compared case-insensitively, so `put` is a write when
+    /// `PUT` is listed).
+    Only(BTreeSet<String>),
+}
+
+impl WriteMethods {
+    pub fn is_write(&self, method: &str) -> bool {
+        match self {
+            Self::AllButSafe => !matches!(method, "GET" | "HEAD" | "OPTIONS"),
+            Self::Only(set) => set.contains(&method.to_ascii_uppercase()),
+        }
+    }
+}
+
+/// A validated upstream origin (`http://host:port`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
+}
+
+/// A validated route.
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    /// Lower-case host without port; `None` matches any host.
+    pub host: Option<String>,
+    /// Matched on segment boundaries: `/api` matches `/api` and `/api/x`.
+    pub path_prefix: String,
+    pub upstream: Upstream,
+    pub key: KeyTemplate,
+    /// Tokens from different lock services must not share a key space.
+    pub namespace: String,
+    pub write_methods: WriteMethods,
+    pub literal_keys: bool,
+    pub strip_token: bool,
+    pub connect_timeout: Duration,
+    /// From the first byte sent upstream to the response head. Also bounds
+    /// how long a newer write waits behind an older one, and the
+    /// crash-recovery window.
+    pub upstream_timeout: Duration,
+}
+
+impl Route {
+    pub fn matches_path(&self, path: &str) -> bool {
+        let p = self.path_prefix.trim_end_matches('/');
+        p.is_empty()
+            || path == p
+            || (path.starts_with(p) && path.as_bytes().get(p.len()) == Some(&b'/'))
+    }
+}
+
+/// Limits and client-side timeouts.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_header_bytes: usize,
+    /// `None`: no limit.
+    pub max_body_bytes: Option<u64>,
+    /// A client that has not sent a complete request head within this is
+    /// dropped (slowloris). The clock also runs while a keep-alive
+    /// connection waits idle for its next request, so this is the idle
+    /// timeout too.
+    pub header_read_timeout: Duration,
+    /// Longest pause between two chunks of a request body.
+    pub body_read_timeout: Duration,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub store: StoreConfig,
+    pub highest_cache_entries: usize,
+    /// Bearer token for mutating admin endpoints (read from the file).
+    pub admin_token: Option<String>,
+    pub admin_token_file: Option<PathBuf>,
+    pub shutdown_grace: Duration,
+    pub limits: Limits,
+    pub routes: Vec<Route>,
+}
+
+/// Parses `250ms`, `10s`, `2m`, `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("`{t}` has no unit (use ms, s, m or h)"))?;
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{t}` is not a duration like 10s or 250ms"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => return Err(format!("`{t}` has an unknown unit (use ms, s, m or h)")),
+    };
+    Ok(d)
+}
+
+fn format_duration(d: Duration) -> String {
+    if d.subsec_millis() != 0 || d.as_secs() == 0 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}s", d.as_secs())
+    }
+}
+
+fn duration(field: &str, raw: &Option<String>, default: Duration) -> Result<Duration, ConfigError> {
+    match raw {
+        None => Ok(default),
+        Some(t) => {
+            let d = parse_duration(t).map_err(|r| invalid(field, r))?;
+            if d.is_zero() {
+                return Err(invalid(field, "must be greater than zero"));
+            }
+            Ok(d)
+        }
+    }
+}
+
+fn socket(field: &str, raw: &Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let text = raw.as_deref().unwrap_or(default);
+    text.parse()
+        .map_err(|_| invalid(field, format!("`{text}` is not an IP:port address")))
+}
+
+pub fn parse_upstream(field: &str, text: &str) -> Result<Upstream, ConfigError> {
+    let uri: http::Uri = text
+        .parse()
+        .map_err(|e| invalid(field, format!("`{text}` is not a URL: {e}")))?;
+    let scheme = uri.scheme().cloned().ok_or_else(|| {
+        invalid(
+            field,
+            format!("`{text}` needs a scheme, e.g. http://{text}"),
+        )
+    })?;
+    if scheme != http::uri::Scheme::HTTP {
+        return Err(invalid(
+            field,
+            format!("`{text}`: only http:// upstreams are supported"),
+        ));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| invalid(field, format!("`{text}` has no host")))?;
+    if authority.as_str().contains('@') {
+        return Err(invalid(
+            field,
+            "credentials in the upstream URL are not supported",
+        ));
+    }
+    if authority.host().is_empty() {
+        return Err(invalid(field, format!("`{text}` has no host")));
+    }
+    match uri.path_and_query().map(|p| p.as_str()) {
+        None | Some("") | Some("/") => {}
+        Some(p) => {
+            return Err(invalid(
+                field,
+                format!(
+                    "`{text}` has a path ({p}); an upstream is an origin like http://host:port"
+                ),
+            ))
+        }
+    }
+    Ok(Upstream { scheme, authority })
+}
+
+fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
+    let text = raw
+        .store
+        .as_deref()
+        .ok_or_else(|| invalid("store", "is required (a file path such as ./fences.redb)"))?;
+    let path = match text.split_once("://") {
+        Some(("redb", p)) => p,
+        Some((scheme, _)) => {
+            return Err(invalid(
+                "store",
+                format!("unsupported store `{scheme}://`; use a file path or redb://PATH"),
+            ))
+        }
+        None => text,
+    };
+    if path.is_empty() {
+        return Err(invalid("store", "the path is empty"));
+    }
+    let path = PathBuf::from(path);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.is_dir() {
+        return Err(invalid(
+            "store",
+            format!("directory {} does not exist", dir.display()),
+        ));
+    }
+    if path.is_dir() {
+        return Err(invalid(
+            "store",
+            format!("{} is a directory", path.display()),
+        ));
+    }
+    let mib = raw.store_cache_mib.unwrap_or(64);
+    if mib == 0 || mib > 1 << 20 {
+        return Err(invalid("store_cache_mib", "must be between 1 and 1048576"));
+    }
+    Ok(StoreConfig::Embedded {
+        path,
+        cache_bytes: (mib as usize) << 20,
+    })
+}
+
+fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
+    let f = |name: &str| format!("routes[{i}].{name}");
+    let name = r.name.clone().unwrap_or_else(|| format!("route{i}"));
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(invalid(f("name"), "use letters, digits, '-', '_' or '.'"));
+    }
+    let host = match &r.host {
+        None => None,
+        Some(h) if h.is_empty() || h.contains(['/', ' ']) => {
+            return Err(invalid(f("host"), format!("`{h}` is not a host name")))
+        }
+        Some(h) => Some(h.to_ascii_lowercase()),
+    };
+    let path_prefix = r.path_prefix.clone().unwrap_or_else(|| "/".into());
+    if !path_prefix.starts_with('/') {
+        return Err(invalid(f("path_prefix"), "must start with '/'"));
+    }
+    let upstream = parse_upstream(
+        &f("upstream"),
+        r.upstream
+            .as_deref()
+            .ok_or_else(|| invalid(f("upstream"), "is required"))?,
+    )?;
+    let key =
+        KeyTemplate::parse(r.key.as_deref().unwrap_or("path")).map_err(|e| invalid(f("key"), e))?;
+    let namespace = r.namespace.clone().unwrap_or_else(|| "default".into());
+    if namespace.is_empty() || namespace.contains(':') {
+        return Err(invalid(f("namespace"), "must be non-empty and without ':'"));
+    }
+    let write_methods = match &r.write_methods {
+        None => WriteMethods::AllButSafe,
+        Some(list) => {
+            let mut set = BTreeSet::new();
+            for m in list {
+                if http::Method::from_bytes(m.as_bytes()).is_err() {
+                    return Err(invalid(
+                        f("write_methods"),
+                        format!("`{m}` is not a method token"),
+                    ));
+                }
+                set.insert(m.to_ascii_uppercase());
+            }
+            WriteMethods::Only(set)
+        }
+    };
+    Ok(Route {
+        name,
+        host,
+        path_prefix,
+        upstream,
+        key,
+        namespace,
+        write_methods,
+        literal_keys: r.literal_keys.unwrap_or(false),
+        strip_token: r.strip_token.unwrap_or(false),
+        connect_timeout: duration(
+            &f("connect_timeout"),
+            &r.connect_timeout,
+            Duration::from_secs(5),
+        )?,
+        upstream_timeout: duration(
+            &f("upstream_timeout"),
+            &r.upstream_timeout,
+            Duration::from_secs(60),
+        )?,
+    })
+}
+
+impl TryFrom<RawConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        let listen = socket("listen", &raw.listen, "127.0.0.1:8080")?;
+        let admin_listen = socket("admin_listen", &raw.admin_listen, "127.0.0.1:9090")?;
+        if listen == admin_listen && listen.port() != 0 {
+            return Err(invalid("admin_listen", "must differ from `listen`"));
+        }
+        let store = store(&raw)?;
+        if raw.routes.is_empty() {
+            return Err(invalid(
+                "routes",
+                "at least one route (or --upstream) is required",
+            ));
+        }
+        let routes = raw
+            .routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| route(i, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut names = BTreeSet::new();
+        for (i, r) in routes.iter().enumerate() {
+            if !names.insert(r.name.clone()) {
+                return Err(invalid(
+                    format!("routes[{i}].name"),
+                    format!("`{}` is used twice", r.name),
+                ));
+            }
+        }
+        let admin_token = match &raw.admin_token_file {
+            None => None,
+            Some(p) => {
+                let t = std::fs::read_to_string(p).map_err(|e| {
+                    invalid(
+                        "admin_token_file",
+                        format!("cannot read {}: {e}", p.display()),
+                    )
+                })?;
+                let t = t.trim().to_string();
+                if t.len() < 16 {
+                    return Err(invalid(
+                        "admin_token_file",
+                        "the token must be at least 16 characters",
+                    ));
+                }
+                Some(t)
+            }
+        };
+        let l = &raw.limits;
+        let max_header_bytes = l.max_header_bytes.unwrap_or(64 * 1024);
+        if !(8192..=1 << 24).contains(&max_header_bytes) {
+            return Err(invalid(
+                "limits.max_header_bytes",
+                "must be between 8192 and 16777216",
+            ));
+        }
+        let max_body_bytes = match l.max_body_bytes {
+            Some(0) => {
+                return Err(invalid(
+                    "limits.max_body_bytes",
+                    "must be greater than zero (omit it for no limit)",
+                ))
+            }
+            v => v,
+        };
+        let cache = raw.highest_cache_entries.unwrap_or(1_000_000);
+        Ok(Config {
+            listen,
+            admin_listen,
+            store,
+            highest_cache_entries: usize::try_from(cache)
+                .map_err(|_| invalid("highest_cache_entries", "too large"))?,
+            admin_token,
+            admin_token_file: raw.admin_token_file.clone(),
+            shutdown_grace: duration(
+                "shutdown_grace",
+                &raw.shutdown_grace,
+                Duration::from_secs(30),
+            )?,
+            limits: Limits {
+                max_header_bytes: max_header_bytes as usize,
+                max_body_bytes,
+                header_read_timeout: duration(
+                    "limits.header_read_timeout",
+                    &l.header_read_timeout,
+                    Duration::from_secs(10),
+                )?,
+                body_read_timeout: duration(
+                    "limits.body_read_timeout",
+                    &l.body_read_timeout,
+                    Duration::from_secs(60),
+                )?,
+            },
+            routes,
+        })
+    }
+}
+
+impl RawConfig {
+    /// Reads and parses a TOML file; unknown fields are errors.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Self::from_toml(&text).map_err(|reason| ConfigError::Parse {
+            path: path.to_path_buf(),
+            reason,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+impl Config {
+    /// The effective configuration, every default filled in, as TOML.
+    pub fn to_toml(&self) -> String {
+        let StoreConfig::Embedded { path, cache_bytes } = &self.store;
+        let raw = RawConfig {
+            listen: Some(self.listen.to_string()),
+            admin_listen: Some(self.admin_listen.to_string()),
+            store: Some(path.display().to_string()),
+            store_cache_mib: Some((*cache_bytes >> 20) as u64),
+            highest_cache_entries: Some(self.highest_cache_entries as u64),
+            admin_token_file: self.admin_token_file.clone(),
+            shutdown_grace: Some(format_duration(self.shutdown_grace)),
+            limits: RawLimits {
+                max_header_bytes: Some(self.limits.max_header_bytes as u64),
+                max_body_bytes: self.limits.max_body_bytes,
+                header_read_timeout: Some(format_duration(self.limits.header_read_timeout)),
+                body_read_timeout: Some(format_duration(self.limits.body_read_timeout)),
+            },
+            routes: self
+                .routes
+                .iter()
+                .map(|r| RawRoute {
+                    name: Some(r.name.clone()),
+                    host: r.host.clone(),
+                    path_prefix: Some(r.path_prefix.clone()),
+                    upstream: Some(r.upstream.to_string()),
+                    key: Some(r.key.to_string()),
+                    namespace: Some(r.namespace.clone()),
+                    write_methods: match &r.write_methods {
+                        WriteMethods::AllButSafe => None,
+                        WriteMethods::Only(s) => Some(s.iter().cloned().collect()),
+                    },
+                    literal_keys: Some(r.literal_keys),
+                    strip_token: Some(r.strip_token),
+                    connect_timeout: Some(format_duration(r.connect_timeout)),
+                    upstream_timeout: Some(format_duration(r.upstream_timeout)),
+                })
+                .collect(),
+        };
+        toml::to_string_pretty(&raw).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+
+    /// The longest upstream timeout: bounds how long a write forwarded before
+    /// a crash can still be in flight.
+    pub fn max_upstream_timeout(&self) -> Duration {
+        self.routes
+            .iter()
+            .map(|r| r.upstream_timeout)
+            .max()
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> RawConfig {
+        RawConfig::from_toml(
+            r#"
+            store = "/tmp/fencegate-config-test.redb"
+            [[routes]]
+            upstream = "http://127.0.0.1:9000"
+            "#,
+        )
+        .unwrap()
+    }
+
+    fn err(raw: RawConfig) -> String {
+        Config::try_from(raw).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = Config::try_from(base()).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.admin_listen.to_string(), "127.0.0.1:9090");
+        assert_eq!(c.routes[0].namespace, "default");
+        assert_eq!(c.routes[0].key, KeyTemplate::Path);
+        assert!(c.routes[0].write_methods.is_write("MKCOL"));
+        assert!(c.routes[0].write_methods.is_write("get"));
+        assert!(!c.routes[0].write_methods.is_write("GET"));
+        assert_eq!(c.routes[0].upstream_timeout, Duration::from_secs(60));
+        // The printed config parses back to the same thing.
+        let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+        assert_eq!(again.to_toml(), c.to_toml());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = RawConfig::from_toml("stor = \"x\"").unwrap_err();
+        assert!(e.contains("stor"), "{e}");
+        let e = RawConfig::from_toml("[[routes]]\nupstrem = \"x\"").unwrap_err();
+        assert!(e.contains("upstrem"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
+            (
+                |r| r.routes[0].upstream = Some("127.0.0.1:9000".into()),
+                "routes[0].upstream",
+            ),
+            (
+                |r| r.routes[0].upstream = Some("ftp://x".into()),
+                "routes[0].upstream",
+            ),
+            (
+                |r| r.routes[0].upstream = Some("http://x/base".into()),
+                "routes[0].upstream",
+            ),
+            (|r| r.routes[0].upstream = None, "routes[0].upstream"),
+            (|r| r.store = Some("/no/such/dir/f.redb".into()), "store"),
+            (|r| r.store = Some("redis://x".into()), "store"),
+            (|r| r.store = None, "store"),
+            (|r| r.listen = Some("8080".into()), "listen"),
+            (|r| r.routes[0].key = Some("bucket".into()), "routes[0].key"),
+            (
+                |r| r.routes[0].namespace = Some("a:b".into()),
+                "routes[0].namespace",
+            ),
+            (
+                |r| r.routes[0].upstream_timeout = Some("10".into()),
+                "routes[0].upstream_timeout",
+            ),
+            (
+                |r| r.routes[0].upstream_timeout = Some("0s".into()),
+                "routes[0].upstream_timeout",
+            ),
+            (
+                |r| r.routes[0].write_methods = Some(vec!["P UT".into()]),
+                "routes[0].write_methods",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("api".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.limits.max_header_bytes = Some(10),
+                "limits.max_header_bytes",
+            ),
+            (
+                |r| r.limits.max_body_bytes = Some(0),
+                "limits.max_body_bytes",
+            ),
+            (
+                |r| r.admin_token_file = Some("/no/such/token".into()),
+                "admin_token_file",
+            ),
+            (|r| r.routes.clear(), "routes"),
+            (|r| r.shutdown_grace = Some("soon".into()), "shutdown_grace"),
+        ];
+        for (mutate, field) in cases {
+            let mut raw = base();
+            mutate(&mut raw);
+            let e = err(raw);
+            assert!(
+                e.contains(&format!("`{field}`")),
+                "expected {field} in: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("1.5s").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn prefix_matching_is_on_segment_boundaries() {
+        let mut raw = base();
+        raw.routes[0].path_prefix = Some("/api".into());
+        let c = Config::try_from(raw).unwrap();
+        let r = &c.routes[0];
+        assert!(r.matches_path("/api"));
+        assert!(r.matches_path("/api/x"));
+        assert!(!r.matches_path("/apix"));
+        assert!(!r.matches_path("/"));
+    }
+
+    #[test]
+    fn explicit_write_methods_are_case_insensitive() {
+        let w = WriteMethods::Only(["PUT".to_string()].into());
+        assert!(w.is_write("PUT") && w.is_write("put"));
+        assert!(!w.is_write("POST"));
+    }
+}

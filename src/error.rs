@@ -1,0 +1,173 @@
+//! The one place where errors become HTTP answers.
+//!
+//! Every refusal fencegate produces is a [`ProxyError`]; [`ProxyError::into_response`]
+//! picks the status by where the fault lies (client 4xx, store 503, upstream
+//! 502/504) and writes an RFC 9457 `application/problem+json` body.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use serde_json::{json, Map, Value};
+
+use crate::key::KeyError;
+use crate::token::{TokenError, FENCE_TOKEN_HIGHEST};
+
+/// The body type of every response fencegate sends.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type ProxyBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// A refused or failed request.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("{0}")]
+    Token(TokenError),
+    #[error("token {token} is lower than the highest token {highest} for this key")]
+    Stale { token: u64, highest: u64 },
+    #[error("{0}")]
+    BadTarget(KeyError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("no route matches this host and path")]
+    NoRoute,
+    #[error("method {0} is not supported by this proxy")]
+    MethodNotAllowed(String),
+    #[error("the request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("the client stopped sending the request body")]
+    BodyTimeout,
+    #[error("the fence store cannot answer: {0}")]
+    StoreUnavailable(String),
+    #[error("recovering from an unclean stop; writes resume when writes forwarded before it can no longer be in flight")]
+    Recovering { retry_after: Duration },
+    #[error("cannot connect to the upstream: {0}")]
+    UpstreamConnect(String),
+    #[error("the upstream did not answer within {0:?}")]
+    UpstreamTimeout(Duration),
+    #[error("the upstream exchange failed: {0}")]
+    Upstream(String),
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Token(TokenError::Missing) => StatusCode::PRECONDITION_REQUIRED,
+            Self::Token(_) | Self::BadTarget(_) | Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::Stale { .. } => StatusCode::CONFLICT,
+            Self::NoRoute => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Self::StoreUnavailable(_) | Self::Recovering { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::UpstreamConnect(_) | Self::Upstream(_) => StatusCode::BAD_GATEWAY,
+            Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// Short machine name: the `type` suffix and the log/metric decision.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Token(TokenError::Missing) => "missing-token",
+            Self::Token(_) => "malformed-token",
+            Self::Stale { .. } => "stale-token",
+            Self::BadTarget(_) => "bad-target",
+            Self::BadRequest(_) => "bad-request",
+            Self::NoRoute => "no-route",
+            Self::MethodNotAllowed(_) => "method-not-allowed",
+            Self::BodyTooLarge { .. } => "body-too-large",
+            Self::BodyTimeout => "body-timeout",
+            Self::StoreUnavailable(_) => "store-unavailable",
+            Self::Recovering { .. } => "recovering",
+            Self::UpstreamConnect(_) => "upstream-unreachable",
+            Self::UpstreamTimeout(_) => "upstream-timeout",
+            Self::Upstream(_) => "upstream-failed",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::Token(TokenError::Missing) => "Fence token required",
+            Self::Token(_) => "Malformed fence token",
+            Self::Stale { .. } => "Stale fence token",
+            Self::BadTarget(_) => "Ambiguous or invalid request target",
+            Self::BadRequest(_) => "Bad request",
+            Self::NoRoute => "No route",
+            Self::MethodNotAllowed(_) => "Method not allowed",
+            Self::BodyTooLarge { .. } => "Request body too large",
+            Self::BodyTimeout => "Request body timeout",
+            Self::StoreUnavailable(_) => "Fence store unavailable",
+            Self::Recovering { .. } => "Recovering from an unclean stop",
+            Self::UpstreamConnect(_) => "Upstream unreachable",
+            Self::UpstreamTimeout(_) => "Upstream timeout",
+            Self::Upstream(_) => "Upstream failed",
+        }
+    }
+
+    /// Builds the problem+json answer. `key` is the fence key when one was
+    /// derived.
+    pub fn into_response(self, key: Option<&str>) -> Response<ProxyBody> {
+        let status = self.status();
+        let mut body = Map::new();
+        body.insert(
+            "type".into(),
+            json!(format!("urn:fencegate:problem:{}", self.kind())),
+        );
+        body.insert("title".into(), json!(self.title()));
+        body.insert("status".into(), json!(status.as_u16()));
+        body.insert("detail".into(), json!(self.to_string()));
+        if let Some(k) = key {
+            body.insert("key".into(), json!(k));
+        }
+        let mut extra = Vec::new();
+        match &self {
+            Self::Stale { token, highest } => {
+                // As strings: JSON numbers above 2^53 lose precision in
+                // many parsers, and tokens use the full u64 range.
+                body.insert("token".into(), json!(token.to_string()));
+                body.insert("highest".into(), json!(highest.to_string()));
+                extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
+            }
+            Self::StoreUnavailable(_) => {
+                extra.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
+            }
+            Self::Recovering { retry_after } => {
+                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                extra.push((header::RETRY_AFTER, HeaderValue::from(secs.max(1))));
+            }
+            _ => {}
+        }
+        let mut resp = problem_response(status, Value::Object(body));
+        for (name, value) in extra {
+            resp.headers_mut().insert(name, value);
+        }
+        if matches!(
+            self,
+            Self::BadTarget(_) | Self::Token(_) | Self::BodyTooLarge { .. } | Self::BodyTimeout
+        ) {
+            // The request may have an unread body, or be a smuggling attempt:
+            // do not reuse the connection.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
+    }
+}
+
+/// A `problem+json` response with the given body.
+pub fn problem_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    resp
+}
+
+/// A complete in-memory body.
+pub fn full(data: impl Into<Bytes>) -> ProxyBody {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}

@@ -1,0 +1,466 @@
+//! Admission and ordering: the fence itself.
+//!
+//! For each write, [`Fence::admit`] decides from the key's highest token:
+//! lower is stale; higher is raised durably in the store first; equal is
+//! admitted. An admitted write gets a [`Permit`] that marks it in flight.
+//! A write is not let through while an *older*-token write to the same key
+//! is still in flight (it waits, bounded), so a backend that applies
+//! requests in arrival order applies them in token order. Once a newer token
+//! is admitted, every older write, queued or new, is stale.
+//!
+//! In-memory state is per key ([`KeyGate`]), created on demand and dropped
+//! when the key goes idle; a bounded cache of highest tokens answers the
+//! steady case (token equal to the highest) without touching the store, but
+//! only when the store says this process is its only writer.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::store::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
+
+/// Why a write was not admitted.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FenceError {
+    #[error("token {token} is lower than the highest token {highest} seen for this key")]
+    Stale { token: u64, highest: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("recovering from an unclean stop: writes forwarded before it may still be in flight upstream")]
+    Recovering { retry_after: Duration },
+}
+
+/// In-memory state of one key while it has writers.
+struct KeyGate {
+    state: Mutex<GateState>,
+    /// Woken when an in-flight write ends or the highest token rises.
+    changed: Notify,
+}
+
+/// What one pass of the admission loop decided.
+enum Step {
+    Stale(u64),
+    Retry,
+    Go,
+    Wait,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// Highest token known durable for this key, if known.
+    highest: Option<u64>,
+    /// Tokens of admitted writes still in flight, with their counts.
+    inflight: BTreeMap<u64, u32>,
+}
+
+impl GateState {
+    fn older_in_flight(&self, token: u64) -> bool {
+        self.inflight.range(..token).next().is_some()
+    }
+}
+
+/// Bounded map of highest tokens. Entries only ever hold values that are
+/// durable in the store, so an evicted entry just costs one store lookup.
+struct HighestCache {
+    map: DashMap<Arc<str>, u64>,
+    capacity: usize,
+}
+
+impl HighestCache {
+    fn get(&self, key: &str) -> Option<u64> {
+        self.map.get(key).map(|v| *v)
+    }
+
+    fn raise(&self, key: &Arc<str>, value: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        if let Some(mut v) = self.map.get_mut(&**key) {
+            *v = (*v).max(value);
+            return;
+        }
+        if self.map.len() >= self.capacity {
+            // Evict an arbitrary eighth. Cheap, and correct whatever is
+            // evicted: the store is the authority.
+            let mut budget = (self.capacity / 8).max(1);
+            self.map.retain(|_, _| {
+                if budget == 0 {
+                    return true;
+                }
+                budget -= 1;
+                false
+            });
+        }
+        self.map
+            .entry(key.clone())
+            .and_modify(|v| *v = (*v).max(value))
+            .or_insert(value);
+    }
+}
+
+/// The fence: admission decisions over one [`FenceStore`].
+pub struct Fence {
+    store: Arc<dyn FenceStore>,
+    gates: DashMap<Arc<str>, Arc<KeyGate>>,
+    cache: HighestCache,
+    /// After an unclean stop, writes are refused until this instant: a write
+    /// forwarded before the crash may still be applied upstream until the
+    /// upstream timeout has passed.
+    recovering_until: Option<Instant>,
+    lease_ttl: Duration,
+}
+
+/// What an admitted write holds while it is in flight. Dropping it ends the
+/// write for ordering purposes; clone it (via `Arc`) to keep it alive until
+/// both the request body and the response head are done.
+pub struct Permit {
+    fence: Arc<Fence>,
+    /// Always `Some` until dropped; taken in `drop` so the gate can be
+    /// released with no reference left here.
+    gate: Option<Arc<KeyGate>>,
+    key: Arc<str>,
+    token: u64,
+    lease: Option<WriteLease>,
+    /// The write waited out its limit and went ahead while an older write was
+    /// still in flight.
+    pub waited_out: bool,
+}
+
+impl Fence {
+    /// `cache_capacity` bounds the number of cached highest tokens;
+    /// `recovery_window` is the upstream timeout (how long a write forwarded
+    /// before a crash may still be in flight).
+    pub fn new(
+        store: Arc<dyn FenceStore>,
+        cache_capacity: usize,
+        recovery_window: Duration,
+    ) -> Arc<Self> {
+        let recovering_until = match store.start_state() {
+            StartState::Unclean if !recovery_window.is_zero() => {
+                Some(Instant::now() + recovery_window)
+            }
+            _ => None,
+        };
+        Arc::new(Self {
+            store,
+            gates: DashMap::new(),
+            cache: HighestCache {
+                map: DashMap::new(),
+                capacity: cache_capacity,
+            },
+            recovering_until,
+            lease_ttl: recovery_window + Duration::from_secs(5),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<dyn FenceStore> {
+        &self.store
+    }
+
+    /// Time left in the crash-recovery window, if any.
+    pub fn recovering_for(&self) -> Option<Duration> {
+        let until = self.recovering_until?;
+        let left = until.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
+    /// Number of keys with in-memory gates (writes admitting or in flight).
+    pub fn active_keys(&self) -> usize {
+        self.gates.len()
+    }
+
+    fn gate(&self, key: &Arc<str>) -> Arc<KeyGate> {
+        self.gates
+            .entry(key.clone())
+            .or_insert_with(|| {
+                let highest = if self.store.exclusive() {
+                    self.cache.get(key)
+                } else {
+                    None
+                };
+                Arc::new(KeyGate {
+                    state: Mutex::new(GateState {
+                        highest,
+                        inflight: BTreeMap::new(),
+                    }),
+                    changed: Notify::new(),
+                })
+            })
+            .clone()
+    }
+
+    fn release_gate(&self, key: &str) {
+        self.gates.remove_if(key, |_, g| Arc::strong_count(g) == 1);
+    }
+
+    /// Raises the key's highest to `token` in the store (durably) and records
+    /// the answer in memory. Runs as its own task so that a client hanging up
+    /// cannot leave memory behind a raise that did reach the disk.
+    async fn advance(
+        self: &Arc<Self>,
+        key: &Arc<str>,
+        gate: &Arc<KeyGate>,
+        token: u64,
+    ) -> Result<u64, FenceError> {
+        let fence = self.clone();
+        let key = key.clone();
+        let gate = gate.clone();
+        let task = tokio::spawn(async move {
+            let answer = fence.store.advance(&key, token).await?;
+            let highest = match answer {
+                Advance::Raised { .. } | Advance::Equal => token,
+                Advance::Stale { highest } => highest,
+            };
+            {
+                let mut st = gate.state.lock().expect("gate lock");
+                st.highest = Some(st.highest.map_or(highest, |h| h.max(highest)));
+            }
+            fence.cache.raise(&key, highest);
+            // Queued older writes must now see that they are stale.
+            gate.changed.notify_waiters();
+            Ok::<_, StoreError>(highest)
+        });
+        match task.await {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(StoreError::Unavailable(format!("store task failed: {e}")).into()),
+        }
+    }
+
+    /// Admits a write of `token` to `key`, waiting (up to `wait_limit`) while
+    /// an older-token write to the key is in flight.
+    pub async fn admit(
+        self: &Arc<Self>,
+        key: &str,
+        token: u64,
+        wait_limit: Duration,
+    ) -> Result<Permit, FenceError> {
+        if let Some(retry_after) = self.recovering_for() {
+            return Err(FenceError::Recovering { retry_after });
+        }
+        let key: Arc<str> = Arc::from(key);
+        let gate = self.gate(&key);
+        let result = self.admit_on(&key, &gate, token, wait_limit).await;
+        if result.is_err() {
+            drop(gate);
+            self.release_gate(&key);
+        }
+        result
+    }
+
+    async fn admit_on(
+        self: &Arc<Self>,
+        key: &Arc<str>,
+        gate: &Arc<KeyGate>,
+        token: u64,
+        wait_limit: Duration,
+    ) -> Result<Permit, FenceError> {
+        let deadline = Instant::now() + wait_limit;
+        let exclusive = self.store.exclusive();
+        let mut checked_with_store = false;
+        loop {
+            let known = gate.state.lock().expect("gate lock").highest;
+            let trust_equal = exclusive || checked_with_store;
+            let need_store = match known {
+                Some(h) if h > token => false,
+                Some(h) if h == token => !trust_equal,
+                _ => true,
+            };
+            if need_store {
+                self.advance(key, gate, token).await?;
+                checked_with_store = true;
+            }
+            let notified = gate.changed.notified();
+            tokio::pin!(notified);
+            let decision = {
+                let mut st = gate.state.lock().expect("gate lock");
+                let highest = st.highest.unwrap_or(token);
+                if highest > token {
+                    Step::Stale(highest)
+                } else if highest < token {
+                    // Not raised yet (the answer is pending elsewhere): ask
+                    // the store.
+                    Step::Retry
+                } else if !st.older_in_flight(token) {
+                    *st.inflight.entry(token).or_default() += 1;
+                    Step::Go
+                } else {
+                    notified.as_mut().enable();
+                    Step::Wait
+                }
+            };
+            match decision {
+                Step::Stale(highest) => return Err(FenceError::Stale { token, highest }),
+                Step::Retry => continue,
+                Step::Go => return self.with_lease(key, gate, token, deadline, false).await,
+                Step::Wait => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                // Waited as long as the upstream timeout: the older write has
+                // been given up on by now (504). Go, as documented.
+                let stale = {
+                    let mut st = gate.state.lock().expect("gate lock");
+                    match st.highest {
+                        Some(h) if h > token => Some(h),
+                        _ => {
+                            *st.inflight.entry(token).or_default() += 1;
+                            None
+                        }
+                    }
+                };
+                if let Some(highest) = stale {
+                    return Err(FenceError::Stale { token, highest });
+                }
+                return self.with_lease(key, gate, token, deadline, true).await;
+            }
+            // Woken: a write ended or the highest rose. A shared store must be
+            // asked again, another replica may have raised the key.
+            checked_with_store = false;
+        }
+    }
+
+    /// Wraps the local in-flight mark into a [`Permit`], taking the store's
+    /// cross-replica lease first when the store is shared.
+    async fn with_lease(
+        self: &Arc<Self>,
+        key: &Arc<str>,
+        gate: &Arc<KeyGate>,
+        token: u64,
+        deadline: Instant,
+        waited_out: bool,
+    ) -> Result<Permit, FenceError> {
+        let mut permit = Permit {
+            fence: self.clone(),
+            gate: Some(gate.clone()),
+            key: key.clone(),
+            token,
+            lease: None,
+            waited_out,
+        };
+        if self.store.exclusive() {
+            return Ok(permit);
+        }
+        loop {
+            match self.store.acquire_lease(key, token, self.lease_ttl).await? {
+                LeaseOutcome::Granted(lease) => {
+                    permit.lease = Some(lease);
+                    return Ok(permit);
+                }
+                LeaseOutcome::Busy { retry_after } => {
+                    if Instant::now() + retry_after > deadline {
+                        permit.waited_out = true;
+                        return Ok(permit);
+                    }
+                    tokio::time::sleep(retry_after).await;
+                }
+            }
+        }
+    }
+}
+
+impl Permit {
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let Some(gate) = self.gate.take() else { return };
+        {
+            let mut st = gate.state.lock().expect("gate lock");
+            if let Some(n) = st.inflight.get_mut(&self.token) {
+                *n -= 1;
+                if *n == 0 {
+                    st.inflight.remove(&self.token);
+                }
+            }
+        }
+        gate.changed.notify_waiters();
+        drop(gate);
+        if let Some(lease) = self.lease.take() {
+            if lease.id.is_some() {
+                let store = self.fence.store.clone();
+                let key = self.key.clone();
+                tokio::spawn(async move {
+                    let _ = store.release_lease(&key, lease).await;
+                });
+            }
+        }
+        self.fence.release_gate(&self.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::embedded::EmbeddedStore;
+
+    fn fence(dir: &tempfile::TempDir) -> Arc<Fence> {
+        let store = EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20).unwrap();
+        Fence::new(Arc::new(store), 1000, Duration::from_secs(1))
+    }
+
+    #[tokio::test]
+    async fn lower_is_stale_equal_and_higher_are_admitted() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let w = Duration::from_secs(1);
+        drop(f.admit("k", 5, w).await.unwrap());
+        drop(f.admit("k", 5, w).await.unwrap());
+        drop(f.admit("k", 7, w).await.unwrap());
+        match f.admit("k", 6, w).await {
+            Err(FenceError::Stale {
+                token: 6,
+                highest: 7,
+            }) => {}
+            other => panic!("expected stale, got {:?}", other.err()),
+        }
+        assert_eq!(f.store().highest("k").await.unwrap(), Some(7));
+        assert_eq!(f.active_keys(), 0, "idle gates are dropped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn newer_waits_for_older_in_flight_and_queued_older_turn_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let w = Duration::from_secs(30);
+        let old = f.admit("k", 1, w).await.unwrap();
+        let f2 = f.clone();
+        let mid = tokio::spawn(async move { f2.admit("k", 2, w).await.map(|p| p.token()) });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            !mid.is_finished(),
+            "token 2 must wait for token 1 in flight"
+        );
+        let f3 = f.clone();
+        let new = tokio::spawn(async move { f3.admit("k", 3, w).await.map(|p| p.token()) });
+        let mid = mid.await.unwrap();
+        assert!(matches!(
+            mid,
+            Err(FenceError::Stale {
+                token: 2,
+                highest: 3
+            })
+        ));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            !new.is_finished(),
+            "token 3 must wait for token 1 in flight"
+        );
+        drop(old);
+        assert_eq!(new.await.unwrap().unwrap(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let _old = f.admit("k", 1, Duration::from_secs(5)).await.unwrap();
+        let p = f.admit("k", 2, Duration::from_secs(5)).await.unwrap();
+        assert!(p.waited_out);
+    }
+}

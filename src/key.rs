@@ -1,0 +1,583 @@
+//! One canonical parse of the request target.
+//!
+//! The same parse yields the resource key that is fenced *and* the target that
+//! is sent upstream, so a request cannot be fenced as one resource and applied
+//! as another. In the default (canonical) mode anything a backend might read
+//! two ways is refused; in literal mode (for S3-like backends where `//` and
+//! `%2F` are legal object names) the target is forwarded byte for byte and the
+//! key is the fully percent-decoded path, the identity S3 gives an object.
+
+use std::fmt;
+
+/// Why a request target was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the request target must be a path starting with '/'")]
+    NotAPath,
+    #[error("dot segments ('.', '..', '..;') are not allowed in the path")]
+    DotSegment,
+    #[error("empty path segments ('//') are not allowed")]
+    EmptySegment,
+    #[error("encoded '/' or '\\' (or a double-encoded escape) is not allowed in the path")]
+    EncodedSeparator,
+    #[error("a backslash is not allowed in the path")]
+    Backslash,
+    #[error("NUL and other control characters are not allowed in the path")]
+    ControlCharacter,
+    #[error("invalid percent-encoding in the path")]
+    InvalidPercentEncoding,
+    #[error("non-ASCII bytes must be percent-encoded")]
+    NonAscii,
+    #[error("path parameters (';') are not allowed in canonical mode")]
+    PathParameter,
+    #[error("a fragment is not allowed in the request target")]
+    Fragment,
+    #[error("the percent-decoded path is not valid UTF-8")]
+    NotUtf8,
+    #[error("the absolute-form request target names another host than the Host header")]
+    ForeignHost,
+    #[error("the path does not match the route's key template {0}")]
+    TemplateMismatch(String),
+    #[error("the key header {0} is missing or empty")]
+    MissingKeyHeader(String),
+}
+
+/// A request path after the canonical parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CanonicalPath {
+    /// Segments in canonical spelling: unreserved escapes decoded, the other
+    /// escapes kept with upper-case hex digits. In literal mode, the fully
+    /// decoded segments of the raw path.
+    pub segments: Vec<String>,
+    /// The path as a key: canonical segments joined, without a trailing slash
+    /// (over-merging `/a/` with `/a` is safe; splitting them would not be).
+    pub key_path: String,
+    /// The path (and query) to send upstream.
+    pub upstream_target: String,
+}
+
+/// How a route turns a path into the key text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyTemplate {
+    /// The whole path is one resource.
+    Path,
+    /// A pattern such as `/{bucket}` or `/{tenant}/users/{id}`: each part is a
+    /// placeholder or a literal segment; the key is the matched prefix.
+    Pattern(Vec<PatternPart>),
+    /// The (trimmed) value of a request header.
+    Header(http::HeaderName),
+}
+
+/// One segment of a [`KeyTemplate::Pattern`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PatternPart {
+    Any(String),
+    Literal(String),
+}
+
+impl KeyTemplate {
+    /// Parses the config spelling: `path`, `header:NAME`, or a `/`-pattern.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text == "path" {
+            return Ok(Self::Path);
+        }
+        if let Some(name) = text.strip_prefix("header:") {
+            return http::HeaderName::from_bytes(name.trim().as_bytes())
+                .map(Self::Header)
+                .map_err(|_| format!("`{name}` is not a valid header name"));
+        }
+        let Some(rest) = text.strip_prefix('/') else {
+            return Err("expected `path`, `header:NAME` or a pattern like `/{bucket}`".into());
+        };
+        let mut parts = Vec::new();
+        for seg in rest.split('/') {
+            if seg.is_empty() {
+                return Err("a pattern may not have empty segments".into());
+            }
+            if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                if name.is_empty() || name.contains(['{', '}']) {
+                    return Err(format!("bad placeholder `{seg}`"));
+                }
+                parts.push(PatternPart::Any(name.to_string()));
+            } else if seg.contains(['{', '}']) {
+                return Err(format!("bad placeholder `{seg}`"));
+            } else {
+                parts.push(PatternPart::Literal(seg.to_string()));
+            }
+        }
+        Ok(Self::Pattern(parts))
+    }
+
+    /// Derives the key text of a request.
+    pub fn key_text(
+        &self,
+        path: &CanonicalPath,
+        headers: &http::HeaderMap,
+    ) -> Result<String, KeyError> {
+        match self {
+            Self::Path => Ok(path.key_path.clone()),
+            Self::Pattern(parts) => {
+                if path.segments.len() < parts.len() {
+                    return Err(KeyError::TemplateMismatch(self.to_string()));
+                }
+                let mut key = String::new();
+                for (part, seg) in parts.iter().zip(&path.segments) {
+                    if seg.is_empty() {
+                        return Err(KeyError::TemplateMismatch(self.to_string()));
+                    }
+                    if let PatternPart::Literal(lit) = part {
+                        if lit != seg {
+                            return Err(KeyError::TemplateMismatch(self.to_string()));
+                        }
+                    }
+                    key.push('/');
+                    key.push_str(seg);
+                }
+                Ok(key)
+            }
+            Self::Header(name) => {
+                let value = headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::trim)
+                    .filter(|v| !v.is_empty())
+                    .ok_or_else(|| KeyError::MissingKeyHeader(name.to_string()))?;
+                Ok(value.to_string())
+            }
+        }
+    }
+}
+
+impl fmt::Display for KeyTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Path => f.write_str("path"),
+            Self::Header(h) => write!(f, "header:{h}"),
+            Self::Pattern(parts) => {
+                for p in parts {
+                    match p {
+                        PatternPart::Any(n) => write!(f, "/{{{n}}}")?,
+                        PatternPart::Literal(l) => write!(f, "/{l}")?,
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn hex_val(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Whether an escaped byte is written as the plain character in the
+/// canonical spelling: every byte the HTTP parser also accepts unescaped in a
+/// path, except the ones that change the path's structure (`/`, `\\`, `%`,
+/// `;`). So each decoded byte sequence has exactly one canonical spelling, and
+/// two requests share a key exactly when a decoding backend would see the same
+/// path.
+fn decodes_in_path(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b'='
+                | b':'
+                | b'@'
+                | b'['
+                | b']'
+                | b'^'
+                | b'|'
+                | b'"'
+                | b'{'
+                | b'}'
+        )
+}
+
+/// Splits `path?query`. The HTTP parser has already removed any fragment; a
+/// `#` that survives (it cannot in HTTP/1) is refused.
+fn split_target(target: &str) -> Result<(&str, Option<&str>), KeyError> {
+    if target.contains('#') {
+        return Err(KeyError::Fragment);
+    }
+    Ok(match target.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (target, None),
+    })
+}
+
+/// The default parse: refuses anything ambiguous, decodes escapes of
+/// unreserved characters, upper-cases the hex of the others.
+pub fn canonicalize(target: &str) -> Result<CanonicalPath, KeyError> {
+    let (path, query) = split_target(target)?;
+    if !path.starts_with('/') {
+        return Err(KeyError::NotAPath);
+    }
+    if !path.is_ascii() {
+        return Err(KeyError::NonAscii);
+    }
+    let body = &path[1..];
+    let trailing_slash = body.ends_with('/');
+    let body = if trailing_slash {
+        &body[..body.len() - 1]
+    } else {
+        body
+    };
+    let mut segments = Vec::new();
+    if !body.is_empty() || trailing_slash {
+        for raw in body.split('/') {
+            segments.push(canonical_segment(raw)?);
+        }
+    }
+    if trailing_slash && segments.last().is_some_and(String::is_empty) {
+        // "/" alone is fine; "/a//" is an empty segment.
+        if !(segments.len() == 1 && body.is_empty()) {
+            return Err(KeyError::EmptySegment);
+        }
+        segments.clear();
+    }
+    let key_path = format!("/{}", segments.join("/"));
+    let mut upstream_target = key_path.clone();
+    if trailing_slash && !segments.is_empty() {
+        upstream_target.push('/');
+    }
+    if let Some(q) = query {
+        upstream_target.push('?');
+        upstream_target.push_str(q);
+    }
+    Ok(CanonicalPath {
+        segments,
+        key_path,
+        upstream_target,
+    })
+}
+
+fn canonical_segment(raw: &str) -> Result<String, KeyError> {
+    if raw.is_empty() {
+        return Err(KeyError::EmptySegment);
+    }
+    let bytes = raw.as_bytes();
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        match b {
+            b'%' => {
+                let (hi, lo) = match (bytes.get(i + 1), bytes.get(i + 2)) {
+                    (Some(&h), Some(&l)) => (h, l),
+                    _ => return Err(KeyError::InvalidPercentEncoding),
+                };
+                let value = match (hex_val(hi), hex_val(lo)) {
+                    (Some(h), Some(l)) => h * 16 + l,
+                    _ => return Err(KeyError::InvalidPercentEncoding),
+                };
+                match value {
+                    b'/' | b'\\' => return Err(KeyError::EncodedSeparator),
+                    0x00..=0x1F | 0x7F => return Err(KeyError::ControlCharacter),
+                    b'%' => {
+                        // `%25` followed by two hex digits decodes to another
+                        // escape: a backend that decodes twice sees a
+                        // different path. Refuse it.
+                        if bytes.get(i + 3).copied().and_then(hex_val).is_some()
+                            && bytes.get(i + 4).copied().and_then(hex_val).is_some()
+                        {
+                            return Err(KeyError::EncodedSeparator);
+                        }
+                        out.push_str("%25");
+                    }
+                    v if decodes_in_path(v) => out.push(v as char),
+                    v => {
+                        out.push('%');
+                        out.push(char::from(b"0123456789ABCDEF"[usize::from(v >> 4)]));
+                        out.push(char::from(b"0123456789ABCDEF"[usize::from(v & 15)]));
+                    }
+                }
+                i += 3;
+                continue;
+            }
+            b'\\' => return Err(KeyError::Backslash),
+            b';' => {
+                let before = &out;
+                if before == "." || before == ".." {
+                    return Err(KeyError::DotSegment);
+                }
+                return Err(KeyError::PathParameter);
+            }
+            0x00..=0x1F | 0x7F => return Err(KeyError::ControlCharacter),
+            _ => out.push(b as char),
+        }
+        i += 1;
+    }
+    if out == "." || out == ".." {
+        return Err(KeyError::DotSegment);
+    }
+    Ok(out)
+}
+
+/// The literal parse: the target is kept byte for byte; the key is the fully
+/// percent-decoded path (what S3 calls the object's name).
+pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
+    let (path, _query) = split_target(target)?;
+    if !path.starts_with('/') {
+        return Err(KeyError::NotAPath);
+    }
+    let decode = |s: &str| -> Result<String, KeyError> {
+        let bytes = s.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'%' {
+                let h = bytes.get(i + 1).copied().and_then(hex_val);
+                let l = bytes.get(i + 2).copied().and_then(hex_val);
+                match (h, l) {
+                    (Some(h), Some(l)) => out.push(h * 16 + l),
+                    _ => return Err(KeyError::InvalidPercentEncoding),
+                }
+                i += 3;
+            } else {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+        if out.contains(&0) {
+            return Err(KeyError::ControlCharacter);
+        }
+        String::from_utf8(out).map_err(|_| KeyError::NotUtf8)
+    };
+    let key_path = decode(path)?;
+    let segments = path[1..]
+        .split('/')
+        .map(decode)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(CanonicalPath {
+        segments,
+        key_path,
+        upstream_target: target.to_string(),
+    })
+}
+
+/// Refuses an absolute-form target whose authority is not the Host header.
+pub fn check_authority(uri: &http::Uri, host_header: Option<&str>) -> Result<(), KeyError> {
+    let Some(authority) = uri.authority() else {
+        return Ok(());
+    };
+    match host_header {
+        Some(h) if h.eq_ignore_ascii_case(authority.as_str()) => Ok(()),
+        _ => Err(KeyError::ForeignHost),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(t: &str) -> Result<String, KeyError> {
+        canonicalize(t).map(|c| c.key_path)
+    }
+
+    #[test]
+    fn unreserved_escapes_are_decoded_in_either_case() {
+        assert_eq!(key("/a/%6Fbj"), Ok("/a/obj".into()));
+        assert_eq!(key("/a/%6fbj"), Ok("/a/obj".into()));
+        assert_eq!(key("/a/obj"), Ok("/a/obj".into()));
+        assert_eq!(key("/a/%7e%2D"), Ok("/a/~-".into()));
+        // Characters a path may carry plain are decoded; the others stay
+        // encoded with upper-case hex.
+        assert_eq!(key("/a/b%3ac"), Ok("/a/b:c".into()));
+        assert_eq!(key("/a/b%3Fc%20d%3b"), Ok("/a/b%3Fc%20d%3B".into()));
+        assert_eq!(key("/a/%c3%a9"), Ok("/a/%C3%A9".into()));
+    }
+
+    #[test]
+    fn the_upstream_target_is_the_canonical_path_plus_the_query() {
+        let c = canonicalize("/a/%6Fbj/?x=%2F&y").unwrap();
+        assert_eq!(c.key_path, "/a/obj");
+        assert_eq!(c.upstream_target, "/a/obj/?x=%2F&y");
+        assert_eq!(canonicalize("/").unwrap().upstream_target, "/");
+        assert_eq!(canonicalize("/?q").unwrap().upstream_target, "/?q");
+    }
+
+    #[test]
+    fn ambiguous_paths_are_refused() {
+        use KeyError::*;
+        for (t, e) in [
+            ("/a/./b", DotSegment),
+            ("/a/../b", DotSegment),
+            ("/a/..", DotSegment),
+            ("/a/%2e%2E/b", DotSegment),
+            ("/a/.%2e/b", DotSegment),
+            ("/a/..;/b", DotSegment),
+            ("/a/b;jsessionid=1", PathParameter),
+            ("/a//b", EmptySegment),
+            ("//a", EmptySegment),
+            ("/a//", EmptySegment),
+            ("/a/%2Fb", EncodedSeparator),
+            ("/a/%2fb", EncodedSeparator),
+            ("/a/%5Cb", EncodedSeparator),
+            ("/a/%252Fb", EncodedSeparator),
+            ("/a/%255c", EncodedSeparator),
+            ("/a\\b", Backslash),
+            ("/a/%00", ControlCharacter),
+            ("/a/%0d%0a", ControlCharacter),
+            ("/a/%zz", InvalidPercentEncoding),
+            ("/a/%4", InvalidPercentEncoding),
+            ("/a/%", InvalidPercentEncoding),
+            ("/a/é", NonAscii),
+            ("/a#frag", Fragment),
+            ("a/b", NotAPath),
+            ("*", NotAPath),
+        ] {
+            assert_eq!(key(t), Err(e), "{t}");
+        }
+        // A lone %25 (a literal percent sign) is fine.
+        assert_eq!(key("/a/100%25"), Ok("/a/100%25".into()));
+    }
+
+    #[test]
+    fn trailing_slash_shares_the_key_but_is_forwarded() {
+        let c = canonicalize("/dir/").unwrap();
+        assert_eq!(c.key_path, "/dir");
+        assert_eq!(c.upstream_target, "/dir/");
+    }
+
+    #[test]
+    fn literal_mode_keeps_the_target_and_decodes_the_key() {
+        let c = literal("/bucket/a//b%2Fc/../d?partNumber=1").unwrap();
+        assert_eq!(c.upstream_target, "/bucket/a//b%2Fc/../d?partNumber=1");
+        assert_eq!(c.key_path, "/bucket/a//b/c/../d");
+        assert_eq!(c.segments[0], "bucket");
+        assert_eq!(literal("/b/%6Fbj").unwrap().key_path, "/b/obj");
+        assert_eq!(literal("/b/%zz"), Err(KeyError::InvalidPercentEncoding));
+        assert_eq!(literal("/b/%00"), Err(KeyError::ControlCharacter));
+    }
+
+    #[test]
+    fn templates() {
+        let h = http::HeaderMap::new();
+        let c = canonicalize("/t1/orders/42/items").unwrap();
+        let t = KeyTemplate::parse("/{tenant}/{resource}/{id}").unwrap();
+        assert_eq!(t.key_text(&c, &h), Ok("/t1/orders/42".into()));
+        let bucket = KeyTemplate::parse("/{bucket}").unwrap();
+        assert_eq!(bucket.key_text(&c, &h), Ok("/t1".into()));
+        let lit = KeyTemplate::parse("/{tenant}/orders/{id}").unwrap();
+        assert_eq!(lit.key_text(&c, &h), Ok("/t1/orders/42".into()));
+        let other = KeyTemplate::parse("/{tenant}/users/{id}").unwrap();
+        assert!(other.key_text(&c, &h).is_err());
+        let short = canonicalize("/t1").unwrap();
+        assert!(t.key_text(&short, &h).is_err());
+        let hdr = KeyTemplate::parse("header:x-resource").unwrap();
+        assert!(hdr.key_text(&c, &h).is_err());
+        let mut h2 = http::HeaderMap::new();
+        h2.insert("x-resource", " acct-9 ".parse().unwrap());
+        assert_eq!(hdr.key_text(&c, &h2), Ok("acct-9".into()));
+        assert!(KeyTemplate::parse("bucket").is_err());
+        assert!(KeyTemplate::parse("/{}").is_err());
+        assert!(KeyTemplate::parse("/a//b").is_err());
+        assert_eq!(t.to_string(), "/{tenant}/{resource}/{id}");
+    }
+
+    #[test]
+    fn absolute_form_must_name_the_host() {
+        let uri: http::Uri = "http://evil.example/a".parse().unwrap();
+        assert_eq!(
+            check_authority(&uri, Some("good.example")),
+            Err(KeyError::ForeignHost)
+        );
+        assert_eq!(check_authority(&uri, Some("EVIL.example")), Ok(()));
+        let origin: http::Uri = "/a".parse().unwrap();
+        assert_eq!(check_authority(&origin, Some("x")), Ok(()));
+    }
+
+    fn seg_char() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-zA-Z0-9._~-]".prop_map(|s| s),
+            // Any escape, either hex case.
+            (any::<u8>(), any::<bool>()).prop_map(|(b, lower)| if lower {
+                format!("%{b:02x}")
+            } else {
+                format!("%{b:02X}")
+            }),
+            "[!$&'()*+,=:@]".prop_map(|s| s),
+        ]
+    }
+
+    fn path() -> impl Strategy<Value = String> {
+        proptest::collection::vec(proptest::collection::vec(seg_char(), 1..5), 1..4).prop_map(
+            |segs| {
+                segs.iter()
+                    .map(|s| format!("/{}", s.concat()))
+                    .collect::<String>()
+            },
+        )
+    }
+
+    /// What a decoding backend would see: the path fully percent-decoded.
+    fn decoded(p: &str) -> Vec<u8> {
+        let b = p.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                out.push(hex_val(b[i + 1]).unwrap() * 16 + hex_val(b[i + 2]).unwrap());
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        out
+    }
+
+    proptest! {
+        /// Two accepted paths get the same key if and only if a decoding
+        /// backend would see the same resource.
+        #[test]
+        fn same_key_iff_same_resource(a in path(), b in path()) {
+            if let (Ok(ka), Ok(kb)) = (key(&a), key(&b)) {
+                prop_assert_eq!(ka == kb, decoded(&a) == decoded(&b), "{} vs {}", a, b);
+            }
+        }
+
+        /// Canonicalization is idempotent: the forwarded target parses to the
+        /// same key and the same target again.
+        #[test]
+        fn idempotent(p in path(), q in proptest::option::of("[a-z=&%0-9]{0,8}")) {
+            let target = match &q { Some(q) => format!("{p}?{q}"), None => p.clone() };
+            if let Ok(c) = canonicalize(&target) {
+                let again = canonicalize(&c.upstream_target).unwrap();
+                prop_assert_eq!(&again, &c);
+            }
+        }
+
+        /// Whatever bytes come in, the parse never panics, and an accepted
+        /// path never contains a dot segment, an empty segment or an encoded
+        /// separator in its key.
+        #[test]
+        fn accepted_keys_are_unambiguous(raw in "/[a-zA-Z0-9%./;\\\\~_-]{0,20}") {
+            if let Ok(c) = canonicalize(&raw) {
+                for seg in &c.segments {
+                    prop_assert!(!seg.is_empty() && seg != "." && seg != "..");
+                    let upper = seg.to_ascii_uppercase();
+                    prop_assert!(!upper.contains("%2F") && !upper.contains("%5C") && !seg.contains('\\'));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! fencegate: an HTTP reverse proxy that enforces fencing tokens.
+//!
+//! Writes carry `X-Fence-Token`; the proxy keeps the highest token per
+//! resource key in a durable store, forwards writes that are not stale, and
+//! refuses the rest, so a lock holder that lost its lease cannot overwrite
+//! the work of the next one. `docs/contract.md` is the exact promise.
+//!
+//! Where things live:
+//!
+//! - [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
+//!   validated [`config::Config`] built from it with `TryFrom`.
+//! - [`token`]: the `X-Fence-Token` grammar.
+//! - [`key`]: the one canonical parse of the request target that yields both
+//!   the fence key and the target sent upstream.
+//! - [`fence`]: admission and ordering: stale / equal / raise, waiting behind
+//!   older in-flight writes, crash recovery.
+//! - [`store`]: the [`store::FenceStore`] trait and its engines
+//!   ([`store::embedded`], redb with group commit).
+//! - [`proxy`]: classifying requests, fencing writes, relaying to upstreams.
+//! - [`error`]: the one place where errors become HTTP answers
+//!   (problem+json).
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}`.
+//! - [`metrics`]: the Prometheus registry and metric handles.
+//! - [`server`]: listeners, connection serving, graceful shutdown.
+//!
+//! The binary (`src/main.rs`) only parses flags, sets up logging and signals,
+//! and calls [`server::Server`].
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod config;
+pub mod error;
+pub mod fence;
+pub mod key;
+pub mod metrics;
+pub mod proxy;
+pub mod server;
+pub mod store;
+pub mod token;

@@ -1,0 +1,239 @@
+//! The `fencegate` binary: flags and config, logging, signals.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use fencegate::config::{Config, RawConfig, RawRoute};
+use fencegate::server::Server;
+use tokio_util::sync::CancellationToken;
+
+/// A fencing-token reverse proxy: writes must carry X-Fence-Token, stale
+/// ones are refused before they reach the backend.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Validate a config file (with any flags) and print the effective config.
+    CheckConfig {
+        /// The TOML file to check.
+        file: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug, Default)]
+struct Opts {
+    /// TOML config file (routes and everything else); flags override it.
+    #[arg(long, env = "FENCEGATE_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// Proxy listen address.
+    #[arg(long, env = "FENCEGATE_LISTEN", global = true)]
+    listen: Option<String>,
+    /// Admin listen address (metrics, health, fence API).
+    #[arg(long, env = "FENCEGATE_ADMIN_LISTEN", global = true)]
+    admin_listen: Option<String>,
+    /// Upstream origin for a catch-all route, e.g. http://127.0.0.1:9000.
+    #[arg(long, env = "FENCEGATE_UPSTREAM", global = true)]
+    upstream: Option<String>,
+    /// Fence store: a file path (or redb://PATH).
+    #[arg(long, env = "FENCEGATE_STORE", global = true)]
+    store: Option<String>,
+    /// File holding the bearer token for mutating admin endpoints.
+    #[arg(long, env = "FENCEGATE_ADMIN_TOKEN_FILE", global = true)]
+    admin_token_file: Option<PathBuf>,
+    /// Key template of the --upstream route: path, /{bucket}, header:NAME...
+    #[arg(long, env = "FENCEGATE_KEY", global = true)]
+    key: Option<String>,
+    /// Fence namespace of the --upstream route.
+    #[arg(long, env = "FENCEGATE_NAMESPACE", global = true)]
+    namespace: Option<String>,
+    /// Literal keys on the --upstream route (forward the target byte for byte).
+    #[arg(long, env = "FENCEGATE_LITERAL_KEYS", global = true)]
+    literal_keys: bool,
+    /// Do not forward X-Fence-Token upstream (--upstream route).
+    #[arg(long, env = "FENCEGATE_STRIP_TOKEN", global = true)]
+    strip_token: bool,
+    /// Upstream response timeout (every route), e.g. 60s.
+    #[arg(long, env = "FENCEGATE_UPSTREAM_TIMEOUT", global = true)]
+    upstream_timeout: Option<String>,
+    /// Upstream connect timeout (every route), e.g. 5s.
+    #[arg(long, env = "FENCEGATE_CONNECT_TIMEOUT", global = true)]
+    connect_timeout: Option<String>,
+    /// Time allowed to send a request head (and idle keep-alive time).
+    #[arg(long, env = "FENCEGATE_HEADER_READ_TIMEOUT", global = true)]
+    header_read_timeout: Option<String>,
+    /// Longest pause between request body chunks.
+    #[arg(long, env = "FENCEGATE_BODY_READ_TIMEOUT", global = true)]
+    body_read_timeout: Option<String>,
+    /// Largest request head, bytes (431 above).
+    #[arg(long, env = "FENCEGATE_MAX_HEADER_BYTES", global = true)]
+    max_header_bytes: Option<u64>,
+    /// Largest request body, bytes (413 above); no limit by default.
+    #[arg(long, env = "FENCEGATE_MAX_BODY_BYTES", global = true)]
+    max_body_bytes: Option<u64>,
+    /// Time allowed to drain in-flight requests on SIGTERM/SIGINT.
+    #[arg(long, env = "FENCEGATE_SHUTDOWN_GRACE", global = true)]
+    shutdown_grace: Option<String>,
+    /// How many highest tokens to keep in memory.
+    #[arg(long, env = "FENCEGATE_HIGHEST_CACHE_ENTRIES", global = true)]
+    highest_cache_entries: Option<u64>,
+    /// Log format.
+    #[arg(long, env = "FENCEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, Default)]
+enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Merges flags over the file (or over nothing, for the quick start).
+fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> {
+    let mut raw = match file {
+        Some(p) => RawConfig::from_file(p)?,
+        None => RawConfig::default(),
+    };
+    let set = |dst: &mut Option<String>, src: &Option<String>| {
+        if src.is_some() {
+            dst.clone_from(src);
+        }
+    };
+    set(&mut raw.listen, &opts.listen);
+    set(&mut raw.admin_listen, &opts.admin_listen);
+    set(&mut raw.store, &opts.store);
+    set(&mut raw.shutdown_grace, &opts.shutdown_grace);
+    set(
+        &mut raw.limits.header_read_timeout,
+        &opts.header_read_timeout,
+    );
+    set(&mut raw.limits.body_read_timeout, &opts.body_read_timeout);
+    if opts.admin_token_file.is_some() {
+        raw.admin_token_file.clone_from(&opts.admin_token_file);
+    }
+    if opts.max_header_bytes.is_some() {
+        raw.limits.max_header_bytes = opts.max_header_bytes;
+    }
+    if opts.max_body_bytes.is_some() {
+        raw.limits.max_body_bytes = opts.max_body_bytes;
+    }
+    if opts.highest_cache_entries.is_some() {
+        raw.highest_cache_entries = opts.highest_cache_entries;
+    }
+    if let Some(upstream) = &opts.upstream {
+        if !raw.routes.is_empty() {
+            anyhow::bail!("invalid `upstream`: the config file defines routes; give routes there or --upstream, not both");
+        }
+        raw.routes.push(RawRoute {
+            name: Some("default".into()),
+            upstream: Some(upstream.clone()),
+            ..RawRoute::default()
+        });
+        let r = &mut raw.routes[0];
+        r.key.clone_from(&opts.key);
+        r.namespace.clone_from(&opts.namespace);
+        r.literal_keys = opts.literal_keys.then_some(true);
+        r.strip_token = opts.strip_token.then_some(true);
+    } else if opts.key.is_some()
+        || opts.namespace.is_some()
+        || opts.literal_keys
+        || opts.strip_token
+    {
+        anyhow::bail!("--key, --namespace, --literal-keys and --strip-token configure the --upstream route; set them per route in the config file");
+    }
+    for r in &mut raw.routes {
+        set(&mut r.upstream_timeout, &opts.upstream_timeout);
+        set(&mut r.connect_timeout, &opts.connect_timeout);
+    }
+    Ok(raw)
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(config: Config) -> anyhow::Result<bool> {
+    let shutdown = CancellationToken::new();
+    let server = Server::start(config, shutdown.clone()).await?;
+    // One machine-readable line on stdout with the bound addresses (useful
+    // with port 0); logs go to stderr.
+    println!(
+        "listening proxy={} admin={}",
+        server.proxy_addr, server.admin_addr
+    );
+    let signals = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM received"),
+                _ = int.recv() => tracing::info!("SIGINT received"),
+            }
+            shutdown.cancel();
+        })
+    };
+    let clean = server.wait().await;
+    signals.abort();
+    Ok(clean)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.opts.log_format);
+    let file = match &cli.command {
+        Some(Command::CheckConfig { file }) => Some(file),
+        None => cli.opts.config.as_ref(),
+    };
+    let config = match raw_config(&cli.opts, file)
+        .and_then(|raw| Config::try_from(raw).map_err(anyhow::Error::from))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("fencegate: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(Command::CheckConfig { .. }) = cli.command {
+        print!("{}", config.to_toml());
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("fencegate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config)).context("fencegate") {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(3),
+        Err(e) => {
+            eprintln!("fencegate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Prometheus metrics. One [`Registry`] is created at start, the metric
+//! handles live in [`Metrics`] and are passed to whoever records.
+
+use prometheus::{
+    exponential_buckets, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+/// Every metric fencegate exports (all prefixed `fencegate_`).
+pub struct Metrics {
+    pub registry: Registry,
+    /// Write decisions by route: admitted, stale, missing_token,
+    /// malformed_token, bad_key, recovering, store_error.
+    pub writes: IntCounterVec,
+    /// Requests answered, by route, class (read/write) and status code.
+    pub requests: IntCounterVec,
+    /// Reads that carried an X-Fence-Token (ignored), by route.
+    pub read_tokens_ignored: IntCounterVec,
+    /// Store operation failures, by route.
+    pub store_errors: IntCounterVec,
+    /// Time a write spent in admission (store round trip and waiting behind
+    /// older in-flight writes), by route.
+    pub admission_wait: HistogramVec,
+    /// Writes that waited their full limit and went ahead, by route.
+    pub admission_waited_out: IntCounterVec,
+    /// Store operation latency, by operation.
+    pub store_latency: HistogramVec,
+    /// Upstream response-head latency, by route.
+    pub upstream_latency: HistogramVec,
+    /// Upstream failures by route and kind (connect, timeout, other).
+    pub upstream_errors: IntCounterVec,
+    /// Requests currently being proxied, by route.
+    pub in_flight: IntGaugeVec,
+    /// 1 while the store answers, 0 while it does not.
+    pub store_up: IntGauge,
+    /// 1 while in the crash-recovery window after an unclean stop.
+    pub recovering: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("metric");
+            registry.register(Box::new(c.clone())).expect("register");
+            c
+        };
+        let histogram = |name: &str, help: &str, labels: &[&str], start: f64| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help)
+                    .buckets(exponential_buckets(start, 2.0, 18).expect("buckets")),
+                labels,
+            )
+            .expect("metric");
+            registry.register(Box::new(h.clone())).expect("register");
+            h
+        };
+        let writes = counter(
+            "fencegate_writes_total",
+            "Write requests by fencing decision.",
+            &["route", "decision"],
+        );
+        let requests = counter(
+            "fencegate_requests_total",
+            "Requests answered, by request class and status code.",
+            &["route", "class", "status"],
+        );
+        let read_tokens_ignored = counter(
+            "fencegate_read_tokens_ignored_total",
+            "Reads that carried an X-Fence-Token, which is ignored on reads.",
+            &["route"],
+        );
+        let store_errors = counter(
+            "fencegate_store_errors_total",
+            "Writes refused because the fence store could not answer or persist.",
+            &["route"],
+        );
+        let admission_wait = histogram(
+            "fencegate_admission_wait_seconds",
+            "Time a write spent being admitted: store round trip and waiting behind older in-flight writes.",
+            &["route"],
+            0.000_05,
+        );
+        let admission_waited_out = counter(
+            "fencegate_admission_waited_out_total",
+            "Writes that waited their full limit behind an older in-flight write and went ahead.",
+            &["route"],
+        );
+        let store_latency = histogram(
+            "fencegate_store_latency_seconds",
+            "Fence store operation latency.",
+            &["op"],
+            0.000_01,
+        );
+        let upstream_latency = histogram(
+            "fencegate_upstream_latency_seconds",
+            "Time from forwarding a request to the upstream response head.",
+            &["route"],
+            0.000_1,
+        );
+        let upstream_errors = counter(
+            "fencegate_upstream_errors_total",
+            "Requests that failed upstream, by kind (connect, timeout, other).",
+            &["route", "kind"],
+        );
+        let in_flight = IntGaugeVec::new(
+            Opts::new(
+                "fencegate_in_flight_requests",
+                "Requests being proxied now.",
+            ),
+            &["route"],
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(in_flight.clone()))
+            .expect("register");
+        let store_up = IntGauge::new("fencegate_store_up", "1 while the fence store answers.")
+            .expect("metric");
+        registry
+            .register(Box::new(store_up.clone()))
+            .expect("register");
+        let recovering = IntGauge::new(
+            "fencegate_recovering",
+            "1 while writes wait out the crash-recovery window after an unclean stop.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(recovering.clone()))
+            .expect("register");
+        store_up.set(1);
+        Self {
+            registry,
+            writes,
+            requests,
+            read_tokens_ignored,
+            store_errors,
+            admission_wait,
+            admission_waited_out,
+            store_latency,
+            upstream_latency,
+            upstream_errors,
+            in_flight,
+            store_up,
+            recovering,
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        use prometheus::Encoder;
+        let mut out = Vec::new();
+        let encoder = prometheus::TextEncoder::new();
+        if encoder.encode(&self.registry.gather(), &mut out).is_err() {
+            return String::new();
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A [`FenceStore`](crate::store::FenceStore) decorator that records each
+/// operation's latency in `fencegate_store_latency_seconds`.
+pub struct InstrumentedStore {
+    inner: std::sync::Arc<dyn crate::store::FenceStore>,
+    metrics: std::sync::Arc<Metrics>,
+}
+
+impl InstrumentedStore {
+    pub fn new(
+        inner: std::sync::Arc<dyn crate::store::FenceStore>,
+        metrics: std::sync::Arc<Metrics>,
+    ) -> Self {
+        Self { inner, metrics }
+    }
+
+    fn observe(&self, op: &str, started: std::time::Instant) {
+        self.metrics
+            .store_latency
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::store::FenceStore for InstrumentedStore {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn exclusive(&self) -> bool {
+        self.inner.exclusive()
+    }
+    fn start_state(&self) -> crate::store::StartState {
+        self.inner.start_state()
+    }
+    async fn highest(&self, key: &str) -> Result<Option<u64>, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.highest(key).await;
+        self.observe("highest", t);
+        r
+    }
+    async fn advance(
+        &self,
+        key: &str,
+        token: u64,
+    ) -> Result<crate::store::Advance, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.advance(key, token).await;
+        self.observe("advance", t);
+        r
+    }
+    async fn acquire_lease(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: std::time::Duration,
+    ) -> Result<crate::store::LeaseOutcome, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.acquire_lease(key, token, ttl).await;
+        self.observe("acquire_lease", t);
+        r
+    }
+    async fn release_lease(
+        &self,
+        key: &str,
+        lease: crate::store::WriteLease,
+    ) -> Result<(), crate::store::StoreError> {
+        self.inner.release_lease(key, lease).await
+    }
+    async fn ping(&self) -> Result<(), crate::store::StoreError> {
+        self.inner.ping().await
+    }
+    async fn close_clean(&self) -> Result<(), crate::store::StoreError> {
+        self.inner.close_clean().await
+    }
+}

@@ -1,0 +1,214 @@
+//! Listeners, connection serving and graceful shutdown.
+//!
+//! [`Server::start`] opens the store, binds both listeners and spawns their
+//! accept loops; [`Server::wait`] runs until the cancellation token fires,
+//! then stops accepting, drains in-flight requests within the grace period
+//! and, only if the drain completed, records a clean stop in the store.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::Admin;
+use crate::config::{Config, StoreConfig};
+use crate::error::ProxyBody;
+use crate::fence::Fence;
+use crate::metrics::{InstrumentedStore, Metrics};
+use crate::proxy::Proxy;
+use crate::store::embedded::{EmbeddedStore, OpenError};
+use crate::store::{FenceStore, StartState};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Store(#[from] OpenError),
+    #[error("cannot listen on {addr} (`{field}`): {reason}")]
+    Bind {
+        field: &'static str,
+        addr: SocketAddr,
+        reason: String,
+    },
+}
+
+/// A running fencegate.
+pub struct Server {
+    pub proxy_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    fence: Arc<Fence>,
+    shutdown: CancellationToken,
+    draining: CancellationToken,
+    proxy_task: JoinHandle<bool>,
+    admin_task: JoinHandle<bool>,
+    grace: Duration,
+}
+
+async fn bind(field: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| ServerError::Bind {
+            field,
+            addr,
+            reason: e.to_string(),
+        })
+}
+
+impl Server {
+    /// Opens the store and binds the listeners. `shutdown` stops the server.
+    pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Self, ServerError> {
+        let metrics = Arc::new(Metrics::new());
+        let store: Arc<dyn FenceStore> = match &config.store {
+            StoreConfig::Embedded { path, cache_bytes } => {
+                let (path, cache) = (path.clone(), *cache_bytes);
+                let opened = tokio::task::spawn_blocking(move || EmbeddedStore::open(&path, cache))
+                    .await
+                    .expect("store open task")?;
+                Arc::new(opened)
+            }
+        };
+        if store.start_state() == StartState::Unclean {
+            tracing::warn!(
+                window = ?config.max_upstream_timeout(),
+                "the last run did not stop cleanly: writes are refused (503) until writes forwarded before the crash can no longer be in flight"
+            );
+        }
+        let store: Arc<dyn FenceStore> = Arc::new(InstrumentedStore::new(store, metrics.clone()));
+        let fence = Fence::new(
+            store,
+            config.highest_cache_entries,
+            config.max_upstream_timeout(),
+        );
+        let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone()));
+        let draining = CancellationToken::new();
+        let admin = Arc::new(Admin {
+            fence: fence.clone(),
+            metrics: metrics.clone(),
+            admin_token: config.admin_token.clone(),
+            draining: draining.clone(),
+        });
+
+        let proxy_listener = bind("listen", config.listen).await?;
+        let admin_listener = bind("admin_listen", config.admin_listen).await?;
+        let proxy_addr = proxy_listener.local_addr().expect("bound address");
+        let admin_addr = admin_listener.local_addr().expect("bound address");
+
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new())
+            .header_read_timeout(config.limits.header_read_timeout)
+            .max_buf_size(config.limits.max_header_bytes.max(8192) + 8192)
+            .max_header_size(config.limits.max_header_bytes)
+            .keep_alive(true);
+        let grace = config.shutdown_grace;
+        let proxy_task = tokio::spawn(accept_loop(
+            proxy_listener,
+            h1.clone(),
+            draining.clone(),
+            grace,
+            move |req| proxy.clone().handle(req),
+        ));
+        let admin_task = tokio::spawn(accept_loop(
+            admin_listener,
+            h1,
+            draining.clone(),
+            grace,
+            move |req| admin.clone().handle(req),
+        ));
+        tracing::info!(%proxy_addr, %admin_addr, routes = config.routes.len(), "fencegate started");
+        Ok(Self {
+            proxy_addr,
+            admin_addr,
+            fence,
+            shutdown,
+            draining,
+            proxy_task,
+            admin_task,
+            grace,
+        })
+    }
+
+    /// Runs until the shutdown token is cancelled, then drains and closes.
+    /// Returns whether the stop was clean (drained and recorded).
+    pub async fn wait(self) -> bool {
+        self.shutdown.cancelled().await;
+        tracing::info!(grace = ?self.grace, "shutting down: draining in-flight requests");
+        self.draining.cancel();
+        let proxy_drained = self.proxy_task.await.unwrap_or(false);
+        let _ = self.admin_task.await;
+        if !proxy_drained {
+            tracing::warn!(
+                "grace period over with requests still in flight: not marking a clean stop"
+            );
+            return false;
+        }
+        match self.fence.store().close_clean().await {
+            Ok(()) => {
+                tracing::info!("drained; clean stop recorded");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not record a clean stop");
+                false
+            }
+        }
+    }
+}
+
+/// Accepts connections until `stop` fires; then drains them within `grace`.
+/// Returns whether every connection finished in time.
+async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    h1: http1::Builder,
+    stop: CancellationToken,
+    grace: Duration,
+    handler: F,
+) -> bool
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<http::Response<ProxyBody>, std::convert::Infallible>>
+        + Send
+        + 'static,
+{
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            accepted = listener.accept() => {
+                let (stream, _peer) = match accepted {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off
+                        // instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let handler = handler.clone();
+                let conn = h1.serve_connection(TokioIo::new(stream), service_fn(handler));
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => true,
+        _ = tokio::time::sleep(grace) => false,
+    }
+}

@@ -1,0 +1,359 @@
+//! The default store: a redb file on local disk, with group commit.
+//!
+//! Every operation goes to one writer thread. It takes everything queued,
+//! applies it in a single write transaction and commits once, so concurrent
+//! advances on many keys share one fsync. A batch that raised nothing is
+//! aborted: steady tokens cost no disk write. The file is locked by redb
+//! against a second process; a `meta` table carries our format version and a
+//! clean-stop flag used for crash recovery.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use async_trait::async_trait;
+use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
+use tokio::sync::oneshot;
+
+use super::{Advance, FenceStore, StartState, StoreError};
+
+const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const FORMAT_VERSION_KEY: &str = "format_version";
+const CLEAN_KEY: &str = "clean_stop";
+/// Bumped when the on-disk layout changes; a file from a newer version is
+/// refused rather than misread.
+pub const FORMAT_VERSION: u64 = 1;
+/// Upper bound on operations per transaction, so one batch's latency stays
+/// bounded under a flood.
+const MAX_BATCH: usize = 8192;
+
+/// Why the embedded store could not be opened. These stop the start.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("store file {0} is in use by another process (is another fencegate running?)")]
+    Locked(PathBuf),
+    #[error("store file {path} is corrupt or not a fencegate store: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("store file {path} has format version {found}; this fencegate reads version {FORMAT_VERSION} (upgrade fencegate)")]
+    UnknownVersion { path: PathBuf, found: u64 },
+    #[error("cannot open store file {path}: {reason}")]
+    Io { path: PathBuf, reason: String },
+}
+
+enum Op {
+    Advance {
+        key: String,
+        token: u64,
+        reply: oneshot::Sender<Result<Advance, StoreError>>,
+    },
+    Get {
+        key: String,
+        reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
+    },
+    Ping {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+    CloseClean {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+}
+
+/// The redb-backed [`FenceStore`].
+pub struct EmbeddedStore {
+    ops: mpsc::Sender<Op>,
+    start: StartState,
+    healthy: Arc<AtomicBool>,
+    writer: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
+    let p = path.to_path_buf();
+    // redb's debug builds assert on some corruptions instead of returning an
+    // error; catch that so a corrupt file is always a clear refusal.
+    let opened =
+        std::panic::catch_unwind(|| Database::builder().set_cache_size(cache_bytes).create(&p));
+    match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(DatabaseError::DatabaseAlreadyOpen)) => Err(OpenError::Locked(p)),
+        Ok(Err(DatabaseError::Storage(redb::StorageError::Io(e)))) => Err(OpenError::Io {
+            path: p,
+            reason: e.to_string(),
+        }),
+        Ok(Err(e)) => Err(OpenError::Corrupt {
+            path: p,
+            reason: e.to_string(),
+        }),
+        Err(_) => Err(OpenError::Corrupt {
+            path: p,
+            reason: "the storage engine rejected the file".into(),
+        }),
+    }
+}
+
+/// Reads the format version and clean flag, then marks the store as in use
+/// (durably) so that a crash from here on is detected at the next start.
+fn init_meta(db: &Database, path: &Path) -> Result<StartState, OpenError> {
+    let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let txn = db.begin_write().map_err(|e| corrupt(&e))?;
+    let start;
+    {
+        let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
+        let version = meta
+            .get(FORMAT_VERSION_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value());
+        start = match version {
+            Some(v) if v != FORMAT_VERSION => {
+                return Err(OpenError::UnknownVersion {
+                    path: path.to_path_buf(),
+                    found: v,
+                })
+            }
+            Some(_) => match meta.get(CLEAN_KEY).map_err(|e| corrupt(&e))? {
+                Some(v) if v.value() == 1 => StartState::Clean,
+                _ => StartState::Unclean,
+            },
+            // A new file: nothing can be in flight.
+            None => StartState::Clean,
+        };
+        meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
+            .map_err(|e| corrupt(&e))?;
+        meta.insert(CLEAN_KEY, 0).map_err(|e| corrupt(&e))?;
+    }
+    txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
+    txn.commit().map_err(|e| OpenError::Io {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok(start)
+}
+
+impl EmbeddedStore {
+    /// Opens (or creates) the store file. `cache_bytes` bounds redb's page
+    /// cache. Refuses a file locked by another process, a corrupt file, or a
+    /// file of an unknown format version.
+    pub fn open(path: &Path, cache_bytes: usize) -> Result<Self, OpenError> {
+        let db = open_db(path, cache_bytes)?;
+        let start = init_meta(&db, path)?;
+        let (tx, rx) = mpsc::channel();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let worker = Writer {
+            db: Some(db),
+            path: path.to_path_buf(),
+            cache_bytes,
+            healthy: healthy.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name("fencegate-store".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| OpenError::Io {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            ops: tx,
+            start,
+            healthy,
+            writer: std::sync::Mutex::new(Some(handle)),
+        })
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.ops.send(make(tx)).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
+impl Drop for EmbeddedStore {
+    fn drop(&mut self) {
+        // Closing the channel ends the writer loop; wait so the file lock is
+        // released before a reopen in the same process.
+        let (dead_tx, _) = mpsc::channel();
+        self.ops = dead_tx;
+        if let Some(h) = self.writer.lock().ok().and_then(|mut g| g.take()) {
+            let _ = h.join();
+        }
+    }
+}
+
+#[async_trait]
+impl FenceStore for EmbeddedStore {
+    fn kind(&self) -> &'static str {
+        "embedded"
+    }
+
+    fn exclusive(&self) -> bool {
+        true
+    }
+
+    fn start_state(&self) -> StartState {
+        self.start
+    }
+
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Get { key, reply }).await
+    }
+
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Advance { key, token, reply }).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        if self.healthy.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.call(|reply| Op::Ping { reply }).await
+    }
+
+    async fn close_clean(&self) -> Result<(), StoreError> {
+        self.call(|reply| Op::CloseClean { reply }).await
+    }
+}
+
+struct Writer {
+    /// `None` after a failed commit until a reopen succeeds.
+    db: Option<Database>,
+    path: PathBuf,
+    cache_bytes: usize,
+    healthy: Arc<AtomicBool>,
+}
+
+impl Writer {
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
+        let mut batch = Vec::new();
+        while let Ok(first) = rx.recv() {
+            batch.push(first);
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            self.apply(&mut batch);
+        }
+    }
+
+    fn fail(&self, e: impl std::fmt::Display) -> StoreError {
+        self.healthy.store(false, Ordering::Release);
+        StoreError::Unavailable(e.to_string())
+    }
+
+    /// After an I/O failure redb refuses further work on the handle; reopen
+    /// the file so the store heals when the disk does.
+    fn db(&mut self) -> Result<&Database, StoreError> {
+        if self.db.is_none() {
+            let db = open_db(&self.path, self.cache_bytes).map_err(|e| self.fail(e))?;
+            self.db = Some(db);
+        }
+        Ok(self.db.as_ref().expect("just set"))
+    }
+
+    fn apply(&mut self, batch: &mut Vec<Op>) {
+        match self.try_apply(batch) {
+            Ok(replies) => {
+                for r in replies {
+                    r();
+                }
+                // A probe in the batch may have proven the disk writable.
+            }
+            Err(e) => {
+                self.db = None;
+                for op in batch.drain(..) {
+                    match op {
+                        Op::Advance { reply, .. } => drop(reply.send(Err(e.clone()))),
+                        Op::Get { reply, .. } => drop(reply.send(Err(e.clone()))),
+                        Op::Ping { reply } => drop(reply.send(Err(e.clone()))),
+                        Op::CloseClean { reply } => drop(reply.send(Err(e.clone()))),
+                    }
+                }
+            }
+        }
+        batch.clear();
+    }
+
+    /// Applies a batch in one transaction; returns the replies to send once
+    /// the commit is durable (nothing is acknowledged before the fsync).
+    fn try_apply(&mut self, batch: &mut Vec<Op>) -> Result<Vec<Box<dyn FnOnce()>>, StoreError> {
+        let needs_write = batch
+            .iter()
+            .any(|op| matches!(op, Op::Ping { .. } | Op::CloseClean { .. }))
+            || !self.healthy.load(Ordering::Acquire);
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(|e| self.fail(e))?;
+        let mut replies: Vec<Box<dyn FnOnce()>> = Vec::with_capacity(batch.len());
+        let mut raised = false;
+        {
+            let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
+            let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
+            for op in batch.drain(..) {
+                match op {
+                    Op::Advance { key, token, reply } => {
+                        let current = table
+                            .get(key.as_str())
+                            .map_err(|e| self.fail(e))?
+                            .map(|v| v.value());
+                        let result = match current {
+                            Some(h) if h > token => Advance::Stale { highest: h },
+                            Some(h) if h == token => Advance::Equal,
+                            previous => {
+                                table
+                                    .insert(key.as_str(), token)
+                                    .map_err(|e| self.fail(e))?;
+                                if !raised {
+                                    // A write after a clean-stop mark (should
+                                    // not happen after a drain) re-arms crash
+                                    // detection.
+                                    meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
+                                }
+                                raised = true;
+                                Advance::Raised { previous }
+                            }
+                        };
+                        replies.push(Box::new(move || drop(reply.send(Ok(result)))));
+                    }
+                    Op::Get { key, reply } => {
+                        let v = table
+                            .get(key.as_str())
+                            .map_err(|e| self.fail(e))?
+                            .map(|v| v.value());
+                        replies.push(Box::new(move || drop(reply.send(Ok(v)))));
+                    }
+                    Op::Ping { reply } => {
+                        replies.push(Box::new(move || drop(reply.send(Ok(())))));
+                    }
+                    Op::CloseClean { reply } => {
+                        meta.insert(CLEAN_KEY, 1).map_err(|e| self.fail(e))?;
+                        replies.push(Box::new(move || drop(reply.send(Ok(())))));
+                    }
+                }
+            }
+            if needs_write && !raised {
+                // A probe write: proves the disk takes writes again.
+                let n = meta
+                    .get("probe")
+                    .map_err(|e| self.fail(e))?
+                    .map_or(0, |v| v.value());
+                meta.insert("probe", n.wrapping_add(1))
+                    .map_err(|e| self.fail(e))?;
+            }
+        }
+        if raised || needs_write {
+            txn.commit().map_err(|e| self.fail(e))?;
+            self.healthy.store(true, Ordering::Release);
+        } else {
+            txn.abort().map_err(|e| self.fail(e))?;
+        }
+        Ok(replies)
+    }
+}

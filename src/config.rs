@@ -601,7 +601,8 @@ mod tests {
 
     #[test]
     fn bad_values_name_their_field() {
-        let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
+        type Mutation = fn(&mut RawConfig);
+        let cases: Vec<(Mutation, &str)> = vec![
             (
                 |r| r.routes[0].upstream = Some("127.0.0.1:9000".into()),
                 "routes[0].upstream",

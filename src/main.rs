@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use fencegate::config::{Config, RawConfig, RawRoute};
 use fencegate::server::Server;
@@ -228,7 +227,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config)).context("fencegate") {
+    match runtime.block_on(run(config)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(3),
         Err(e) => {

@@ -204,7 +204,7 @@ impl Proxy {
         let host = req
             .uri()
             .host()
-            .or_else(|| host_header.map(|h| strip_port(h)))
+            .or_else(|| host_header.map(strip_port))
             .map(str::to_ascii_lowercase);
         let target = req
             .uri()

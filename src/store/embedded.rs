@@ -77,10 +77,14 @@ fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
     match opened {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(DatabaseError::DatabaseAlreadyOpen)) => Err(OpenError::Locked(p)),
-        Ok(Err(DatabaseError::Storage(redb::StorageError::Io(e)))) => Err(OpenError::Io {
-            path: p,
-            reason: e.to_string(),
-        }),
+        Ok(Err(DatabaseError::Storage(redb::StorageError::Io(e))))
+            if e.kind() != std::io::ErrorKind::InvalidData =>
+        {
+            Err(OpenError::Io {
+                path: p,
+                reason: e.to_string(),
+            })
+        }
         Ok(Err(e)) => Err(OpenError::Corrupt {
             path: p,
             reason: e.to_string(),

@@ -1,0 +1,475 @@
+//! Test fixtures: a recording upstream, the real fencegate binary, a client.
+//!
+//! Every server binds `127.0.0.1:0`; nothing leaves loopback.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type Body = BoxBody<Bytes, BoxError>;
+
+/// FNV-1a, enough to check that a streamed body arrived intact.
+pub fn fnv1a(state: u64, data: &[u8]) -> u64 {
+    let mut h = state;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+pub const FNV_START: u64 = 0xcbf29ce484222325;
+
+/// Request heads that arrived: target, token, when.
+type Arrivals = Arc<Mutex<Vec<(String, Option<String>, Instant)>>>;
+
+/// One request as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub method: String,
+    pub target: String,
+    pub token: Option<String>,
+    pub headers: HeaderMap,
+    pub body_len: u64,
+    pub body_hash: u64,
+    /// When the request head arrived.
+    pub arrived: Instant,
+    /// When the upstream finished "applying" it (after any delay).
+    pub completed: Instant,
+}
+
+/// A real HTTP server that records what reaches it. A request may carry
+/// `x-test-delay-ms` (answer after that long) and `x-test-status` (answer
+/// with that status).
+pub struct Upstream {
+    pub addr: SocketAddr,
+    records: Arc<Mutex<Vec<Record>>>,
+    /// Requests whose head arrived (even if not completed yet).
+    arrivals: Arrivals,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    pub fn records(&self) -> Vec<Record> {
+        self.records.lock().unwrap().clone()
+    }
+    pub fn arrivals(&self) -> usize {
+        self.arrivals.lock().unwrap().len()
+    }
+    pub fn count(&self) -> usize {
+        self.records.lock().unwrap().len()
+    }
+    pub fn clear(&self) {
+        self.records.lock().unwrap().clear();
+        self.arrivals.lock().unwrap().clear();
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn upstream_handle(
+    req: Request<Incoming>,
+    records: Arc<Mutex<Vec<Record>>>,
+    arrivals: Arrivals,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    let arrived = Instant::now();
+    let (parts, mut body) = req.into_parts();
+    let token = parts
+        .headers
+        .get("x-fence-token")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/".into(), |p| p.to_string());
+    arrivals
+        .lock()
+        .unwrap()
+        .push((target.clone(), token.clone(), arrived));
+    let mut len = 0u64;
+    let mut hash = FNV_START;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Some(d) = f.data_ref() {
+                    len += d.len() as u64;
+                    hash = fnv1a(hash, d);
+                }
+            }
+            Err(_) => {
+                // A body cut short is never applied.
+                return Ok(Response::new(Full::new(Bytes::new())));
+            }
+        }
+    }
+    let header = |name: &str| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    if let Some(ms) = header("x-test-delay-ms").and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let status = header("x-test-status")
+        .and_then(|v| v.parse::<u16>().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::OK);
+    records.lock().unwrap().push(Record {
+        method: parts.method.to_string(),
+        target,
+        token,
+        headers: parts.headers.clone(),
+        body_len: len,
+        body_hash: hash,
+        arrived,
+        completed: Instant::now(),
+    });
+    let mut resp = Response::new(Full::new(Bytes::from(format!(
+        "applied {} {} len={len}",
+        parts.method,
+        parts.uri.path()
+    ))));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert("x-upstream", "recording".parse().unwrap());
+    resp.headers_mut()
+        .insert("x-body-hash", hash.to_string().parse().unwrap());
+    Ok(resp)
+}
+
+/// Starts the recording upstream on a free loopback port.
+pub async fn start_upstream() -> Upstream {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let (r, a) = (records.clone(), arrivals.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let (r, a) = (r.clone(), a.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    upstream_handle(req, r.clone(), a.clone())
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Upstream {
+        addr,
+        records,
+        arrivals,
+        task,
+    }
+}
+
+/// A fencegate process started from the real binary.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub child: Child,
+    pub store: PathBuf,
+    args: Vec<String>,
+    stderr_log: PathBuf,
+}
+
+/// Builder for a fencegate process: the quick-start flags plus extras.
+pub struct ProxyBuilder {
+    upstream: Option<String>,
+    store: PathBuf,
+    args: Vec<String>,
+}
+
+impl ProxyBuilder {
+    pub fn new(upstream: &str, dir: &Path) -> Self {
+        Self {
+            upstream: Some(upstream.to_string()),
+            store: dir.join("fences.redb"),
+            args: Vec::new(),
+        }
+    }
+    /// Routes from a config file instead of `--upstream`.
+    pub fn with_config(config: &Path, dir: &Path) -> Self {
+        Self {
+            upstream: None,
+            store: dir.join("fences.redb"),
+            args: vec!["--config".into(), config.display().to_string()],
+        }
+    }
+    pub fn store(mut self, path: &Path) -> Self {
+        self.store = path.to_path_buf();
+        self
+    }
+    pub fn arg(mut self, a: &str) -> Self {
+        self.args.push(a.to_string());
+        self
+    }
+    pub fn args(mut self, a: &[&str]) -> Self {
+        self.args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+    pub fn spawn(self) -> Proxy {
+        let mut args = vec![
+            "--listen".to_string(),
+            "127.0.0.1:0".into(),
+            "--admin-listen".into(),
+            "127.0.0.1:0".into(),
+            "--store".into(),
+            self.store.display().to_string(),
+        ];
+        if let Some(u) = &self.upstream {
+            args.push("--upstream".into());
+            args.push(u.clone());
+        }
+        args.extend(self.args);
+        Proxy::spawn_with(args, self.store)
+    }
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_fencegate")
+}
+
+impl Proxy {
+    fn spawn_with(args: Vec<String>, store: PathBuf) -> Proxy {
+        let stderr_log = store.with_extension(format!(
+            "stderr.{}.log",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        let mut child = Command::new(bin())
+            .args(&args)
+            .env("FENCEGATE_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).unwrap())
+            .spawn()
+            .expect("start fencegate");
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        let fields: HashMap<&str, &str> = line
+            .split_whitespace()
+            .filter_map(|f| f.split_once('='))
+            .collect();
+        let (Some(p), Some(a)) = (fields.get("proxy"), fields.get("admin")) else {
+            let _ = child.wait();
+            panic!(
+                "fencegate did not start: stdout {line:?}, stderr: {}",
+                std::fs::read_to_string(&stderr_log).unwrap_or_default()
+            );
+        };
+        Proxy {
+            addr: p.parse().unwrap(),
+            admin: a.parse().unwrap(),
+            child,
+            store,
+            args,
+            stderr_log,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    /// `kill -9`: no drain, no clean-stop mark.
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn sigterm(&mut self) -> std::process::ExitStatus {
+        signal(self.child.id(), "TERM");
+        self.child.wait().unwrap()
+    }
+
+    /// Starts the same command again (same store, new ports).
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let again = Proxy::spawn_with(self.args.clone(), self.store.clone());
+        *self = again;
+    }
+
+    /// Peak resident set size of the process, bytes.
+    pub fn peak_rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .unwrap()
+            * 1024
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends a signal with kill(1), so the tests need no unsafe code either.
+pub fn signal(pid: u32, name: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -{name} {pid} failed");
+}
+
+/// A plain HTTP/1.1 client (no retries).
+pub fn client() -> Client<HttpConnector, Body> {
+    Client::builder(TokioExecutor::new())
+        .retry_canceled_requests(false)
+        .build(HttpConnector::new())
+}
+
+/// What a test looks at in an answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|_| panic!("not JSON: {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|e| match e {}).boxed()
+}
+
+/// Sends one request and reads the whole answer.
+pub async fn send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Answer {
+    send_body(method, url, headers, full(body)).await
+}
+
+pub async fn send_body(method: &str, url: &str, headers: &[(&str, &str)], body: Body) -> Answer {
+    let mut req = Request::builder()
+        .method(http::Method::from_bytes(method.as_bytes()).unwrap())
+        .uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = tokio::time::timeout(
+        Duration::from_secs(60),
+        client().request(req.body(body).unwrap()),
+    )
+    .await
+    .expect("answer within 60s")
+    .expect("request failed");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// Shorthand: a PUT with a token.
+pub async fn put(url: &str, token: &str) -> Answer {
+    send("PUT", url, &[("x-fence-token", token)], "data").await
+}
+
+/// Polls until `f` is true or the deadline passes (bounded).
+pub async fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Raw request over a socket; returns everything read until close or
+/// `read_for` has passed.
+pub async fn raw(addr: SocketAddr, bytes: &[u8], read_for: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + read_for;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A request body that yields prepared chunks one frame at a time (so the
+/// client streams it; nothing is concatenated).
+pub struct ChunkBody(std::collections::VecDeque<Bytes>);
+
+impl ChunkBody {
+    pub fn new(chunks: Vec<Bytes>) -> Self {
+        Self(chunks.into())
+    }
+}
+
+impl http_body::Body for ChunkBody {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+    }
+}

@@ -1,0 +1,624 @@
+//! The answers of docs/contract.md, one test per line, against the real
+//! binary started with the quick-start flags.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+async fn setup() -> (tempfile::TempDir, Upstream, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let proxy = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    (dir, up, proxy)
+}
+
+fn assert_problem(a: &Answer, status: u16, kind: &str) {
+    assert_eq!(a.status.as_u16(), status, "body: {}", a.text());
+    assert_eq!(a.header("content-type"), Some("application/problem+json"));
+    let j = a.json();
+    assert_eq!(j["status"], status);
+    assert_eq!(j["type"], format!("urn:fencegate:problem:{kind}"));
+    assert!(j["title"].as_str().is_some_and(|t| !t.is_empty()));
+    assert!(j["detail"].as_str().is_some_and(|t| !t.is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_token_is_428() {
+    let (_d, up, p) = setup().await;
+    let a = send("PUT", &p.url("/a/obj"), &[], "x").await;
+    assert_problem(&a, 428, "missing-token");
+    assert_eq!(a.json()["key"], "default:/a/obj");
+    assert_eq!(up.arrivals(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_or_repeated_tokens_are_400() {
+    let (_d, up, p) = setup().await;
+    for bad in [
+        "",
+        "-1",
+        "+1",
+        "01",
+        "1e3",
+        "0x1",
+        "1 2",
+        "18446744073709551616",
+        "1.5",
+    ] {
+        let a = send("PUT", &p.url("/k"), &[("x-fence-token", bad)], "x").await;
+        assert_problem(&a, 400, "malformed-token");
+    }
+    let a = send("PUT", &p.url("/k"), &[("x-fence-token", "1,2")], "x").await;
+    assert_problem(&a, 400, "malformed-token");
+    let a = send(
+        "PUT",
+        &p.url("/k"),
+        &[("x-fence-token", "1"), ("x-fence-token", "1")],
+        "x",
+    )
+    .await;
+    assert_problem(&a, 400, "malformed-token");
+    // Values a client library refuses to send: non-ASCII digits.
+    for value in ["\u{FF11}", "\u{0661}", "1\u{00A0}"] {
+        let req = format!(
+            "PUT /k HTTP/1.1\r\nHost: x\r\nX-Fence-Token: {value}\r\nContent-Length: 0\r\n\r\n"
+        );
+        let out = raw(p.addr, req.as_bytes(), Duration::from_secs(2)).await;
+        assert!(out.starts_with("HTTP/1.1 400"), "{value:?}: {out}");
+    }
+    assert_eq!(up.arrivals(), 0, "no refused write reached the backend");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn full_u64_range_and_whitespace() {
+    let (_d, up, p) = setup().await;
+    assert_eq!(put(&p.url("/k"), "0").await.status, 200);
+    assert_eq!(
+        put(&p.url("/k"), " 18446744073709551615\t").await.status,
+        200
+    );
+    let a = put(&p.url("/k"), "18446744073709551614").await;
+    assert_problem(&a, 409, "stale-token");
+    assert_eq!(
+        a.header("x-fence-token-highest"),
+        Some("18446744073709551615")
+    );
+    assert_eq!(a.json()["highest"], "18446744073709551615");
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stale_is_409_equal_and_higher_are_admitted() {
+    let (_d, up, p) = setup().await;
+    assert_eq!(put(&p.url("/a/obj"), "5").await.status, 200);
+    assert_eq!(
+        put(&p.url("/a/obj"), "5").await.status,
+        200,
+        "equal token admitted"
+    );
+    let a = put(&p.url("/a/obj"), "4").await;
+    assert_problem(&a, 409, "stale-token");
+    let j = a.json();
+    assert_eq!(j["key"], "default:/a/obj");
+    assert_eq!(j["token"], "4");
+    assert_eq!(j["highest"], "5");
+    assert_eq!(a.header("x-fence-token-highest"), Some("5"));
+    assert_eq!(
+        put(&p.url("/a/obj"), "6").await.status,
+        200,
+        "higher token admitted"
+    );
+    assert_problem(&put(&p.url("/a/obj"), "5").await, 409, "stale-token");
+    // Another key has its own highest.
+    assert_eq!(put(&p.url("/a/other"), "1").await.status, 200);
+    let tokens: Vec<_> = up
+        .records()
+        .iter()
+        .map(|r| r.token.clone().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        ["5", "5", "6", "1"],
+        "only admitted writes were applied"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_non_safe_method_is_a_write() {
+    let (_d, up, p) = setup().await;
+    for m in [
+        "PUT",
+        "POST",
+        "PATCH",
+        "DELETE",
+        "MKCOL",
+        "PROPPATCH",
+        "LOCK",
+        "UNLOCK",
+        "put",
+        "get",
+        "Delete",
+        "FROB",
+    ] {
+        let a = send(m, &p.url("/w"), &[], "").await;
+        assert_problem(&a, 428, "missing-token");
+    }
+    assert_eq!(up.arrivals(), 0);
+    for m in ["GET", "HEAD", "OPTIONS"] {
+        let a = send(m, &p.url("/w"), &[], "").await;
+        assert_eq!(a.status, 200, "{m} is a read");
+    }
+    assert_eq!(up.count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn method_override_headers_make_a_write() {
+    let (_d, up, p) = setup().await;
+    for h in [
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+    ] {
+        let a = send("GET", &p.url("/o"), &[(h, "DELETE")], "").await;
+        assert_problem(&a, 428, "missing-token");
+        let a = send("POST", &p.url("/o"), &[(h, "not a method")], "").await;
+        assert_problem(&a, 400, "bad-request");
+    }
+    assert_eq!(
+        up.arrivals(),
+        0,
+        "an overridden GET never reached the backend"
+    );
+    let a = send(
+        "GET",
+        &p.url("/o"),
+        &[("x-http-method-override", "DELETE"), ("x-fence-token", "3")],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    let a = send(
+        "GET",
+        &p.url("/o"),
+        &[("x-http-method-override", "DELETE"), ("x-fence-token", "2")],
+        "",
+    )
+    .await;
+    assert_problem(&a, 409, "stale-token");
+    // An override to a read keeps a read a read.
+    assert_eq!(
+        send(
+            "GET",
+            &p.url("/o"),
+            &[("x-http-method-override", "HEAD")],
+            ""
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn copy_and_move_fence_the_destination() {
+    let (_d, up, p) = setup().await;
+    let host = p.addr.to_string();
+    let dest = format!("http://{host}/dst");
+    assert_eq!(put(&p.url("/dst"), "5").await.status, 200);
+    for m in ["COPY", "MOVE"] {
+        let a = send(
+            m,
+            &p.url("/src"),
+            &[("destination", &dest), ("x-fence-token", "3")],
+            "",
+        )
+        .await;
+        assert_problem(&a, 409, "stale-token");
+        assert_eq!(a.json()["key"], "default:/dst");
+    }
+    let a = send(
+        "COPY",
+        &p.url("/src"),
+        &[("destination", "/d%73t"), ("x-fence-token", "6")],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // Both keys were raised.
+    assert_problem(&put(&p.url("/dst"), "5").await, 409, "stale-token");
+    assert_problem(&put(&p.url("/src"), "5").await, 409, "stale-token");
+    let a = send(
+        "MOVE",
+        &p.url("/src"),
+        &[
+            ("destination", "http://elsewhere.example/dst"),
+            ("x-fence-token", "7"),
+        ],
+        "",
+    )
+    .await;
+    assert_problem(&a, 400, "bad-request");
+    let a = send(
+        "MOVE",
+        &p.url("/src"),
+        &[("destination", "/a/../dst"), ("x-fence-token", "7")],
+        "",
+    )
+    .await;
+    assert_problem(&a, 400, "bad-target");
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reads_flow_without_a_token_and_ignore_one() {
+    let (_d, up, p) = setup().await;
+    assert_eq!(put(&p.url("/r"), "9").await.status, 200);
+    let a = send("GET", &p.url("/r"), &[("x-fence-token", "1")], "").await;
+    assert_eq!(a.status, 200, "a stale token on a read is ignored");
+    let a = send("GET", &p.url("/r"), &[("x-fence-token", "garbage")], "").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(up.count(), 3);
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(
+        m.contains("fencegate_read_tokens_ignored_total{route=\"default\"} 2"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_answers_are_relayed_as_they_are() {
+    let (_d, up, p) = setup().await;
+    for status in ["201", "404", "500", "503"] {
+        let a = send(
+            "PUT",
+            &p.url("/u"),
+            &[("x-fence-token", "1"), ("x-test-status", status)],
+            "body!",
+        )
+        .await;
+        assert_eq!(a.status.as_str(), status);
+        assert_eq!(a.header("x-upstream"), Some("recording"));
+        assert_eq!(a.text(), "applied PUT /u len=5");
+        assert!(
+            a.header("content-type").is_none(),
+            "no problem+json on relayed answers"
+        );
+    }
+    let r = &up.records()[0];
+    assert_eq!(
+        r.token.as_deref(),
+        Some("1"),
+        "token forwarded unchanged by default"
+    );
+    assert_eq!(r.body_len, 5);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hop_by_hop_headers_are_not_forwarded() {
+    let (_d, up, p) = setup().await;
+    let a = send(
+        "PUT",
+        &p.url("/h"),
+        &[
+            ("x-fence-token", "1"),
+            ("connection", "x-private, keep-alive"),
+            ("x-private", "secret"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic Zm9vOmJhcg=="),
+            ("te", "trailers"),
+            ("x-end-to-end", "kept"),
+            ("authorization", "Bearer end-to-end"),
+        ],
+        "x",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    let h = &up.records()[0].headers;
+    for gone in [
+        "x-private",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "upgrade",
+    ] {
+        assert!(h.get(gone).is_none(), "{gone} was forwarded");
+    }
+    assert_eq!(h.get("x-end-to-end").unwrap(), "kept");
+    assert_eq!(h.get("authorization").unwrap(), "Bearer end-to-end");
+    assert_eq!(
+        h.get("host").unwrap().to_str().unwrap(),
+        p.addr.to_string(),
+        "Host is relayed as sent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn strip_token_route_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .arg("--strip-token")
+        .spawn();
+    assert_eq!(put(&p.url("/s"), "1").await.status, 200);
+    assert_eq!(up.records()[0].token, None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_unreachable_is_502_and_timeout_is_504_never_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port with nothing listening.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let p = ProxyBuilder::new(&format!("http://{closed}"), dir.path()).spawn();
+    let a = put(&p.url("/x"), "1").await;
+    assert_problem(&a, 502, "upstream-unreachable");
+
+    let dir2 = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p2 = ProxyBuilder::new(&up.url(), dir2.path())
+        .args(&["--upstream-timeout", "300ms"])
+        .spawn();
+    let a = send(
+        "PUT",
+        &p2.url("/slow"),
+        &[("x-fence-token", "1"), ("x-test-delay-ms", "1500")],
+        "x",
+    )
+    .await;
+    assert_problem(&a, 504, "upstream-timeout");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(up.arrivals(), 1, "the write was sent exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn path_aliases_share_one_key_and_the_canonical_target_goes_upstream() {
+    let (_d, up, p) = setup().await;
+    assert_eq!(put(&p.url("/a/obj"), "5").await.status, 200);
+    for alias in [
+        "/a/%6Fbj",
+        "/a/%6fbj",
+        "/%61/obj",
+        "/a/obj/",
+        "/a/o%62j?x=1",
+    ] {
+        assert_problem(&put(&p.url(alias), "4").await, 409, "stale-token");
+    }
+    assert_eq!(put(&p.url("/a/%6Fbj?v=1"), "5").await.status, 200);
+    assert_eq!(
+        up.records()[1].target,
+        "/a/obj?v=1",
+        "the canonical target is forwarded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ambiguous_targets_are_refused_with_400() {
+    let (_d, up, p) = setup().await;
+    for t in [
+        "/a/../b",
+        "/a/./b",
+        "/a/%2e%2e/b",
+        "/a/..;/b",
+        "/a//b",
+        "//b",
+        "/a/%2Fb",
+        "/a/%2fb",
+        "/a/%5Cb",
+        "/a/%252Fb",
+        "/a/%00",
+        "/a/%zz",
+        "/a/%",
+    ] {
+        for m in ["PUT", "GET"] {
+            let a = send(m, &p.url(t), &[("x-fence-token", "1")], "").await;
+            assert_problem(&a, 400, "bad-target");
+        }
+    }
+    // Raw bytes the client library would not send.
+    for target in ["/a\\b", "/a/\u{e9}", "/a#frag/../b"] {
+        let req = format!(
+            "PUT {target} HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n"
+        );
+        let out = raw(p.addr, req.as_bytes(), Duration::from_secs(2)).await;
+        if target.contains('#') {
+            // The HTTP parser drops the fragment; key and forwarded target
+            // both lack it, so they cannot disagree (docs/contract.md).
+            assert!(out.starts_with("HTTP/1.1 200"), "{target}: {out}");
+            assert_eq!(up.records().last().unwrap().target, "/a");
+        } else {
+            assert!(out.starts_with("HTTP/1.1 400"), "{target}: {out}");
+        }
+    }
+    assert_eq!(up.arrivals(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn absolute_form_naming_another_host_is_refused() {
+    let (_d, up, p) = setup().await;
+    let req = "PUT http://evil.example/a HTTP/1.1\r\nHost: good.example\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n";
+    let out = raw(p.addr, req.as_bytes(), Duration::from_secs(2)).await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    let req = "PUT http://good.example/a HTTP/1.1\r\nHost: good.example\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n";
+    let out = raw(p.addr, req.as_bytes(), Duration::from_secs(2)).await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert_eq!(up.records()[0].target, "/a");
+    assert_eq!(up.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_headers_get_431_and_bodies_over_the_limit_413() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--max-header-bytes", "8192", "--max-body-bytes", "1000"])
+        .spawn();
+    let big = "a".repeat(9000);
+    let req = format!("PUT /h HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n");
+    let out = raw(p.addr, req.as_bytes(), Duration::from_secs(2)).await;
+    assert!(out.starts_with("HTTP/1.1 431"), "{out}");
+    let a = send(
+        "PUT",
+        &p.url("/b"),
+        &[("x-fence-token", "1")],
+        vec![b'x'; 1001],
+    )
+    .await;
+    assert_problem(&a, 413, "body-too-large");
+    assert_eq!(up.arrivals(), 0);
+    // A refused body did not raise the fence.
+    assert_eq!(
+        send("GET", &p.admin_url("/v1/fences/default%3A%2Fb"), &[], "")
+            .await
+            .status,
+        404
+    );
+    // Chunked bodies are counted as they stream.
+    let req = "PUT /c HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n".to_string()
+        + &"y".repeat(2000)
+        + "\r\n0\r\n\r\n";
+    let out = raw(p.addr, req.as_bytes(), Duration::from_secs(3)).await;
+    assert!(out.starts_with("HTTP/1.1 413"), "{out}");
+    assert_eq!(up.count(), 0, "a truncated body is never applied");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slowloris_is_dropped_within_the_header_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .spawn();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"PUT /x HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    // Bounded: the proxy must close the connection well before 10 s.
+    let r = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(r.is_ok(), "connection still open");
+    assert_eq!(up.arrivals(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_endpoints() {
+    let (_d, _up, p) = setup().await;
+    assert_eq!(put(&p.url("/bucket/obj"), "42").await.status, 200);
+    assert_problem(&put(&p.url("/bucket/obj"), "41").await, 409, "stale-token");
+    assert_problem(
+        &send("PUT", &p.url("/bucket/obj"), &[], "").await,
+        428,
+        "missing-token",
+    );
+    assert_problem(
+        &put(&p.url("/bucket/obj"), "x").await,
+        400,
+        "malformed-token",
+    );
+    let a = send(
+        "GET",
+        &p.admin_url("/v1/fences/default%3A%2Fbucket%2Fobj"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["highest"], "42");
+    assert_eq!(a.json()["key"], "default:/bucket/obj");
+    assert_eq!(
+        send("GET", &p.admin_url("/v1/fences/default%3A%2Fnope"), &[], "")
+            .await
+            .status,
+        404
+    );
+    assert_eq!(
+        send("GET", &p.admin_url("/healthz"), &[], "").await.status,
+        200
+    );
+    let r = send("GET", &p.admin_url("/readyz"), &[], "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fbucket%2Fobj"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 401, "mutations need the admin token");
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await;
+    let text = m.text();
+    for line in [
+        "fencegate_writes_total{decision=\"admitted\",route=\"default\"} 1",
+        "fencegate_writes_total{decision=\"stale\",route=\"default\"} 1",
+        "fencegate_writes_total{decision=\"missing_token\",route=\"default\"} 1",
+        "fencegate_writes_total{decision=\"malformed_token\",route=\"default\"} 1",
+        "fencegate_store_up 1",
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+    for family in [
+        "fencegate_admission_wait_seconds_bucket",
+        "fencegate_store_latency_seconds_bucket",
+        "fencegate_upstream_latency_seconds_bucket",
+        "fencegate_in_flight_requests",
+    ] {
+        assert!(text.contains(family), "missing {family}");
+    }
+    // promtool is the reference linter for the exposition format.
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool not found: install it (Debian package `prometheus`), .ci/run does");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_binds_loopback_by_default() {
+    let out = std::process::Command::new(bin())
+        .args([
+            "check-config",
+            "/dev/null",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--store",
+            "/tmp/x.redb",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("admin_listen = \"127.0.0.1:9090\""), "{text}");
+}

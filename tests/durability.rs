@@ -1,0 +1,282 @@
+//! Durability and crash behaviour with real processes: kill -9, restart,
+//! clean shutdown, the crash-recovery window, store locking and corruption.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_advances_survive_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "1s"])
+        .spawn();
+    // 200 concurrent advances on distinct keys, and 50 racing tokens on one.
+    let mut tasks = Vec::new();
+    for i in 0..200u32 {
+        let url = p.url(&format!("/k/{i}"));
+        tasks.push(tokio::spawn(async move {
+            (None, put(&url, "1000").await.status)
+        }));
+    }
+    for t in 1..=50u64 {
+        let url = p.url("/hot");
+        tasks.push(tokio::spawn(async move {
+            (Some(t), put(&url, &t.to_string()).await.status)
+        }));
+    }
+    let mut hot_admitted = Vec::new();
+    for t in tasks {
+        let (token, status) = t.await.unwrap();
+        match token {
+            None => assert_eq!(status, 200),
+            Some(t) => {
+                assert!(status == 200 || status == 409, "{status}");
+                if status == 200 {
+                    hot_admitted.push(t);
+                }
+            }
+        }
+    }
+    let hot_max = *hot_admitted.iter().max().unwrap();
+    // Applied tokens on the hot key never decrease.
+    let applied: Vec<u64> = up
+        .records()
+        .iter()
+        .filter(|r| r.target == "/hot")
+        .map(|r| r.token.as_ref().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        applied.windows(2).all(|w| w[0] <= w[1]),
+        "applied out of order: {applied:?}"
+    );
+
+    p.kill9();
+    p.restart();
+    // Unclean stop: writes wait out the recovery window first.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for i in (0..200u32).step_by(7) {
+        let a = put(&p.url(&format!("/k/{i}")), "999").await;
+        assert_eq!(a.status, 409, "key {i} lost its fence: {}", a.text());
+    }
+    let a = put(&p.url("/hot"), &(hot_max - 1).to_string()).await;
+    assert_eq!(a.status, 409);
+    assert_eq!(
+        a.header("x-fence-token-highest"),
+        Some(hot_max.to_string().as_str())
+    );
+    assert_eq!(put(&p.url("/hot"), &hot_max.to_string()).await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_kill_9_writes_are_refused_until_the_recovery_window_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "3s"])
+        .spawn();
+    assert_eq!(put(&p.url("/r"), "1").await.status, 200);
+    p.kill9();
+    p.restart();
+    let started = Instant::now();
+    up.clear();
+    let a = put(&p.url("/r"), "2").await;
+    assert_eq!(a.status, 503, "{}", a.text());
+    assert_eq!(a.json()["type"], "urn:fencegate:problem:recovering");
+    let retry: u64 = a.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3).contains(&retry), "Retry-After {retry}");
+    // Reads flow meanwhile.
+    assert_eq!(send("GET", &p.url("/r"), &[], "").await.status, 200);
+    assert_eq!(up.count(), 1, "only the read reached the backend");
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(m.contains("fencegate_recovering 1"), "{m}");
+    // Once an upstream timeout has passed since the restart, writes go.
+    let wait =
+        Duration::from_secs(3).saturating_sub(started.elapsed()) + Duration::from_millis(300);
+    tokio::time::sleep(wait).await;
+    assert_eq!(put(&p.url("/r"), "2").await.status, 200);
+    assert_eq!(put(&p.url("/r"), "1").await.status, 409);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_in_flight_writes_and_a_clean_restart_needs_no_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "30s"])
+        .spawn();
+    let url = p.url("/d");
+    let slow = tokio::spawn(async move {
+        send(
+            "PUT",
+            &url,
+            &[("x-fence-token", "4"), ("x-test-delay-ms", "800")],
+            "x",
+        )
+        .await
+    });
+    eventually(
+        "slow write reached the upstream",
+        Duration::from_secs(5),
+        || up.arrivals() == 1,
+    )
+    .await;
+    let status = tokio::task::spawn_blocking({
+        let pid = p.child.id();
+        move || signal(pid, "TERM")
+    });
+    status.await.unwrap();
+    let a = slow.await.unwrap();
+    assert_eq!(
+        a.status, 200,
+        "the in-flight write completed during the drain"
+    );
+    let exit = p.child.wait().unwrap();
+    assert!(
+        exit.success(),
+        "clean stop exits 0: {exit:?}\n{}",
+        p.stderr()
+    );
+    assert!(p.stderr().contains("clean stop recorded"), "{}", p.stderr());
+    p.restart();
+    // No recovery window after a clean stop (30 s would be the window).
+    assert_eq!(put(&p.url("/d"), "5").await.status, 200);
+    assert_eq!(
+        put(&p.url("/d"), "3").await.status,
+        409,
+        "fence kept across the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_process_cannot_open_the_same_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let _p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    let out = std::process::Command::new(bin())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &up.url(),
+        ])
+        .arg("--store")
+        .arg(dir.path().join("fences.redb"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another process"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_store_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fences.redb");
+    std::fs::write(&path, vec![0x5au8; 64 * 1024]).unwrap();
+    let out = std::process::Command::new(bin())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:1",
+        ])
+        .arg("--store")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("corrupt"), "{err}");
+    // The file was left as it was.
+    assert_eq!(std::fs::read(&path).unwrap(), vec![0x5au8; 64 * 1024]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_settings_stop_the_start_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("f.redb");
+    let store = store.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin())
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = run(&["--upstream", "localhost:9000", "--store", store]);
+    assert!(e.contains("`routes[0].upstream`"), "{e}");
+    let e = run(&[
+        "--upstream",
+        "http://127.0.0.1:9000",
+        "--store",
+        "/no/such/dir/f.redb",
+    ]);
+    assert!(e.contains("`store`") && e.contains("does not exist"), "{e}");
+    let e = run(&[
+        "--upstream",
+        "http://127.0.0.1:9000",
+        "--store",
+        store,
+        "--upstream-timeout",
+        "fast",
+    ]);
+    assert!(e.contains("`routes[0].upstream_timeout`"), "{e}");
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(
+        &cfg,
+        "store = \"x.redb\"\n[[routes]]\nupstream = \"http://127.0.0.1:1\"\nliteral = true\n",
+    )
+    .unwrap();
+    let e = run(&["check-config", cfg.to_str().unwrap()]);
+    assert!(e.contains("literal"), "unknown key named: {e}");
+    // Environment variables work like flags.
+    let out = std::process::Command::new(bin())
+        .args(["check-config", "/dev/null"])
+        .env("FENCEGATE_UPSTREAM", "http://127.0.0.1:9000")
+        .env("FENCEGATE_STORE", store)
+        .env("FENCEGATE_UPSTREAM_TIMEOUT", "7s")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("upstream_timeout = \"7s\""), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn example_configs_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            seen += 1;
+            let out = std::process::Command::new(bin())
+                .arg("check-config")
+                .arg(&path)
+                .arg("--store")
+                .arg(std::env::temp_dir().join("example.redb"))
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    assert!(seen >= 2, "expected example configs in config/");
+}

@@ -622,3 +622,130 @@ async fn admin_binds_loopback_by_default() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("admin_listen = \"127.0.0.1:9090\""), "{text}");
 }
+
+fn write_config(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
+    let path = dir.join("fencegate.toml");
+    std::fs::write(&path, body).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn per_route_write_methods_templates_and_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let u = up.url();
+    let cfg = write_config(
+        dir.path(),
+        &format!(
+            r#"
+[[routes]]
+name = "orders"
+path_prefix = "/orders"
+upstream = "{u}"
+key = "/orders/{{tenant}}/{{id}}"
+namespace = "orders"
+write_methods = ["PUT", "DELETE"]
+
+[[routes]]
+name = "ledger"
+path_prefix = "/ledger"
+upstream = "{u}"
+key = "header:X-Account"
+namespace = "ledger"
+
+[[routes]]
+name = "rest"
+upstream = "{u}"
+key = "/{{bucket}}"
+"#
+        ),
+    );
+    let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
+    // Only PUT and DELETE are writes on /orders; put in lower case too.
+    assert_eq!(
+        send("POST", &p.url("/orders/t1/9/search"), &[], "")
+            .await
+            .status,
+        200
+    );
+    assert_problem(
+        &send("PUT", &p.url("/orders/t1/9"), &[], "").await,
+        428,
+        "missing-token",
+    );
+    assert_problem(
+        &send("put", &p.url("/orders/t1/9"), &[], "").await,
+        428,
+        "missing-token",
+    );
+    // One fence per order, whatever lies below it.
+    assert_eq!(put(&p.url("/orders/t1/9/items/3"), "5").await.status, 200);
+    let a = put(&p.url("/orders/t1/9"), "4").await;
+    assert_problem(&a, 409, "stale-token");
+    assert_eq!(a.json()["key"], "orders:/orders/t1/9");
+    assert_eq!(
+        put(&p.url("/orders/t1/10"), "1").await.status,
+        200,
+        "another order"
+    );
+    assert_problem(&put(&p.url("/orders/t1"), "9").await, 400, "bad-target");
+    // Header template.
+    let a = send(
+        "PATCH",
+        &p.url("/ledger/x"),
+        &[("x-account", "acct-1"), ("x-fence-token", "3")],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    let a = send(
+        "PATCH",
+        &p.url("/ledger/y"),
+        &[("x-account", "acct-1"), ("x-fence-token", "2")],
+        "",
+    )
+    .await;
+    assert_problem(&a, 409, "stale-token");
+    assert_eq!(a.json()["key"], "ledger:acct-1");
+    let a = send("PATCH", &p.url("/ledger/y"), &[("x-fence-token", "2")], "").await;
+    assert_problem(&a, 400, "bad-target");
+    // First segment = a bucket; namespaces keep lock services apart.
+    assert_eq!(put(&p.url("/b1/x"), "8").await.status, 200);
+    assert_problem(&put(&p.url("/b1/y"), "7").await, 409, "stale-token");
+    assert_eq!(
+        send("GET", &p.admin_url("/v1/fences/default%3A%2Fb1"), &[], "")
+            .await
+            .json()["highest"],
+        "8"
+    );
+    assert_eq!(
+        send(
+            "GET",
+            &p.admin_url("/v1/fences/orders%3A%2Forders%2Ft1%2F9"),
+            &[],
+            ""
+        )
+        .await
+        .json()["highest"],
+        "5"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn literal_routes_forward_the_raw_target_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .arg("--literal-keys")
+        .spawn();
+    let raw_target = "/bucket/a//b%2Fc%2fd?partNumber=1&uploadId=x%2By";
+    assert_eq!(put(&p.url(raw_target), "5").await.status, 200);
+    assert_eq!(up.records()[0].target, raw_target);
+    // The key is the decoded object name: another spelling of it is the
+    // same object for S3, hence the same fence.
+    let a = put(&p.url("/bucket/a//b/c%2Fd"), "4").await;
+    assert_problem(&a, 409, "stale-token");
+    assert_eq!(a.json()["key"], "default:/bucket/a//b/c/d");
+    assert_problem(&put(&p.url("/bucket/%zz"), "9").await, 400, "bad-target");
+    assert_eq!(up.count(), 1);
+}

@@ -8,7 +8,7 @@
 //! clean-stop flag used for crash recovery.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
@@ -65,6 +65,9 @@ pub struct EmbeddedStore {
     ops: mpsc::Sender<Op>,
     start: StartState,
     healthy: Arc<AtomicBool>,
+    /// Durable commits (fsyncs) so far: group commit makes this grow slower
+    /// than the number of advances.
+    commits: Arc<AtomicU64>,
     writer: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -146,11 +149,13 @@ impl EmbeddedStore {
         let start = init_meta(&db, path)?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
+        let commits = Arc::new(AtomicU64::new(0));
         let worker = Writer {
             db: Some(db),
             path: path.to_path_buf(),
             cache_bytes,
             healthy: healthy.clone(),
+            commits: commits.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("fencegate-store".into())
@@ -163,8 +168,14 @@ impl EmbeddedStore {
             ops: tx,
             start,
             healthy,
+            commits,
             writer: std::sync::Mutex::new(Some(handle)),
         })
+    }
+
+    /// Durable commits since open.
+    pub fn commit_count(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     async fn call<T>(
@@ -231,6 +242,7 @@ struct Writer {
     path: PathBuf,
     cache_bytes: usize,
     healthy: Arc<AtomicBool>,
+    commits: Arc<AtomicU64>,
 }
 
 impl Writer {
@@ -354,10 +366,123 @@ impl Writer {
         }
         if raised || needs_write {
             txn.commit().map_err(|e| self.fail(e))?;
+            self.commits.fetch_add(1, Ordering::Relaxed);
             self.healthy.store(true, Ordering::Release);
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
         }
         Ok(replies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(dir: &tempfile::TempDir) -> EmbeddedStore {
+        EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20).unwrap()
+    }
+
+    #[tokio::test]
+    async fn compare_and_raise_over_the_full_range() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir);
+        assert_eq!(
+            s.advance("k", 0).await.unwrap(),
+            Advance::Raised { previous: None }
+        );
+        assert_eq!(s.advance("k", 0).await.unwrap(), Advance::Equal);
+        assert_eq!(
+            s.advance("k", u64::MAX).await.unwrap(),
+            Advance::Raised { previous: Some(0) }
+        );
+        assert_eq!(
+            s.advance("k", u64::MAX - 1).await.unwrap(),
+            Advance::Stale { highest: u64::MAX }
+        );
+        assert_eq!(s.highest("k").await.unwrap(), Some(u64::MAX));
+        assert_eq!(s.highest("other").await.unwrap(), None);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_advances_share_commits_and_steady_tokens_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(open(&dir));
+        let before = s.commit_count();
+        let tasks: Vec<_> = (0..400)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move { s.advance(&format!("k{i}"), 7).await })
+            })
+            .collect();
+        for t in tasks {
+            assert!(matches!(t.await.unwrap().unwrap(), Advance::Raised { .. }));
+        }
+        let used = s.commit_count() - before;
+        assert!(
+            used < 400,
+            "400 advances took {used} commits: no group commit"
+        );
+        let before = s.commit_count();
+        for i in 0..50 {
+            assert_eq!(
+                s.advance(&format!("k{i}"), 7).await.unwrap(),
+                Advance::Equal
+            );
+            assert!(matches!(
+                s.advance(&format!("k{i}"), 6).await.unwrap(),
+                Advance::Stale { .. }
+            ));
+        }
+        assert_eq!(
+            s.commit_count(),
+            before,
+            "equal and stale tokens wrote to disk"
+        );
+    }
+
+    #[tokio::test]
+    async fn start_state_tracks_clean_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir);
+        assert_eq!(s.start_state(), StartState::Clean, "a new file");
+        s.advance("k", 1).await.unwrap();
+        drop(s); // no close_clean: like a crash
+        let s = open(&dir);
+        assert_eq!(s.start_state(), StartState::Unclean);
+        s.close_clean().await.unwrap();
+        drop(s);
+        let s = open(&dir);
+        assert_eq!(s.start_state(), StartState::Clean);
+        assert_eq!(s.highest("k").await.unwrap(), Some(1));
+    }
+
+    #[test]
+    fn a_newer_format_version_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .insert(FORMAT_VERSION_KEY, 99)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        match EmbeddedStore::open(&path, 1 << 20) {
+            Err(OpenError::UnknownVersion { found: 99, .. }) => {}
+            other => panic!("expected UnknownVersion, got {:?}", other.err()),
+        }
+    }
+
+    #[test]
+    fn a_second_open_is_refused_while_the_first_is_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = open(&dir);
+        assert!(matches!(
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20),
+            Err(OpenError::Locked(_))
+        ));
     }
 }

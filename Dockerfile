@@ -1,0 +1,20 @@
+# Multi-stage build: compile in the Rust image, run from a slim Debian base
+# as an unprivileged user. The store lives in /var/lib/fencegate (a volume).
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+RUN cargo build --release --locked && strip target/release/fencegate
+
+FROM debian:bookworm-slim
+RUN useradd --system --uid 10001 --home-dir /var/lib/fencegate --create-home fencegate
+COPY --from=build /src/target/release/fencegate /usr/local/bin/fencegate
+USER 10001:10001
+VOLUME ["/var/lib/fencegate"]
+ENV FENCEGATE_LISTEN=0.0.0.0:8080 \
+    FENCEGATE_ADMIN_LISTEN=0.0.0.0:9090 \
+    FENCEGATE_STORE=/var/lib/fencegate/fences.redb
+EXPOSE 8080 9090
+# SIGTERM drains in-flight requests and records a clean stop.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["/usr/local/bin/fencegate"]

@@ -95,3 +95,22 @@ async fn a_256_mib_upload_streams_intact_with_flat_memory() {
     let rss = p.peak_rss();
     assert!(rss < 100 * 1024 * 1024, "peak RSS {} MiB", rss >> 20);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_request_body_gets_408_and_is_not_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--body-read-timeout", "500ms"])
+        .spawn();
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(
+        b"PUT /stall HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 100\r\n\r\npartial",
+    )
+    .await
+    .unwrap();
+    let got = read_head(&mut s).await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(up.count(), 0, "a cut-off body was applied");
+}

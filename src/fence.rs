@@ -140,10 +140,11 @@ impl Fence {
         recovery_window: Duration,
     ) -> Arc<Self> {
         let recovering_until = match store.start_state() {
-            StartState::Unclean if !recovery_window.is_zero() => {
-                Some(Instant::now() + recovery_window)
+            StartState::Unclean { previous_window } => {
+                let window = recovery_window.max(previous_window.unwrap_or_default());
+                (!window.is_zero()).then(|| Instant::now() + window)
             }
-            _ => None,
+            StartState::Clean => None,
         };
         Arc::new(Self {
             store,
@@ -216,10 +217,14 @@ impl Fence {
                 Advance::Stale { highest } => highest,
             };
             {
+                // The cache is written under the gate lock with the gate's
+                // maximum, so two answers landing in either order (with an
+                // eviction in between) can never leave it below the store.
                 let mut st = gate.state.lock().expect("gate lock");
-                st.highest = Some(st.highest.map_or(highest, |h| h.max(highest)));
+                let max = st.highest.map_or(highest, |h| h.max(highest));
+                st.highest = Some(max);
+                fence.cache.raise(&key, max);
             }
-            fence.cache.raise(&key, highest);
             // Queued older writes must now see that they are stale.
             gate.changed.notify_waiters();
             Ok::<_, StoreError>(highest)
@@ -230,25 +235,27 @@ impl Fence {
         }
     }
 
-    /// Admits a write of `token` to `key`, waiting (up to `wait_limit`) while
+    /// Admits a write of `token` to `key`, waiting (until `deadline`) while
     /// an older-token write to the key is in flight.
     pub async fn admit(
         self: &Arc<Self>,
         key: &str,
         token: u64,
-        wait_limit: Duration,
+        deadline: Instant,
     ) -> Result<Permit, FenceError> {
         if let Some(retry_after) = self.recovering_for() {
             return Err(FenceError::Recovering { retry_after });
         }
         let key: Arc<str> = Arc::from(key);
-        let gate = self.gate(&key);
-        let result = self.admit_on(&key, &gate, token, wait_limit).await;
-        if result.is_err() {
-            drop(gate);
-            self.release_gate(&key);
-        }
-        result
+        // Removes the gate again if this admission fails or is abandoned
+        // (the client hung up while waiting).
+        let guard = GateGuard {
+            fence: self,
+            key: key.clone(),
+            gate: Some(self.gate(&key)),
+        };
+        let gate = guard.gate.as_ref().expect("set above");
+        self.admit_on(&key, gate, token, deadline).await
     }
 
     async fn admit_on(
@@ -256,9 +263,8 @@ impl Fence {
         key: &Arc<str>,
         gate: &Arc<KeyGate>,
         token: u64,
-        wait_limit: Duration,
+        deadline: Instant,
     ) -> Result<Permit, FenceError> {
-        let deadline = Instant::now() + wait_limit;
         let exclusive = self.store.exclusive();
         let mut checked_with_store = false;
         loop {
@@ -361,9 +367,33 @@ impl Fence {
     }
 }
 
+/// Drops an admission's gate reference and removes the gate if idle.
+struct GateGuard<'a> {
+    fence: &'a Fence,
+    key: Arc<str>,
+    gate: Option<Arc<KeyGate>>,
+}
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.gate.take());
+        self.fence.release_gate(&self.key);
+    }
+}
+
 impl Permit {
     pub fn token(&self) -> u64 {
         self.token
+    }
+
+    /// The highest token of the key if it has risen above this permit's
+    /// token since admission. A write holding several permits (COPY/MOVE)
+    /// checks this once it holds all of them: while it waited for one key, a
+    /// newer writer may have taken over another.
+    pub fn overtaken(&self) -> Option<u64> {
+        let gate = self.gate.as_ref()?;
+        let st = gate.state.lock().expect("gate lock");
+        st.highest.filter(|h| *h > self.token)
     }
 }
 
@@ -400,7 +430,9 @@ mod tests {
     use crate::store::embedded::EmbeddedStore;
 
     fn fence(dir: &tempfile::TempDir) -> Arc<Fence> {
-        let store = EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20).unwrap();
+        let store =
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
+                .unwrap();
         Fence::new(Arc::new(store), 1000, Duration::from_secs(1))
     }
 
@@ -408,7 +440,7 @@ mod tests {
     async fn lower_is_stale_equal_and_higher_are_admitted() {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
-        let w = Duration::from_secs(1);
+        let w = Instant::now() + Duration::from_secs(1);
         drop(f.admit("k", 5, w).await.unwrap());
         drop(f.admit("k", 5, w).await.unwrap());
         drop(f.admit("k", 7, w).await.unwrap());
@@ -429,7 +461,7 @@ mod tests {
     async fn newer_waits_for_older_in_flight_and_queued_older_turn_stale() {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
-        let w = Duration::from_secs(30);
+        let w = Instant::now() + Duration::from_secs(30);
         let old = f.admit("k", 1, w).await.unwrap();
         let f2 = f.clone();
         let mid = tokio::spawn(async move { f2.admit("k", 2, w).await.map(|p| p.token()) });
@@ -461,8 +493,14 @@ mod tests {
     async fn waiting_is_bounded() {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
-        let _old = f.admit("k", 1, Duration::from_secs(5)).await.unwrap();
-        let p = f.admit("k", 2, Duration::from_secs(5)).await.unwrap();
+        let _old = f
+            .admit("k", 1, Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
+        let p = f
+            .admit("k", 2, Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
         assert!(p.waited_out);
     }
 }

@@ -38,8 +38,8 @@ pub enum KeyError {
     ForeignHost,
     #[error("the path does not match the route's key template {0}")]
     TemplateMismatch(String),
-    #[error("the key header {0} is missing or empty")]
-    MissingKeyHeader(String),
+    #[error("the key header {0} is missing, empty or repeated")]
+    KeyHeader(String),
 }
 
 /// A request path after the canonical parse.
@@ -122,7 +122,10 @@ impl KeyTemplate {
                 }
                 let mut key = String::new();
                 for (part, seg) in parts.iter().zip(&path.segments) {
-                    if seg.is_empty() {
+                    // In literal mode a segment is decoded after the split;
+                    // one that decodes to a '/' would be split differently
+                    // by a backend that decodes first.
+                    if seg.is_empty() || seg.contains('/') {
                         return Err(KeyError::TemplateMismatch(self.to_string()));
                     }
                     if let PatternPart::Literal(lit) = part {
@@ -136,12 +139,16 @@ impl KeyTemplate {
                 Ok(key)
             }
             Self::Header(name) => {
-                let value = headers
-                    .get(name)
+                let mut values = headers.get_all(name).iter();
+                let value = values
+                    .next()
                     .and_then(|v| v.to_str().ok())
                     .map(str::trim)
-                    .filter(|v| !v.is_empty())
-                    .ok_or_else(|| KeyError::MissingKeyHeader(name.to_string()))?;
+                    .filter(|v| !v.is_empty() && !v.contains(','))
+                    .ok_or_else(|| KeyError::KeyHeader(name.to_string()))?;
+                if values.next().is_some() {
+                    return Err(KeyError::KeyHeader(name.to_string()));
+                }
                 Ok(value.to_string())
             }
         }
@@ -327,6 +334,15 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
     if out == "." || out == ".." {
         return Err(KeyError::DotSegment);
     }
+    // Checked on the output too: `%25%32%46` becomes `%252F`, which a
+    // backend that decodes twice reads as `/`.
+    let ob = out.as_bytes();
+    if ob
+        .windows(5)
+        .any(|w| w[..3] == *b"%25" && hex_val(w[3]).is_some() && hex_val(w[4]).is_some())
+    {
+        return Err(KeyError::EncodedSeparator);
+    }
     Ok(out)
 }
 
@@ -433,6 +449,8 @@ mod tests {
             ("/a/%5Cb", EncodedSeparator),
             ("/a/%252Fb", EncodedSeparator),
             ("/a/%255c", EncodedSeparator),
+            ("/a/%25%32%46b", EncodedSeparator),
+            ("/a/%25%32%65%25%32%65", EncodedSeparator),
             ("/a\\b", Backslash),
             ("/a/%00", ControlCharacter),
             ("/a/%0d%0a", ControlCharacter),
@@ -487,6 +505,18 @@ mod tests {
         let mut h2 = http::HeaderMap::new();
         h2.insert("x-resource", " acct-9 ".parse().unwrap());
         assert_eq!(hdr.key_text(&c, &h2), Ok("acct-9".into()));
+        let mut twice = http::HeaderMap::new();
+        twice.append("x-resource", "a".parse().unwrap());
+        twice.append("x-resource", "b".parse().unwrap());
+        assert!(
+            hdr.key_text(&c, &twice).is_err(),
+            "a repeated key header is refused"
+        );
+        let split = literal("/bkt%2Fa/obj").unwrap();
+        assert!(
+            bucket.key_text(&split, &h).is_err(),
+            "a segment decoding to '/' is refused"
+        );
         assert!(KeyTemplate::parse("bucket").is_err());
         assert!(KeyTemplate::parse("/{}").is_err());
         assert!(KeyTemplate::parse("/a//b").is_err());
@@ -508,6 +538,8 @@ mod tests {
     fn seg_char() -> impl Strategy<Value = String> {
         prop_oneof![
             "[a-zA-Z0-9._~-]".prop_map(|s| s),
+            // Escapes of a percent sign, to probe double encoding.
+            Just("%25".to_string()),
             // Any escape, either hex case.
             (any::<u8>(), any::<bool>()).prop_map(|(b, lower)| if lower {
                 format!("%{b:02x}")

@@ -22,6 +22,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Limits, Route};
 use crate::error::{BoxError, ProxyBody, ProxyError};
@@ -62,9 +63,15 @@ struct RouteRuntime {
 /// The request handler shared by every connection.
 pub struct Proxy {
     routes: Vec<RouteRuntime>,
+    /// Some route names a host: then a request must name one too.
+    host_routes: bool,
     fence: Arc<Fence>,
     metrics: Arc<Metrics>,
     limits: Limits,
+    /// Upstream exchanges of admitted writes run as tasks of their own, so a
+    /// client hanging up cannot end a write's in-flight period while the
+    /// backend may still be applying it; shutdown waits for them.
+    exchanges: TaskTracker,
 }
 
 /// Why a relayed request body failed; read after the upstream call errors.
@@ -103,23 +110,23 @@ impl Proxy {
             )
         });
         Self {
+            host_routes: routes.iter().any(|r| r.route.host.is_some()),
             routes,
             fence,
             metrics,
             limits: config.limits.clone(),
+            exchanges: TaskTracker::new(),
         }
     }
 
-    fn find_route(
-        &self,
-        host: Option<&str>,
-        path: &str,
-        literal_only: bool,
-    ) -> Option<&RouteRuntime> {
+    /// The tracker of in-flight write exchanges (for the drain).
+    pub fn exchanges(&self) -> TaskTracker {
+        self.exchanges.clone()
+    }
+
+    fn find_route(&self, host: Option<&str>, path: &str) -> Option<&RouteRuntime> {
         self.routes.iter().find(|r| {
-            (!literal_only || r.route.literal_keys)
-                && r.route.host.as_deref().is_none_or(|h| Some(h) == host)
-                && r.route.matches_path(path)
+            r.route.host.as_deref().is_none_or(|h| Some(h) == host) && r.route.matches_path(path)
         })
     }
 
@@ -185,7 +192,7 @@ impl Proxy {
 
     async fn serve(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         ctx.method = req.method().to_string();
@@ -201,11 +208,18 @@ impl Proxy {
             })
             .transpose()?;
         key::check_authority(req.uri(), host_header).map_err(ProxyError::BadTarget)?;
+        // "Example.COM." and "example.com" are one host.
         let host = req
             .uri()
             .host()
             .or_else(|| host_header.map(strip_port))
-            .map(str::to_ascii_lowercase);
+            .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
+            .filter(|h| !h.is_empty());
+        if host.is_none() && self.host_routes {
+            // Without a host it could only take a catch-all route, which may
+            // fence the same backend under another namespace.
+            return Err(ProxyError::BadRequest("a Host header is required".into()));
+        }
         let target = req
             .uri()
             .path_and_query()
@@ -217,7 +231,7 @@ impl Proxy {
         let (rt, path) = match &canonical {
             Ok(c) => {
                 let rt = self
-                    .find_route(host.as_deref(), &c.key_path, false)
+                    .find_route(host.as_deref(), &c.key_path)
                     .ok_or(ProxyError::NoRoute)?;
                 if rt.route.literal_keys {
                     (rt, key::literal(&target).map_err(ProxyError::BadTarget)?)
@@ -226,10 +240,16 @@ impl Proxy {
                 }
             }
             Err(e) => {
+                // Only a literal route may take a target the canonical parse
+                // refuses, and only if it is the best match for the raw path
+                // anyway: `/api//x` must not slip from a canonical `/api`
+                // route to a literal catch-all.
                 let raw_path = target.split('?').next().unwrap_or("/");
-                match self.find_route(host.as_deref(), raw_path, true) {
-                    Some(rt) => (rt, key::literal(&target).map_err(ProxyError::BadTarget)?),
-                    None => {
+                match self.find_route(host.as_deref(), raw_path) {
+                    Some(rt) if rt.route.literal_keys => {
+                        (rt, key::literal(&target).map_err(ProxyError::BadTarget)?)
+                    }
+                    _ => {
                         ctx.write = true; // unknown route: assume the worst for logging
                         return Err(ProxyError::BadTarget(e.clone()));
                     }
@@ -257,7 +277,11 @@ impl Proxy {
         ctx.key = Some(keys[0].clone());
         if is_copy_or_move(req.method(), req.headers()) {
             if let Some(dest) = req.headers().get("destination") {
-                keys.push(self.destination_key(rt, dest, host.as_deref(), req.headers())?);
+                let (key, rewritten) =
+                    self.destination_key(rt, dest, host.as_deref(), req.headers())?;
+                keys.push(key);
+                // The backend gets the destination it was fenced as.
+                req.headers_mut().insert("destination", rewritten);
             }
         }
         if let (Some(limit), Some(len)) =
@@ -273,9 +297,11 @@ impl Proxy {
         keys.sort();
         keys.dedup();
         let mut permits = Vec::with_capacity(keys.len());
+        // One deadline for all keys of the request.
+        let deadline = tokio::time::Instant::now() + route.upstream_timeout;
         for key in &keys {
             ctx.key = Some(key.clone());
-            match self.fence.admit(key, token, route.upstream_timeout).await {
+            match self.fence.admit(key, token, deadline).await {
                 Ok(p) => {
                     if p.waited_out {
                         self.metrics
@@ -295,6 +321,14 @@ impl Proxy {
                 Err(FenceError::Recovering { retry_after }) => {
                     return Err(ProxyError::Recovering { retry_after })
                 }
+            }
+        }
+        // Holding several keys (COPY/MOVE): while this write waited for one,
+        // a newer writer may have taken over another. It must not go now.
+        for (key, permit) in keys.iter().zip(&permits) {
+            if let Some(highest) = permit.overtaken() {
+                ctx.key = Some(key.clone());
+                return Err(ProxyError::Stale { token, highest });
             }
         }
         ctx.key = keys.first().cloned();
@@ -358,7 +392,7 @@ impl Proxy {
         dest: &HeaderValue,
         host: Option<&str>,
         headers: &HeaderMap,
-    ) -> Result<String, ProxyError> {
+    ) -> Result<(String, HeaderValue), ProxyError> {
         let bad = |why: &str| ProxyError::BadRequest(format!("Destination header: {why}"));
         let text = dest.to_str().map_err(|_| bad("not ASCII"))?;
         let uri: Uri = text.parse().map_err(|_| bad("not a URI"))?;
@@ -374,11 +408,16 @@ impl Proxy {
             key::canonicalize(target)
         }
         .map_err(ProxyError::BadTarget)?;
-        match self.find_route(host, &path.key_path, false) {
+        match self.find_route(host, &path.key_path) {
             Some(other) if std::ptr::eq(other, rt) => {}
             _ => return Err(bad("is not served by the same route")),
         }
-        self.fence_key(&rt.route, &path, headers)
+        let rewritten = match (uri.scheme(), uri.authority()) {
+            (Some(scheme), Some(auth)) => format!("{scheme}://{auth}{}", path.upstream_target),
+            _ => path.upstream_target.clone(),
+        };
+        let rewritten = HeaderValue::from_str(&rewritten).map_err(|_| bad("not ASCII"))?;
+        Ok((self.fence_key(&rt.route, &path, headers)?, rewritten))
     }
 
     async fn forward(
@@ -397,7 +436,13 @@ impl Proxy {
             .build()
             .map_err(|e| ProxyError::BadTarget(KeyError::TemplateMismatch(e.to_string())))?;
         let mut headers = parts.headers;
-        strip_hop_by_hop(&mut headers);
+        // A header the key was read from must reach the backend as fenced,
+        // even if the client listed it in Connection.
+        let key_header = match &route.key {
+            crate::key::KeyTemplate::Header(name) => Some(name),
+            _ => None,
+        };
+        strip_hop_by_hop(&mut headers, key_header);
         if route.strip_token {
             headers.remove(&FENCE_TOKEN);
         }
@@ -424,10 +469,24 @@ impl Proxy {
         *up.headers_mut() = headers;
 
         let started = Instant::now();
-        let result = tokio::time::timeout(route.upstream_timeout, rt.client.request(up)).await;
-        // The response head is in (or the exchange failed): for ordering,
-        // this write is no longer in flight once its body is done too.
-        drop(permits);
+        let exchange = tokio::time::timeout(route.upstream_timeout, rt.client.request(up));
+        let result = if permits.is_empty() {
+            exchange.await
+        } else {
+            // A write runs to its end (response head or upstream timeout)
+            // even if the client goes away: only then is it no longer in
+            // flight for ordering (its body keeps its own permits until the
+            // last byte is sent).
+            let task = self.exchanges.spawn(async move {
+                let result = exchange.await;
+                drop(permits);
+                result
+            });
+            match task.await {
+                Ok(r) => r,
+                Err(e) => return Err(ProxyError::Upstream(format!("exchange task failed: {e}"))),
+            }
+        };
         self.metrics
             .upstream_latency
             .with_label_values(&[&route.name])
@@ -465,7 +524,7 @@ impl Proxy {
             Ok(Ok(resp)) => resp,
         };
         let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
+        strip_hop_by_hop(&mut parts.headers, None);
         Ok(Response::from_parts(
             parts,
             body.map_err(|e| Box::new(e) as BoxError).boxed(),
@@ -507,8 +566,9 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// Removes hop-by-hop headers, including those named in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Removes hop-by-hop headers, including those named in `Connection`
+/// (except the fence token and `keep`, which are end to end here).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -518,7 +578,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .collect();
     for name in named.iter().chain(HOP_BY_HOP.iter()) {
         // The fence token is end to end even if a client lists it.
-        if *name != FENCE_TOKEN {
+        if *name != FENCE_TOKEN && Some(name) != keep {
             headers.remove(name);
         }
     }

@@ -19,6 +19,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
 use crate::config::{Config, StoreConfig};
@@ -51,6 +52,9 @@ pub struct Server {
     draining: CancellationToken,
     proxy_task: JoinHandle<bool>,
     admin_task: JoinHandle<bool>,
+    /// Upstream exchanges of admitted writes, which may outlive their
+    /// client connection.
+    exchanges: TaskTracker,
     grace: Duration,
 }
 
@@ -71,15 +75,17 @@ impl Server {
         let store: Arc<dyn FenceStore> = match &config.store {
             StoreConfig::Embedded { path, cache_bytes } => {
                 let (path, cache) = (path.clone(), *cache_bytes);
-                let opened = tokio::task::spawn_blocking(move || EmbeddedStore::open(&path, cache))
-                    .await
-                    .expect("store open task")?;
+                let window = config.max_upstream_timeout();
+                let opened =
+                    tokio::task::spawn_blocking(move || EmbeddedStore::open(&path, cache, window))
+                        .await
+                        .expect("store open task")?;
                 Arc::new(opened)
             }
         };
-        if store.start_state() == StartState::Unclean {
+        if let StartState::Unclean { previous_window } = store.start_state() {
             tracing::warn!(
-                window = ?config.max_upstream_timeout(),
+                window = ?config.max_upstream_timeout().max(previous_window.unwrap_or_default()),
                 "the last run did not stop cleanly: writes are refused (503) until writes forwarded before the crash can no longer be in flight"
             );
         }
@@ -90,6 +96,7 @@ impl Server {
             config.max_upstream_timeout(),
         );
         let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone()));
+        let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
             fence: fence.clone(),
@@ -133,6 +140,7 @@ impl Server {
             draining,
             proxy_task,
             admin_task,
+            exchanges,
             grace,
         })
     }
@@ -142,10 +150,17 @@ impl Server {
     pub async fn wait(self) -> bool {
         self.shutdown.cancelled().await;
         tracing::info!(grace = ?self.grace, "shutting down: draining in-flight requests");
+        let deadline = tokio::time::Instant::now() + self.grace;
         self.draining.cancel();
-        let proxy_drained = self.proxy_task.await.unwrap_or(false);
+        let connections_drained = self.proxy_task.await.unwrap_or(false);
         let _ = self.admin_task.await;
-        if !proxy_drained {
+        // Writes whose clients went away are still running upstream: they
+        // must end before a clean stop can be recorded.
+        self.exchanges.close();
+        let exchanges_done = tokio::time::timeout_at(deadline, self.exchanges.wait())
+            .await
+            .is_ok();
+        if !(connections_drained && exchanges_done) {
             tracing::warn!(
                 "grace period over with requests still in flight: not marking a clean stop"
             );

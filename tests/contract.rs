@@ -709,6 +709,20 @@ key = "/{{bucket}}"
     assert_eq!(a.json()["key"], "ledger:acct-1");
     let a = send("PATCH", &p.url("/ledger/y"), &[("x-fence-token", "2")], "").await;
     assert_problem(&a, 400, "bad-target");
+    // The key header reaches the backend even if listed in Connection.
+    let a = send(
+        "PATCH",
+        &p.url("/ledger/z"),
+        &[
+            ("x-account", "acct-1"),
+            ("connection", "x-account"),
+            ("x-fence-token", "3"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(up.records().last().unwrap().headers["x-account"], "acct-1");
     // First segment = a bucket; namespaces keep lock services apart.
     assert_eq!(put(&p.url("/b1/x"), "8").await.status, 200);
     assert_problem(&put(&p.url("/b1/y"), "7").await, 409, "stale-token");
@@ -748,4 +762,70 @@ async fn literal_routes_forward_the_raw_target_byte_for_byte() {
     assert_eq!(a.json()["key"], "default:/bucket/a//b/c/d");
     assert_problem(&put(&p.url("/bucket/%zz"), "9").await, 400, "bad-target");
     assert_eq!(up.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ambiguous_paths_do_not_fall_through_to_a_literal_route_and_hosts_are_normalised() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let u = up.url();
+    let cfg = write_config(
+        dir.path(),
+        &format!(
+            r#"
+[[routes]]
+name = "api"
+path_prefix = "/api"
+upstream = "{u}"
+
+[[routes]]
+name = "tenant"
+host = "tenant.example"
+upstream = "{u}"
+namespace = "tenant"
+
+[[routes]]
+name = "objects"
+upstream = "{u}"
+literal_keys = true
+"#
+        ),
+    );
+    let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
+    // `/api//x` is refused: it must not reach the literal catch-all.
+    for t in ["/api//x", "/api/%2e%2e/x", "/api/a%2Fb"] {
+        assert_problem(&put(&p.url(t), "1").await, 400, "bad-target");
+    }
+    // The literal route still takes what is its own.
+    assert_eq!(put(&p.url("/bucket//obj"), "1").await.status, 200);
+    // Host matching ignores case, the port and a trailing dot.
+    let a = send(
+        "PUT",
+        &p.url("/t"),
+        &[("host", "Tenant.Example.:8080"), ("x-fence-token", "4")],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    let a = send(
+        "PUT",
+        &p.url("/t"),
+        &[("host", "tenant.example"), ("x-fence-token", "3")],
+        "",
+    )
+    .await;
+    assert_problem(&a, 409, "stale-token");
+    assert_eq!(a.json()["key"], "tenant:/t");
+    // With host routes configured, a request without a host is refused.
+    let out = raw(
+        p.addr,
+        b"PUT /t HTTP/1.0\r\nX-Fence-Token: 9\r\nContent-Length: 0\r\n\r\n",
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(
+        out.starts_with("HTTP/1.0 400") || out.starts_with("HTTP/1.1 400"),
+        "{out}"
+    );
+    assert_eq!(up.count(), 2);
 }

@@ -116,3 +116,64 @@ async fn the_wait_is_bounded_by_the_upstream_timeout() {
     assert_eq!(old.await.unwrap().status, 504);
     assert_eq!(new.await.unwrap().status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_hanging_up_does_not_end_its_write_early() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    // Token 1 is sent in full, then its client disconnects while the
+    // backend is still applying it.
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"PUT /h HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-Test-Delay-Ms: 800\r\nContent-Length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(slow_put(p.url("/h"), "2", "0").await.unwrap().status, 200);
+    let r = up.records();
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0].token.as_deref(), Some("1"));
+    assert!(
+        r[1].arrived >= r[0].completed,
+        "token 2 overtook token 1 in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_overtaken_on_one_key_while_waiting_on_another_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    // An older write to /z is in flight.
+    let z = slow_put(p.url("/z"), "4", "1000");
+    eventually("z in flight", Duration::from_secs(5), || up.arrivals() == 1).await;
+    // COPY /z -> /a with token 5: takes /a, then waits behind /z.
+    let url = p.url("/z");
+    let copy = tokio::spawn(async move {
+        send(
+            "COPY",
+            &url,
+            &[("destination", "/a"), ("x-fence-token", "5")],
+            "",
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A newer holder takes /a meanwhile.
+    let newer = slow_put(p.url("/a"), "7", "0");
+    let c = copy.await.unwrap();
+    assert_eq!(c.status, 409, "{}", c.text());
+    assert_eq!(c.header("x-fence-token-highest"), Some("7"));
+    assert_eq!(newer.await.unwrap().status, 200);
+    assert_eq!(z.await.unwrap().status, 200);
+    assert!(
+        up.records().iter().all(|r| r.method != "COPY"),
+        "the overtaken COPY was applied"
+    );
+}

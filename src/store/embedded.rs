@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
@@ -22,6 +23,9 @@ const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const FORMAT_VERSION_KEY: &str = "format_version";
 const CLEAN_KEY: &str = "clean_stop";
+/// The crash-recovery window (ms) of the process that has the store open, so
+/// that a restart with a shorter upstream timeout still waits long enough.
+const WINDOW_KEY: &str = "recovery_window_ms";
 /// Bumped when the on-disk layout changes; a file from a newer version is
 /// refused rather than misread.
 pub const FORMAT_VERSION: u64 = 1;
@@ -101,7 +105,7 @@ fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
 
 /// Reads the format version and clean flag, then marks the store as in use
 /// (durably) so that a crash from here on is detected at the next start.
-fn init_meta(db: &Database, path: &Path) -> Result<StartState, OpenError> {
+fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<StartState, OpenError> {
     let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -123,7 +127,12 @@ fn init_meta(db: &Database, path: &Path) -> Result<StartState, OpenError> {
             }
             Some(_) => match meta.get(CLEAN_KEY).map_err(|e| corrupt(&e))? {
                 Some(v) if v.value() == 1 => StartState::Clean,
-                _ => StartState::Unclean,
+                _ => StartState::Unclean {
+                    previous_window: meta
+                        .get(WINDOW_KEY)
+                        .map_err(|e| corrupt(&e))?
+                        .map(|v| Duration::from_millis(v.value())),
+                },
             },
             // A new file: nothing can be in flight.
             None => StartState::Clean,
@@ -131,6 +140,16 @@ fn init_meta(db: &Database, path: &Path) -> Result<StartState, OpenError> {
         meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
             .map_err(|e| corrupt(&e))?;
         meta.insert(CLEAN_KEY, 0).map_err(|e| corrupt(&e))?;
+        let previous = match start {
+            StartState::Unclean {
+                previous_window: Some(p),
+            } => p,
+            _ => Duration::ZERO,
+        };
+        // Keep the longer window until a clean stop: a second crash during
+        // recovery must still wait for the first run's writes.
+        let ms = u64::try_from(window.max(previous).as_millis()).unwrap_or(u64::MAX);
+        meta.insert(WINDOW_KEY, ms).map_err(|e| corrupt(&e))?;
     }
     txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
     txn.commit().map_err(|e| OpenError::Io {
@@ -142,11 +161,16 @@ fn init_meta(db: &Database, path: &Path) -> Result<StartState, OpenError> {
 
 impl EmbeddedStore {
     /// Opens (or creates) the store file. `cache_bytes` bounds redb's page
-    /// cache. Refuses a file locked by another process, a corrupt file, or a
-    /// file of an unknown format version.
-    pub fn open(path: &Path, cache_bytes: usize) -> Result<Self, OpenError> {
+    /// cache; `recovery_window` (the longest upstream timeout) is recorded
+    /// for the next start. Refuses a file locked by another process, a
+    /// corrupt file, or a file of an unknown format version.
+    pub fn open(
+        path: &Path,
+        cache_bytes: usize,
+        recovery_window: Duration,
+    ) -> Result<Self, OpenError> {
         let db = open_db(path, cache_bytes)?;
-        let start = init_meta(&db, path)?;
+        let start = init_meta(&db, path, recovery_window)?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));
@@ -156,6 +180,7 @@ impl EmbeddedStore {
             cache_bytes,
             healthy: healthy.clone(),
             commits: commits.clone(),
+            closed: false,
         };
         let handle = std::thread::Builder::new()
             .name("fencegate-store".into())
@@ -243,6 +268,8 @@ struct Writer {
     cache_bytes: usize,
     healthy: Arc<AtomicBool>,
     commits: Arc<AtomicU64>,
+    /// Set once a clean stop is recorded: no write may follow it.
+    closed: bool,
 }
 
 impl Writer {
@@ -314,6 +341,9 @@ impl Writer {
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
             for op in batch.drain(..) {
                 match op {
+                    Op::Advance { reply, .. } if self.closed => {
+                        replies.push(Box::new(move || drop(reply.send(Err(StoreError::Closed)))));
+                    }
                     Op::Advance { key, token, reply } => {
                         let current = table
                             .get(key.as_str())
@@ -350,6 +380,7 @@ impl Writer {
                     }
                     Op::CloseClean { reply } => {
                         meta.insert(CLEAN_KEY, 1).map_err(|e| self.fail(e))?;
+                        self.closed = true;
                         replies.push(Box::new(move || drop(reply.send(Ok(())))));
                     }
                 }
@@ -380,7 +411,7 @@ mod tests {
     use super::*;
 
     fn open(dir: &tempfile::TempDir) -> EmbeddedStore {
-        EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20).unwrap()
+        EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(9)).unwrap()
     }
 
     #[tokio::test]
@@ -449,8 +480,17 @@ mod tests {
         s.advance("k", 1).await.unwrap();
         drop(s); // no close_clean: like a crash
         let s = open(&dir);
-        assert_eq!(s.start_state(), StartState::Unclean);
+        assert_eq!(
+            s.start_state(),
+            StartState::Unclean {
+                previous_window: Some(Duration::from_secs(9))
+            }
+        );
         s.close_clean().await.unwrap();
+        assert!(
+            matches!(s.advance("k", 2).await, Err(StoreError::Closed)),
+            "no write after the clean-stop mark"
+        );
         drop(s);
         let s = open(&dir);
         assert_eq!(s.start_state(), StartState::Clean);
@@ -470,7 +510,7 @@ mod tests {
                 .unwrap();
             txn.commit().unwrap();
         }
-        match EmbeddedStore::open(&path, 1 << 20) {
+        match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(1)) {
             Err(OpenError::UnknownVersion { found: 99, .. }) => {}
             other => panic!("expected UnknownVersion, got {:?}", other.err()),
         }
@@ -481,7 +521,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let _first = open(&dir);
         assert!(matches!(
-            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20),
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1)),
             Err(OpenError::Locked(_))
         ));
     }

@@ -41,8 +41,10 @@ pub enum StartState {
     /// A new store, or one whose last user stopped cleanly (drained).
     Clean,
     /// The last process using the store did not stop cleanly: writes it had
-    /// forwarded may still be in flight upstream.
-    Unclean,
+    /// forwarded may still be in flight upstream, for up to the recovery
+    /// window that process ran with (if recorded; it may have been longer
+    /// than this run's).
+    Unclean { previous_window: Option<Duration> },
 }
 
 /// An in-flight lease on a key, held while a write is forwarded (see

@@ -39,6 +39,16 @@ fn problem(status: StatusCode, detail: &str) -> Response<ProxyBody> {
     )
 }
 
+fn unauthorized() -> Response<ProxyBody> {
+    let mut r = problem(
+        StatusCode::UNAUTHORIZED,
+        "admin mutations need a bearer token (--admin-token-file)",
+    );
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
+}
+
 fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ProxyBody> {
     let mut r = Response::new(full(body.to_string()));
     *r.status_mut() = status;
@@ -102,6 +112,9 @@ impl Admin {
                 self.metrics
                     .recovering
                     .set(i64::from(self.fence.recovering_for().is_some()));
+                self.metrics
+                    .store_amnesia
+                    .set(i64::from(self.fence.store().amnesia().is_some()));
                 let mut r = Response::new(full(self.metrics.render()));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -120,6 +133,19 @@ impl Admin {
                         Ok(None) => problem(StatusCode::NOT_FOUND, "this key has never been fenced"),
                         Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
                     },
+                }
+            }
+            "/v1/store/confirm-reset" if req.method() == Method::POST => {
+                if !self.authorized(&req) {
+                    unauthorized()
+                } else {
+                    match self.fence.store().confirm_reset().await {
+                        Ok(()) => {
+                            tracing::warn!("store reset confirmed through the admin API");
+                            json_response(StatusCode::OK, json!({"status": "confirmed"}))
+                        }
+                        Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+                    }
                 }
             }
             "/metrics" | "/healthz" | "/readyz" => {

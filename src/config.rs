@@ -43,6 +43,10 @@ pub struct RawConfig {
     pub store: Option<String>,
     /// redb page cache, MiB.
     pub store_cache_mib: Option<u64>,
+    /// Timeout of shared-store calls.
+    pub store_timeout: Option<String>,
+    /// Accept a shared store that lost data (after checking why).
+    pub accept_store_reset: Option<bool>,
     /// How many highest tokens to keep in memory.
     pub highest_cache_entries: Option<u64>,
     pub admin_token_file: Option<PathBuf>,
@@ -81,7 +85,30 @@ pub struct RawRoute {
 /// Where fences are kept.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
+    /// The local redb file (one fencegate process).
     Embedded { path: PathBuf, cache_bytes: usize },
+    /// A shared server several replicas use.
+    Shared(SharedStoreConfig),
+}
+
+/// A shared store and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedStoreConfig {
+    pub engine: SharedEngine,
+    /// The URL as given (printed back by check-config).
+    pub url: String,
+    /// Bounds every store call and connect.
+    pub timeout: Duration,
+    /// Confirm a store reset (lost data) at start.
+    pub accept_reset: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedEngine {
+    Redis,
+    Postgres,
+    /// Client URLs (`http://host:port`), one per endpoint.
+    Etcd(Vec<String>),
 }
 
 /// Which methods are writes on a route.
@@ -273,12 +300,39 @@ fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
         .store
         .as_deref()
         .ok_or_else(|| invalid("store", "is required (a file path such as ./fences.redb)"))?;
+    let shared = |engine| -> Result<StoreConfig, ConfigError> {
+        Ok(StoreConfig::Shared(SharedStoreConfig {
+            engine,
+            url: text.to_string(),
+            timeout: duration("store_timeout", &raw.store_timeout, Duration::from_secs(2))?,
+            accept_reset: raw.accept_store_reset.unwrap_or(false),
+        }))
+    };
     let path = match text.split_once("://") {
         Some(("redb", p)) => p,
+        Some(("redis", _)) => return shared(SharedEngine::Redis),
+        Some(("rediss", _)) => {
+            return Err(invalid(
+                "store",
+                "rediss:// (TLS) is not supported yet; reach Redis over a trusted network or a TLS tunnel",
+            ))
+        }
+        Some(("postgres" | "postgresql", _)) => return shared(SharedEngine::Postgres),
+        Some(("etcd", rest)) => {
+            let mut endpoints = Vec::new();
+            for ep in rest.trim_end_matches('/').split(',') {
+                let ep = ep.trim();
+                if ep.is_empty() || ep.contains('/') || !ep.contains(':') {
+                    return Err(invalid("store", format!("etcd endpoint `{ep}` is not host:port")));
+                }
+                endpoints.push(format!("http://{ep}"));
+            }
+            return shared(SharedEngine::Etcd(endpoints));
+        }
         Some((scheme, _)) => {
             return Err(invalid(
                 "store",
-                format!("unsupported store `{scheme}://`; use a file path or redb://PATH"),
+                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, postgres:// or etcd://"),
             ))
         }
         None => text,
@@ -506,12 +560,27 @@ impl RawConfig {
 impl Config {
     /// The effective configuration, every default filled in, as TOML.
     pub fn to_toml(&self) -> String {
-        let StoreConfig::Embedded { path, cache_bytes } = &self.store;
+        let (store, cache_mib, store_timeout, accept) = match &self.store {
+            StoreConfig::Embedded { path, cache_bytes } => (
+                path.display().to_string(),
+                Some((*cache_bytes >> 20) as u64),
+                None,
+                None,
+            ),
+            StoreConfig::Shared(s) => (
+                s.url.clone(),
+                None,
+                Some(format_duration(s.timeout)),
+                Some(s.accept_reset),
+            ),
+        };
         let raw = RawConfig {
             listen: Some(self.listen.to_string()),
             admin_listen: Some(self.admin_listen.to_string()),
-            store: Some(path.display().to_string()),
-            store_cache_mib: Some((*cache_bytes >> 20) as u64),
+            store: Some(store),
+            store_cache_mib: cache_mib,
+            store_timeout,
+            accept_store_reset: accept,
             highest_cache_entries: Some(self.highest_cache_entries as u64),
             admin_token_file: self.admin_token_file.clone(),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
@@ -617,7 +686,16 @@ mod tests {
             ),
             (|r| r.routes[0].upstream = None, "routes[0].upstream"),
             (|r| r.store = Some("/no/such/dir/f.redb".into()), "store"),
-            (|r| r.store = Some("redis://x".into()), "store"),
+            (|r| r.store = Some("rediss://x".into()), "store"),
+            (|r| r.store = Some("mongodb://x".into()), "store"),
+            (|r| r.store = Some("etcd://a:1,/x".into()), "store"),
+            (
+                |r| {
+                    r.store = Some("redis://127.0.0.1:6379".into());
+                    r.store_timeout = Some("x".into());
+                },
+                "store_timeout",
+            ),
             (|r| r.store = None, "store"),
             (|r| r.listen = Some("8080".into()), "listen"),
             (|r| r.routes[0].key = Some("bucket".into()), "routes[0].key"),
@@ -665,6 +743,36 @@ mod tests {
                 "expected {field} in: {e}"
             );
         }
+    }
+
+    #[test]
+    fn store_urls() {
+        let store = |url: &str| {
+            let mut raw = base();
+            raw.store = Some(url.into());
+            Config::try_from(raw).unwrap().store
+        };
+        let shared = |url: &str| match store(url) {
+            StoreConfig::Shared(s) => s.engine,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(shared("redis://127.0.0.1:6379/0"), SharedEngine::Redis);
+        assert_eq!(shared("postgres://u@127.0.0.1/db"), SharedEngine::Postgres);
+        assert_eq!(
+            shared("postgresql://u@127.0.0.1/db"),
+            SharedEngine::Postgres
+        );
+        assert_eq!(
+            shared("etcd://127.0.0.1:2379,127.0.0.2:2379"),
+            SharedEngine::Etcd(vec![
+                "http://127.0.0.1:2379".into(),
+                "http://127.0.0.2:2379".into()
+            ])
+        );
+        assert!(matches!(
+            store("redb:///tmp/x.redb"),
+            StoreConfig::Embedded { .. }
+        ));
     }
 
     #[test]

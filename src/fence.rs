@@ -154,7 +154,7 @@ impl Fence {
                 capacity: cache_capacity,
             },
             recovering_until,
-            lease_ttl: recovery_window + Duration::from_secs(5),
+            lease_ttl: recovery_window + Duration::from_secs(1),
         })
     }
 
@@ -247,6 +247,9 @@ impl Fence {
             return Err(FenceError::Recovering { retry_after });
         }
         let key: Arc<str> = Arc::from(key);
+        if !self.store.exclusive() {
+            return self.admit_shared(key, token).await;
+        }
         // Removes the gate again if this admission fails or is abandoned
         // (the client hung up while waiting).
         let guard = GateGuard {
@@ -328,41 +331,121 @@ impl Fence {
         }
     }
 
-    /// Wraps the local in-flight mark into a [`Permit`], taking the store's
-    /// cross-replica lease first when the store is shared.
+    /// Wraps the local in-flight mark into a [`Permit`].
     async fn with_lease(
         self: &Arc<Self>,
         key: &Arc<str>,
         gate: &Arc<KeyGate>,
         token: u64,
-        deadline: Instant,
+        _deadline: Instant,
         waited_out: bool,
     ) -> Result<Permit, FenceError> {
-        let mut permit = Permit {
+        Ok(Permit {
             fence: self.clone(),
             gate: Some(gate.clone()),
             key: key.clone(),
             token,
             lease: None,
             waited_out,
-        };
-        if self.store.exclusive() {
-            return Ok(permit);
-        }
+        })
+    }
+
+    /// Admission on a shared store: the store raises, registers a lease and
+    /// checks for older leases atomically (see
+    /// [`FenceStore::acquire_lease`]); this polls until older writes, on any
+    /// replica, are released or their leases expired.
+    async fn admit_shared(
+        self: &Arc<Self>,
+        key: Arc<str>,
+        token: u64,
+    ) -> Result<Permit, FenceError> {
+        let mut outcome = self
+            .store
+            .acquire_lease(&key, token, self.lease_ttl)
+            .await?;
+        // Older leases expire after lease_ttl on the store's clock; a little
+        // more than that is the longest a wait can legitimately take.
+        let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
+        let mut pause = Duration::from_millis(2);
         loop {
-            match self.store.acquire_lease(key, token, self.lease_ttl).await? {
-                LeaseOutcome::Granted(lease) => {
-                    permit.lease = Some(lease);
-                    return Ok(permit);
+            match outcome {
+                LeaseOutcome::Stale { highest } => {
+                    return Err(FenceError::Stale { token, highest })
                 }
-                LeaseOutcome::Busy { retry_after } => {
-                    if Instant::now() + retry_after > deadline {
-                        permit.waited_out = true;
-                        return Ok(permit);
+                LeaseOutcome::Granted(lease) => {
+                    return Ok(Permit {
+                        fence: self.clone(),
+                        gate: None,
+                        key,
+                        token,
+                        lease: Some(lease),
+                        waited_out: false,
+                    })
+                }
+                LeaseOutcome::Busy { lease, retry_after } => {
+                    // Until it is granted, the lease is released if this
+                    // admission ends any other way (error, client gone).
+                    let pending = PendingLease {
+                        store: self.store.clone(),
+                        key: key.clone(),
+                        lease: Some(lease),
+                    };
+                    if Instant::now() >= deadline {
+                        return Err(StoreError::Unavailable(
+                            "an older write's lease neither ended nor expired".into(),
+                        )
+                        .into());
                     }
-                    tokio::time::sleep(retry_after).await;
+                    tokio::time::sleep(retry_after.min(pause)).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                    let lease = pending.lease.as_ref().expect("held");
+                    outcome = self.store.poll_lease(&key, lease).await?;
+                    if matches!(outcome, LeaseOutcome::Granted(_)) {
+                        pending.disarm();
+                    }
                 }
             }
+        }
+    }
+
+    /// For a write holding several keys: the highest token of a key if it
+    /// rose above the permit's token after admission (the write must not go).
+    pub async fn overtaken(&self, permit: &Permit) -> Result<Option<u64>, FenceError> {
+        if let Some(gate) = &permit.gate {
+            let st = gate.state.lock().expect("gate lock");
+            return Ok(st.highest.filter(|h| *h > permit.token));
+        }
+        let Some(lease) = &permit.lease else {
+            return Ok(None);
+        };
+        Ok(match self.store.poll_lease(&permit.key, lease).await? {
+            LeaseOutcome::Stale { highest } => Some(highest),
+            _ => None,
+        })
+    }
+}
+
+/// A registered lease that is not granted yet; released on drop unless
+/// disarmed.
+struct PendingLease {
+    store: Arc<dyn FenceStore>,
+    key: Arc<str>,
+    lease: Option<WriteLease>,
+}
+
+impl PendingLease {
+    fn disarm(mut self) {
+        self.lease = None;
+    }
+}
+
+impl Drop for PendingLease {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            let (store, key) = (self.store.clone(), self.key.clone());
+            tokio::spawn(async move {
+                let _ = store.release_lease(&key, &lease).await;
+            });
         }
     }
 }
@@ -385,20 +468,19 @@ impl Permit {
     pub fn token(&self) -> u64 {
         self.token
     }
-
-    /// The highest token of the key if it has risen above this permit's
-    /// token since admission. A write holding several permits (COPY/MOVE)
-    /// checks this once it holds all of them: while it waited for one key, a
-    /// newer writer may have taken over another.
-    pub fn overtaken(&self) -> Option<u64> {
-        let gate = self.gate.as_ref()?;
-        let st = gate.state.lock().expect("gate lock");
-        st.highest.filter(|h| *h > self.token)
-    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            let store = self.fence.store.clone();
+            let key = self.key.clone();
+            tokio::spawn(async move {
+                if let Err(e) = store.release_lease(&key, &lease).await {
+                    tracing::debug!(error = %e, "lease release failed; it will expire");
+                }
+            });
+        }
         let Some(gate) = self.gate.take() else { return };
         {
             let mut st = gate.state.lock().expect("gate lock");
@@ -411,15 +493,6 @@ impl Drop for Permit {
         }
         gate.changed.notify_waiters();
         drop(gate);
-        if let Some(lease) = self.lease.take() {
-            if lease.id.is_some() {
-                let store = self.fence.store.clone();
-                let key = self.key.clone();
-                tokio::spawn(async move {
-                    let _ = store.release_lease(&key, lease).await;
-                });
-            }
-        }
         self.fence.release_gate(&self.key);
     }
 }

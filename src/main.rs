@@ -47,6 +47,13 @@ struct Opts {
     /// Fence store: a file path (or redb://PATH).
     #[arg(long, env = "FENCEGATE_STORE", global = true)]
     store: Option<String>,
+    /// Timeout of shared-store calls (redis://, postgres://, etcd://).
+    #[arg(long, env = "FENCEGATE_STORE_TIMEOUT", global = true)]
+    store_timeout: Option<String>,
+    /// Accept a shared store that lost data: write back the fences this
+    /// replica knows and record a new marker (see docs/stores.md).
+    #[arg(long, env = "FENCEGATE_ACCEPT_STORE_RESET", global = true)]
+    accept_store_reset: bool,
     /// File holding the bearer token for mutating admin endpoints.
     #[arg(long, env = "FENCEGATE_ADMIN_TOKEN_FILE", global = true)]
     admin_token_file: Option<PathBuf>,
@@ -113,6 +120,10 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.admin_listen, &opts.admin_listen);
     set(&mut raw.store, &opts.store);
     set(&mut raw.shutdown_grace, &opts.shutdown_grace);
+    set(&mut raw.store_timeout, &opts.store_timeout);
+    if opts.accept_store_reset {
+        raw.accept_store_reset = Some(true);
+    }
     set(
         &mut raw.limits.header_read_timeout,
         &opts.header_read_timeout,

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub store_up: IntGauge,
     /// 1 while in the crash-recovery window after an unclean stop.
     pub recovering: IntGauge,
+    /// 1 while a shared store is suspected of having lost data.
+    pub store_amnesia: IntGauge,
 }
 
 impl Metrics {
@@ -127,8 +129,17 @@ impl Metrics {
         registry
             .register(Box::new(recovering.clone()))
             .expect("register");
+        let store_amnesia = IntGauge::new(
+            "fencegate_store_amnesia",
+            "1 while writes are refused because the shared store may have lost data.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(store_amnesia.clone()))
+            .expect("register");
         store_up.set(1);
         Self {
+            store_amnesia,
             registry,
             writes,
             requests,
@@ -224,12 +235,28 @@ impl crate::store::FenceStore for InstrumentedStore {
         self.observe("acquire_lease", t);
         r
     }
+    async fn poll_lease(
+        &self,
+        key: &str,
+        lease: &crate::store::WriteLease,
+    ) -> Result<crate::store::LeaseOutcome, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.poll_lease(key, lease).await;
+        self.observe("poll_lease", t);
+        r
+    }
     async fn release_lease(
         &self,
         key: &str,
-        lease: crate::store::WriteLease,
+        lease: &crate::store::WriteLease,
     ) -> Result<(), crate::store::StoreError> {
         self.inner.release_lease(key, lease).await
+    }
+    fn amnesia(&self) -> Option<String> {
+        self.inner.amnesia()
+    }
+    async fn confirm_reset(&self) -> Result<(), crate::store::StoreError> {
+        self.inner.confirm_reset().await
     }
     async fn ping(&self) -> Result<(), crate::store::StoreError> {
         self.inner.ping().await

@@ -325,8 +325,13 @@ impl Proxy {
         }
         // Holding several keys (COPY/MOVE): while this write waited for one,
         // a newer writer may have taken over another. It must not go now.
-        for (key, permit) in keys.iter().zip(&permits) {
-            if let Some(highest) = permit.overtaken() {
+        for (key, permit) in keys.iter().zip(&permits).filter(|_| keys.len() > 1) {
+            let overtaken = self
+                .fence
+                .overtaken(permit)
+                .await
+                .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
+            if let Some(highest) = overtaken {
                 ctx.key = Some(key.clone());
                 return Err(ProxyError::Stale { token, highest });
             }

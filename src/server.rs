@@ -35,6 +35,8 @@ use crate::store::{FenceStore, StartState};
 pub enum ServerError {
     #[error(transparent)]
     Store(#[from] OpenError),
+    #[error("invalid `store`: {0}")]
+    SharedStore(String),
     #[error("cannot listen on {addr} (`{field}`): {reason}")]
     Bind {
         field: &'static str,
@@ -82,6 +84,7 @@ impl Server {
                         .expect("store open task")?;
                 Arc::new(opened)
             }
+            StoreConfig::Shared(shared) => crate::store::connect_shared(shared)?,
         };
         if let StartState::Unclean { previous_window } = store.start_state() {
             tracing::warn!(

@@ -6,10 +6,39 @@
 //! several replicas can enforce one fence.
 
 pub mod embedded;
+pub mod etcd;
+pub mod postgres;
+pub mod redis;
+pub mod shared;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+
+use crate::config::{SharedEngine, SharedStoreConfig};
+
+/// Builds the shared store a config names. Connects lazily: a store that is
+/// down at start makes writes fail closed until it answers.
+pub fn connect_shared(
+    c: &SharedStoreConfig,
+) -> Result<Arc<dyn FenceStore>, crate::server::ServerError> {
+    let bad = |e: String| crate::server::ServerError::SharedStore(e);
+    Ok(match &c.engine {
+        SharedEngine::Redis => Arc::new(shared::SharedStore::new(
+            redis::RedisBackend::new(&c.url, c.timeout).map_err(bad)?,
+            c.accept_reset,
+        )),
+        SharedEngine::Postgres => Arc::new(shared::SharedStore::new(
+            postgres::PostgresBackend::new(&c.url, c.timeout, 8).map_err(bad)?,
+            c.accept_reset,
+        )),
+        SharedEngine::Etcd(endpoints) => Arc::new(shared::SharedStore::new(
+            etcd::EtcdBackend::new(endpoints.clone(), c.timeout),
+            c.accept_reset,
+        )),
+    })
+}
 
 /// What [`FenceStore::advance`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +62,11 @@ pub enum StoreError {
     /// The store is shutting down or was closed.
     #[error("fence store closed")]
     Closed,
+    /// The store may have lost data (its marker is missing or older than
+    /// this process saw, or a key's highest went down): writes are refused
+    /// until an operator confirms.
+    #[error("fence store may have lost data ({0}); writes are refused until an operator confirms (POST /v1/store/confirm-reset or --accept-store-reset)")]
+    Amnesia(String),
 }
 
 /// What was found when the store was opened.
@@ -49,21 +83,30 @@ pub enum StartState {
 
 /// An in-flight lease on a key, held while a write is forwarded (see
 /// [`FenceStore::acquire_lease`]).
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteLease {
-    /// Engine-specific identity of the lease; `None` for engines that order
-    /// writes in-process only.
-    pub id: Option<String>,
+    /// Unique identity of the lease in the store.
+    pub id: String,
+    /// The token of the write holding it.
+    pub token: u64,
 }
 
-/// The answer to [`FenceStore::acquire_lease`].
-#[derive(Debug)]
+/// The answer to [`FenceStore::acquire_lease`] and [`FenceStore::poll_lease`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseOutcome {
-    /// No older-token write holds the key anywhere; forward.
+    /// The token is the key's highest and no older-token lease is held
+    /// anywhere: forward, then release.
     Granted(WriteLease),
-    /// An older-token write holds the key (on another replica); retry after
-    /// the given pause, up to the caller's deadline.
-    Busy { retry_after: Duration },
+    /// The lease is registered (so older writers are now stale and newer ones
+    /// wait for it), but an older-token lease is still held: poll again after
+    /// the pause. Older leases expire by themselves.
+    Busy {
+        lease: WriteLease,
+        retry_after: Duration,
+    },
+    /// A higher token holds the key; nothing is registered (a lease being
+    /// polled is removed).
+    Stale { highest: u64 },
 }
 
 /// A durable map from fence key to the highest token seen.
@@ -94,11 +137,14 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Concurrent calls on one key are linearizable.
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
 
-    /// Cross-replica ordering: records that a write with `token` is about to
-    /// be forwarded for `key`, expiring after `ttl` even if never released.
-    /// Answers `Busy` while an unexpired lease with an older token is held by
-    /// someone else. Engines with a single writer order writes in-process and
-    /// grant at once without I/O.
+    /// Cross-replica admission, for shared stores, in one atomic step:
+    /// refuse if the stored highest is above `token` (`Stale`); raise it
+    /// durably if `token` is higher; register an in-flight lease for `token`
+    /// expiring after `ttl` (on the store's clock); answer `Granted` if no
+    /// unexpired older-token lease is held by anyone, else `Busy`.
+    /// Registering before checking makes the protocol safe: of two writers,
+    /// the later one to register always sees the earlier one.
+    /// Exclusive stores are never asked (the fence orders in-process).
     async fn acquire_lease(
         &self,
         key: &str,
@@ -106,13 +152,32 @@ pub trait FenceStore: Send + Sync + 'static {
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
         let _ = (key, token, ttl);
-        Ok(LeaseOutcome::Granted(WriteLease { id: None }))
+        Err(StoreError::Unavailable("this store has no leases".into()))
     }
 
-    /// Releases a lease from [`acquire_lease`](Self::acquire_lease). Best
-    /// effort: a lease that is not released expires by itself.
-    async fn release_lease(&self, key: &str, lease: WriteLease) -> Result<(), StoreError> {
+    /// Re-checks a `Busy` lease: `Stale` (and the lease removed) if a higher
+    /// token took the key meanwhile, `Granted` once no older lease is held.
+    async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {
         let _ = (key, lease);
+        Err(StoreError::Unavailable("this store has no leases".into()))
+    }
+
+    /// Releases a lease. Best effort: a lease that is not released expires.
+    async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
+        let _ = (key, lease);
+        Ok(())
+    }
+
+    /// Why the store is refusing writes because it may have lost data
+    /// (see `docs/stores.md`), if it is.
+    fn amnesia(&self) -> Option<String> {
+        None
+    }
+
+    /// An operator's confirmation that a store which lost data may be used
+    /// again: fences this process knows are written back, and a new marker
+    /// is recorded.
+    async fn confirm_reset(&self) -> Result<(), StoreError> {
         Ok(())
     }
 

@@ -18,6 +18,8 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+pub mod servers;
+
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = BoxBody<Bytes, BoxError>;
 
@@ -128,14 +130,14 @@ async fn upstream_handle(
             .and_then(|v| v.to_str().ok())
             .map(str::to_string)
     };
-    if let Some(ms) = header("x-test-delay-ms").and_then(|v| v.parse().ok()) {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
+    let delay = header("x-test-delay-ms").and_then(|v| v.parse().ok());
     let status = header("x-test-status")
         .and_then(|v| v.parse::<u16>().ok())
         .and_then(|s| StatusCode::from_u16(s).ok())
         .unwrap_or(StatusCode::OK);
-    records.lock().unwrap().push(Record {
+    // Applying runs detached, like a backend that finishes a request whose
+    // client (the proxy) went away.
+    let record = Record {
         method: parts.method.to_string(),
         target,
         token,
@@ -143,8 +145,17 @@ async fn upstream_handle(
         body_len: len,
         body_hash: hash,
         arrived,
-        completed: Instant::now(),
+        completed: arrived,
+    };
+    let applied = tokio::spawn(async move {
+        if let Some(ms) = delay {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let mut record = record;
+        record.completed = Instant::now();
+        records.lock().unwrap().push(record);
     });
+    let _ = applied.await;
     let mut resp = Response::new(Full::new(Bytes::from(format!(
         "applied {} {} len={len}",
         parts.method,
@@ -194,15 +205,17 @@ pub struct Proxy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub child: Child,
-    pub store: PathBuf,
     args: Vec<String>,
+    log_dir: PathBuf,
     stderr_log: PathBuf,
 }
 
 /// Builder for a fencegate process: the quick-start flags plus extras.
 pub struct ProxyBuilder {
     upstream: Option<String>,
-    store: PathBuf,
+    /// A file path or a shared-store URL.
+    store: String,
+    dir: PathBuf,
     args: Vec<String>,
 }
 
@@ -210,7 +223,8 @@ impl ProxyBuilder {
     pub fn new(upstream: &str, dir: &Path) -> Self {
         Self {
             upstream: Some(upstream.to_string()),
-            store: dir.join("fences.redb"),
+            store: dir.join("fences.redb").display().to_string(),
+            dir: dir.to_path_buf(),
             args: Vec::new(),
         }
     }
@@ -218,12 +232,17 @@ impl ProxyBuilder {
     pub fn with_config(config: &Path, dir: &Path) -> Self {
         Self {
             upstream: None,
-            store: dir.join("fences.redb"),
+            store: dir.join("fences.redb").display().to_string(),
+            dir: dir.to_path_buf(),
             args: vec!["--config".into(), config.display().to_string()],
         }
     }
     pub fn store(mut self, path: &Path) -> Self {
-        self.store = path.to_path_buf();
+        self.store = path.display().to_string();
+        self
+    }
+    pub fn store_url(mut self, url: &str) -> Self {
+        self.store = url.to_string();
         self
     }
     pub fn arg(mut self, a: &str) -> Self {
@@ -241,14 +260,14 @@ impl ProxyBuilder {
             "--admin-listen".into(),
             "127.0.0.1:0".into(),
             "--store".into(),
-            self.store.display().to_string(),
+            self.store.clone(),
         ];
         if let Some(u) = &self.upstream {
             args.push("--upstream".into());
             args.push(u.clone());
         }
         args.extend(self.args);
-        Proxy::spawn_with(args, self.store)
+        Proxy::spawn_with(args, self.dir)
     }
 }
 
@@ -257,9 +276,9 @@ pub fn bin() -> &'static str {
 }
 
 impl Proxy {
-    fn spawn_with(args: Vec<String>, store: PathBuf) -> Proxy {
-        let stderr_log = store.with_extension(format!(
-            "stderr.{}.log",
+    fn spawn_with(args: Vec<String>, log_dir: PathBuf) -> Proxy {
+        let stderr_log = log_dir.join(format!(
+            "fencegate-{}.log",
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
@@ -290,8 +309,8 @@ impl Proxy {
             addr: p.parse().unwrap(),
             admin: a.parse().unwrap(),
             child,
-            store,
             args,
+            log_dir,
             stderr_log,
         }
     }
@@ -322,7 +341,7 @@ impl Proxy {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let again = Proxy::spawn_with(self.args.clone(), self.store.clone());
+        let again = Proxy::spawn_with(self.args.clone(), self.log_dir.clone());
         *self = again;
     }
 

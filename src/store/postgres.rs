@@ -1,0 +1,451 @@
+//! The PostgreSQL store: fences and leases in tables, each operation one
+//! call of a PL/pgSQL function (one round trip, one transaction).
+//!
+//! Tokens are `numeric(20,0)` with a check constraint on the u64 range
+//! (`bigint` is signed and would lose the upper half); they cross the wire as
+//! text. The schema is created or migrated at connect, under an advisory
+//! lock so that replicas starting together do not race. Lease expiry uses
+//! the server's clock (`clock_timestamp()`). A raise is durable when its
+//! transaction commits with `synchronous_commit` on (the default; fencegate
+//! warns at connect when it is off).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio_postgres::{Client, NoTls};
+
+use super::shared::{Backend, Marker};
+use super::{Advance, LeaseOutcome, StoreError, WriteLease};
+
+/// Bumped with every change below; recorded in `fencegate_schema`.
+const SCHEMA_VERSION: i32 = 1;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL);
+CREATE TABLE IF NOT EXISTS fencegate_fences (
+    key text PRIMARY KEY,
+    highest numeric(20,0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615)
+);
+CREATE TABLE IF NOT EXISTS fencegate_leases (
+    id text PRIMARY KEY,
+    key text NOT NULL,
+    token numeric(20,0) NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS fencegate_leases_key ON fencegate_leases (key, token);
+CREATE TABLE IF NOT EXISTS fencegate_marker (
+    id integer PRIMARY KEY CHECK (id = 1),
+    epoch text NOT NULL,
+    seq bigint NOT NULL
+);
+
+-- Raise if higher; 'stale' | 'equal' | 'raised', with the previous highest.
+CREATE OR REPLACE FUNCTION fencegate_advance(k text, t numeric)
+RETURNS TABLE(status text, value text) LANGUAGE plpgsql AS $$
+DECLARE h numeric;
+BEGIN
+    SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO fencegate_fences AS f (key, highest) VALUES (k, t)
+            ON CONFLICT (key) DO UPDATE SET highest = GREATEST(f.highest, EXCLUDED.highest)
+            RETURNING f.highest INTO h;
+        IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
+        RETURN QUERY SELECT 'raised'::text, NULL::text; RETURN;
+    END IF;
+    IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
+    IF h = t THEN RETURN QUERY SELECT 'equal'::text, h::text; RETURN; END IF;
+    UPDATE fencegate_fences SET highest = t WHERE key = k;
+    RETURN QUERY SELECT 'raised'::text, h::text;
+END $$;
+
+-- Shared by acquire and poll: with the fence row locked, drop expired
+-- leases, (re)register this one, and say whether an older one remains.
+CREATE OR REPLACE FUNCTION fencegate_register(k text, t numeric, lid text, ttl_ms bigint)
+RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM fencegate_leases l WHERE l.key = k AND l.expires_at <= clock_timestamp();
+    INSERT INTO fencegate_leases (id, key, token, expires_at)
+        VALUES (lid, k, t, clock_timestamp() + ttl_ms * interval '1 millisecond')
+        ON CONFLICT (id) DO NOTHING;
+    IF EXISTS (SELECT 1 FROM fencegate_leases l WHERE l.key = k AND l.token < t) THEN
+        RETURN 'busy';
+    END IF;
+    RETURN 'granted';
+END $$;
+
+CREATE OR REPLACE FUNCTION fencegate_acquire(k text, t numeric, lid text, ttl_ms bigint)
+RETURNS TABLE(status text, value text) LANGUAGE plpgsql AS $$
+DECLARE h numeric;
+BEGIN
+    INSERT INTO fencegate_fences AS f (key, highest) VALUES (k, t)
+        ON CONFLICT (key) DO UPDATE SET highest = EXCLUDED.highest WHERE f.highest < EXCLUDED.highest;
+    -- The row lock serializes every admission on this key until commit.
+    SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
+    IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
+    RETURN QUERY SELECT fencegate_register(k, t, lid, ttl_ms), t::text;
+END $$;
+
+CREATE OR REPLACE FUNCTION fencegate_poll(k text, t numeric, lid text, ttl_ms bigint)
+RETURNS TABLE(status text, value text) LANGUAGE plpgsql AS $$
+DECLARE h numeric;
+BEGIN
+    SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
+    IF NOT FOUND THEN RETURN QUERY SELECT 'lost'::text, ''::text; RETURN; END IF;
+    IF h > t THEN
+        DELETE FROM fencegate_leases WHERE id = lid;
+        RETURN QUERY SELECT 'stale'::text, h::text; RETURN;
+    END IF;
+    RETURN QUERY SELECT fencegate_register(k, t, lid, ttl_ms), t::text;
+END $$;
+"#;
+
+/// A small pool of PostgreSQL connections that reconnect after failures.
+/// Several connections matter: one waiting on a key's row lock must not hold
+/// up admissions on other keys.
+pub struct PostgresBackend {
+    url: String,
+    timeout: Duration,
+    slots: Vec<tokio::sync::Mutex<Option<Client>>>,
+    next: AtomicUsize,
+    session: AtomicU64,
+    last_failure: Mutex<Option<Instant>>,
+    schema_ready: tokio::sync::Mutex<bool>,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("postgres: {e}"))
+}
+
+fn parse_token(v: &str) -> Result<u64, StoreError> {
+    v.parse()
+        .map_err(|_| unavailable(format!("unexpected token value {v:?} in the store")))
+}
+
+fn lease_outcome(status: &str, value: &str, lease: WriteLease) -> Result<LeaseOutcome, StoreError> {
+    match status {
+        "stale" => Ok(LeaseOutcome::Stale {
+            highest: parse_token(value)?,
+        }),
+        "busy" => Ok(LeaseOutcome::Busy {
+            lease,
+            retry_after: Duration::from_millis(5),
+        }),
+        "granted" => Ok(LeaseOutcome::Granted(lease)),
+        "lost" => Err(StoreError::Amnesia(
+            "a fence vanished while a write was waiting on it".into(),
+        )),
+        other => Err(unavailable(format!("unexpected answer {other}"))),
+    }
+}
+
+impl PostgresBackend {
+    pub fn new(url: &str, timeout: Duration, pool_size: usize) -> Result<Self, String> {
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            url: url.to_string(),
+            timeout,
+            slots: (0..pool_size.max(1))
+                .map(|_| tokio::sync::Mutex::new(None))
+                .collect(),
+            next: AtomicUsize::new(0),
+            session: AtomicU64::new(0),
+            last_failure: Mutex::new(None),
+            schema_ready: tokio::sync::Mutex::new(false),
+        })
+    }
+
+    async fn connect(&self) -> Result<Client, StoreError> {
+        if let Some(t) = *self.last_failure.lock().expect("lock") {
+            if t.elapsed() < Duration::from_millis(200) {
+                return Err(unavailable("not connected (retrying)"));
+            }
+        }
+        let mut config: tokio_postgres::Config = self.url.parse().map_err(unavailable)?;
+        config.connect_timeout(self.timeout);
+        let connected = tokio::time::timeout(self.timeout, config.connect(NoTls)).await;
+        let (client, connection) = match connected {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                return Err(unavailable(e));
+            }
+            Err(_) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                return Err(unavailable("connect timed out"));
+            }
+        };
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "postgres connection ended");
+            }
+        });
+        *self.last_failure.lock().expect("lock") = None;
+        self.ensure_schema(&client).await?;
+        self.session.fetch_add(1, Ordering::AcqRel);
+        Ok(client)
+    }
+
+    /// Creates or migrates the schema once per process (idempotent, under an
+    /// advisory lock), and warns if commits are not durable.
+    async fn ensure_schema(&self, client: &Client) -> Result<(), StoreError> {
+        let mut ready = self.schema_ready.lock().await;
+        if *ready {
+            return Ok(());
+        }
+        let sql = format!(
+            "BEGIN;
+             SELECT pg_advisory_xact_lock(7427811501);
+             {SCHEMA}
+             DELETE FROM fencegate_schema;
+             INSERT INTO fencegate_schema (version) VALUES ({SCHEMA_VERSION});
+             COMMIT;"
+        );
+        tokio::time::timeout(self.timeout * 5, client.batch_execute(&sql))
+            .await
+            .map_err(|_| unavailable("schema setup timed out"))?
+            .map_err(|e| unavailable(format!("schema setup: {e}")))?;
+        if let Ok(row) = client.query_one("SHOW synchronous_commit", &[]).await {
+            let v: String = row.get(0);
+            if v == "off" {
+                tracing::warn!("postgres synchronous_commit is off: an acknowledged fence can be lost in a crash (see docs/stores.md)");
+            }
+        }
+        *ready = true;
+        tracing::info!("connected to postgres; schema version {SCHEMA_VERSION} ready");
+        Ok(())
+    }
+
+    /// Runs `f` on one pooled connection, reconnecting it if needed; a
+    /// failed connection is dropped so the next call reconnects.
+    async fn with_client<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(Client) -> Fut,
+        Fut: std::future::Future<Output = (Client, Result<T, tokio_postgres::Error>)>,
+    {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let mut slot = self.slots[i].lock().await;
+        let client = match slot.take() {
+            Some(c) if !c.is_closed() => c,
+            _ => self.connect().await?,
+        };
+        match tokio::time::timeout(self.timeout, f(client)).await {
+            Ok((client, Ok(v))) => {
+                *slot = Some(client);
+                Ok(v)
+            }
+            Ok((client, Err(e))) => {
+                if !client.is_closed() && e.as_db_error().is_some() {
+                    *slot = Some(client);
+                }
+                Err(unavailable(e))
+            }
+            // The client went with the timed-out future: reconnect next time.
+            Err(_) => Err(unavailable("timed out")),
+        }
+    }
+
+    async fn call(
+        &self,
+        sql: &'static str,
+        key: &str,
+        token: u64,
+        extra: Option<(&str, i64)>,
+    ) -> Result<(String, Option<String>), StoreError> {
+        let (k, t) = (key.to_string(), token.to_string());
+        let extra = extra.map(|(id, ttl)| (id.to_string(), ttl));
+        self.with_client(|c| async move {
+            let r = match &extra {
+                None => c.query_one(sql, &[&k, &t]).await,
+                Some((id, ttl)) => c.query_one(sql, &[&k, &t, id, ttl]).await,
+            };
+            let r = r.map(|row| (row.get::<_, String>(0), row.get::<_, Option<String>>(1)));
+            (c, r)
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl Backend for PostgresBackend {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn session(&self) -> u64 {
+        self.session.load(Ordering::Acquire)
+    }
+
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let k = key.to_string();
+        let v: Option<String> = self
+            .with_client(|c| async move {
+                let r = c
+                    .query_opt(
+                        "SELECT highest::text FROM fencegate_fences WHERE key = $1",
+                        &[&k],
+                    )
+                    .await
+                    .map(|row| row.map(|r| r.get(0)));
+                (c, r)
+            })
+            .await?;
+        v.map(|v| parse_token(&v)).transpose()
+    }
+
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        let (status, value) = self
+            .call(
+                "SELECT * FROM fencegate_advance($1, $2::text::numeric)",
+                key,
+                token,
+                None,
+            )
+            .await?;
+        Ok(match status.as_str() {
+            "stale" => Advance::Stale {
+                highest: parse_token(value.as_deref().unwrap_or(""))?,
+            },
+            "equal" => Advance::Equal,
+            _ => Advance::Raised {
+                previous: value.map(|v| parse_token(&v)).transpose()?,
+            },
+        })
+    }
+
+    async fn acquire(
+        &self,
+        key: &str,
+        token: u64,
+        lease_id: &str,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        let (status, value) = self
+            .call(
+                "SELECT * FROM fencegate_acquire($1, $2::text::numeric, $3, $4)",
+                key,
+                token,
+                Some((lease_id, ttl_ms)),
+            )
+            .await?;
+        lease_outcome(
+            &status,
+            value.as_deref().unwrap_or(""),
+            WriteLease {
+                id: lease_id.into(),
+                token,
+            },
+        )
+    }
+
+    async fn poll(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        let (status, value) = self
+            .call(
+                "SELECT * FROM fencegate_poll($1, $2::text::numeric, $3, $4)",
+                key,
+                lease.token,
+                Some((&lease.id, ttl_ms)),
+            )
+            .await?;
+        lease_outcome(&status, value.as_deref().unwrap_or(""), lease.clone())
+    }
+
+    async fn release(&self, _key: &str, lease: &WriteLease) -> Result<(), StoreError> {
+        let id = lease.id.clone();
+        self.with_client(|c| async move {
+            let r = c
+                .execute("DELETE FROM fencegate_leases WHERE id = $1", &[&id])
+                .await;
+            (c, r)
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.with_client(|c| async move {
+            let r = c.simple_query("SELECT 1").await;
+            (c, r)
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
+        self.with_client(|c| async move {
+            let r = c
+                .query_opt("SELECT epoch, seq FROM fencegate_marker WHERE id = 1", &[])
+                .await
+                .map(|row| {
+                    row.map(|r| Marker {
+                        epoch: r.get(0),
+                        seq: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                    })
+                });
+            (c, r)
+        })
+        .await
+    }
+
+    async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+        let e = epoch.to_string();
+        self.with_client(|c| async move {
+            let r = c
+                .execute(
+                    "INSERT INTO fencegate_marker (id, epoch, seq) VALUES (1, $1, 1) ON CONFLICT (id) DO NOTHING",
+                    &[&e],
+                )
+                .await;
+            (c, r)
+        })
+        .await?;
+        self.read_marker()
+            .await?
+            .ok_or_else(|| unavailable("marker not readable after creation"))
+    }
+
+    async fn bump_marker(&self) -> Result<Option<Marker>, StoreError> {
+        self.with_client(|c| async move {
+            let r = c
+                .query_opt(
+                    "UPDATE fencegate_marker SET seq = seq + 1 WHERE id = 1 RETURNING epoch, seq",
+                    &[],
+                )
+                .await
+                .map(|row| {
+                    row.map(|r| Marker {
+                        epoch: r.get(0),
+                        seq: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                    })
+                });
+            (c, r)
+        })
+        .await
+    }
+
+    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+        let e = epoch.to_string();
+        self.with_client(|c| async move {
+            let r = c
+                .execute(
+                    "INSERT INTO fencegate_marker (id, epoch, seq) VALUES (1, $1, 1) ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch, seq = 1",
+                    &[&e],
+                )
+                .await;
+            (c, r)
+        })
+        .await?;
+        self.read_marker()
+            .await?
+            .ok_or_else(|| unavailable("marker not readable after replacement"))
+    }
+}

@@ -1,0 +1,445 @@
+//! The Redis store: fences as strings, in-flight leases as hashes, each
+//! operation one Lua script (EVALSHA, reloaded on NOSCRIPT).
+//!
+//! Keyspace (the `{...}` hash tag keeps a key's fence and leases in one
+//! cluster slot):
+//! - `fencegate:f:{KEY}`: the highest token, as a decimal string (Lua numbers
+//!   are doubles and cannot hold every u64; scripts compare the strings by
+//!   length, then lexically, which is numeric order for canonical decimals).
+//! - `fencegate:l:{KEY}`: hash of lease id -> `"TOKEN EXPIRY_MS"`, expiry on
+//!   the Redis server's clock (`TIME`).
+//! - `fencegate:marker`: hash with `epoch` and `seq` (amnesia detection).
+//!
+//! Durability is Redis's: only `appendonly yes` with `appendfsync always`
+//! makes an acknowledged raise survive a Redis crash; fencegate warns at
+//! connect when the server says otherwise.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, Script, Value};
+
+use super::shared::{Backend, Marker};
+use super::{Advance, LeaseOutcome, StoreError, WriteLease};
+
+const LT: &str = r#"
+local function lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Drops expired leases; returns whether one older than token remains and
+-- whether lease `id` is still registered.
+local function scan(lkey, token, id, now)
+  local older, mine = false, false
+  local all = redis.call('HGETALL', lkey)
+  for i = 1, #all, 2 do
+    local tok, exp = string.match(all[i + 1], '^(%d+) (%d+)$')
+    if tonumber(exp) <= now then
+      redis.call('HDEL', lkey, all[i])
+    else
+      if all[i] == id then mine = true end
+      if lt(tok, token) then older = true end
+    end
+  end
+  return older, mine
+end
+"#;
+
+const ACQUIRE: &str = r#"
+local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local h = redis.call('GET', KEYS[1])
+if h and lt(token, h) then return {'stale', h} end
+if (not h) or lt(h, token) then redis.call('SET', KEYS[1], token) end
+local now = now_ms()
+local older = scan(KEYS[2], token, id, now)
+redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
+redis.call('PEXPIRE', KEYS[2], ttl * 2)
+if older then return {'busy', token} end
+return {'granted', token}
+"#;
+
+const POLL: &str = r#"
+local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local h = redis.call('GET', KEYS[1])
+if h and lt(token, h) then
+  redis.call('HDEL', KEYS[2], id)
+  return {'stale', h}
+end
+if not h then return {'lost', ''} end
+local now = now_ms()
+local older, mine = scan(KEYS[2], token, id, now)
+if not mine then
+  redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
+  redis.call('PEXPIRE', KEYS[2], ttl * 2)
+end
+if older then return {'busy', token} end
+return {'granted', token}
+"#;
+
+const ADVANCE: &str = r#"
+local token = ARGV[1]
+local h = redis.call('GET', KEYS[1])
+if h and lt(token, h) then return {'stale', h} end
+if h == token then return {'equal', h} end
+redis.call('SET', KEYS[1], token)
+return {'raised', h or ''}
+"#;
+
+const RELEASE: &str = r#"
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"#;
+
+const MARKER: &str = "fencegate:marker";
+
+/// A Redis connection that reconnects (with backoff) after failures.
+pub struct RedisBackend {
+    client: Client,
+    conn: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+    session: AtomicU64,
+    last_failure: Mutex<Option<Instant>>,
+    timeout: Duration,
+    acquire: Script,
+    poll: Script,
+    advance: Script,
+    release: Script,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("redis: {e}"))
+}
+
+fn fence_key(key: &str) -> String {
+    format!("fencegate:f:{{{key}}}")
+}
+
+fn lease_key(key: &str) -> String {
+    format!("fencegate:l:{{{key}}}")
+}
+
+fn parse_token(v: &str) -> Result<u64, StoreError> {
+    v.parse()
+        .map_err(|_| unavailable(format!("unexpected token value {v:?} in the store")))
+}
+
+fn lease_outcome(reply: (String, String), lease: WriteLease) -> Result<LeaseOutcome, StoreError> {
+    match reply.0.as_str() {
+        "stale" => Ok(LeaseOutcome::Stale {
+            highest: parse_token(&reply.1)?,
+        }),
+        "busy" => Ok(LeaseOutcome::Busy {
+            lease,
+            retry_after: Duration::from_millis(5),
+        }),
+        "granted" => Ok(LeaseOutcome::Granted(lease)),
+        "lost" => Err(StoreError::Amnesia(
+            "a fence vanished while a write was waiting on it".into(),
+        )),
+        other => Err(unavailable(format!("unexpected script answer {other}"))),
+    }
+}
+
+impl RedisBackend {
+    /// `url`: `redis://host:port/db`. Connects lazily; `timeout` bounds
+    /// connects and every command.
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, String> {
+        let client = Client::open(url).map_err(|e| e.to_string())?;
+        let with_lib = |body: &str| format!("{LT}\n{body}");
+        Ok(Self {
+            client,
+            conn: tokio::sync::Mutex::new(None),
+            session: AtomicU64::new(0),
+            last_failure: Mutex::new(None),
+            timeout,
+            acquire: Script::new(&with_lib(ACQUIRE)),
+            poll: Script::new(&with_lib(POLL)),
+            advance: Script::new(&with_lib(ADVANCE)),
+            release: Script::new(RELEASE),
+        })
+    }
+
+    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        // Back off after a failure instead of hammering a server that is down.
+        if let Some(t) = *self.last_failure.lock().expect("lock") {
+            if t.elapsed() < Duration::from_millis(200) {
+                return Err(unavailable("not connected (retrying)"));
+            }
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        match self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+        {
+            Ok(mut c) => {
+                self.session.fetch_add(1, Ordering::AcqRel);
+                *self.last_failure.lock().expect("lock") = None;
+                warn_if_not_durable(&mut c).await;
+                tracing::info!("connected to redis");
+                *slot = Some(c.clone());
+                Ok(c)
+            }
+            Err(e) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                Err(unavailable(e))
+            }
+        }
+    }
+
+    /// Runs one command; on a connection-level failure the connection is
+    /// dropped so the next call reconnects.
+    async fn run<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let conn = self.connection().await?;
+        match f(conn).await {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                if e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_timeout()
+                    || e.is_unrecoverable_error()
+                {
+                    *self.conn.lock().await = None;
+                    *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                }
+                Err(unavailable(e))
+            }
+        }
+    }
+}
+
+/// Logs a warning unless the server fsyncs every write (`appendonly yes`,
+/// `appendfsync always`). CONFIG may be disabled: then nothing is said.
+async fn warn_if_not_durable(c: &mut MultiplexedConnection) {
+    let get = |name: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let v: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg(name)
+                .query_async(&mut c)
+                .await;
+            v.ok().and_then(|v| v.get(1).cloned())
+        }
+    };
+    let (aof, fsync) = (get("appendonly").await, get("appendfsync").await);
+    if let (Some(aof), Some(fsync)) = (aof, fsync) {
+        if aof != "yes" || fsync != "always" {
+            tracing::warn!(appendonly = %aof, appendfsync = %fsync, "redis does not fsync every write: an acknowledged fence can be lost in a redis crash (set appendonly yes, appendfsync always; see docs/stores.md)");
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for RedisBackend {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn session(&self) -> u64 {
+        self.session.load(Ordering::Acquire)
+    }
+
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let k = fence_key(key);
+        let v: Option<String> = self
+            .run(|mut c| async move { redis::cmd("GET").arg(k).query_async(&mut c).await })
+            .await?;
+        v.map(|v| parse_token(&v)).transpose()
+    }
+
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        let (k, t) = (fence_key(key), token.to_string());
+        let script = &self.advance;
+        let (status, value): (String, String) = self
+            .run(|mut c| async move { script.key(k).arg(t).invoke_async(&mut c).await })
+            .await?;
+        Ok(match status.as_str() {
+            "stale" => Advance::Stale {
+                highest: parse_token(&value)?,
+            },
+            "equal" => Advance::Equal,
+            _ => Advance::Raised {
+                previous: if value.is_empty() {
+                    None
+                } else {
+                    Some(parse_token(&value)?)
+                },
+            },
+        })
+    }
+
+    async fn acquire(
+        &self,
+        key: &str,
+        token: u64,
+        lease_id: &str,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let (fk, lk) = (fence_key(key), lease_key(key));
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let script = &self.acquire;
+        let id = lease_id.to_string();
+        let reply: (String, String) = self
+            .run(|mut c| async move {
+                script
+                    .key(fk)
+                    .key(lk)
+                    .arg(token.to_string())
+                    .arg(id)
+                    .arg(ttl_ms)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        lease_outcome(
+            reply,
+            WriteLease {
+                id: lease_id.to_string(),
+                token,
+            },
+        )
+    }
+
+    async fn poll(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let (fk, lk) = (fence_key(key), lease_key(key));
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let script = &self.poll;
+        let (id, token) = (lease.id.clone(), lease.token);
+        let reply: (String, String) = self
+            .run(|mut c| async move {
+                script
+                    .key(fk)
+                    .key(lk)
+                    .arg(token.to_string())
+                    .arg(id)
+                    .arg(ttl_ms)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        lease_outcome(reply, lease.clone())
+    }
+
+    async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
+        let lk = lease_key(key);
+        let script = &self.release;
+        let id = lease.id.clone();
+        let _: i64 = self
+            .run(|mut c| async move { script.key(lk).arg(id).invoke_async(&mut c).await })
+            .await?;
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = self
+            .run(|mut c| async move { redis::cmd("PING").query_async(&mut c).await })
+            .await?;
+        Ok(())
+    }
+
+    async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
+        let v: Vec<Option<String>> = self
+            .run(|mut c| async move {
+                redis::cmd("HMGET")
+                    .arg(MARKER)
+                    .arg("epoch")
+                    .arg("seq")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(
+            match (v.first().cloned().flatten(), v.get(1).cloned().flatten()) {
+                (Some(epoch), Some(seq)) => Some(Marker {
+                    epoch,
+                    seq: seq.parse().unwrap_or(0),
+                }),
+                _ => None,
+            },
+        )
+    }
+
+    async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+        let e = epoch.to_string();
+        let _: Value = self
+            .run(|mut c| async move {
+                redis::pipe()
+                    .atomic()
+                    .cmd("HSETNX")
+                    .arg(MARKER)
+                    .arg("epoch")
+                    .arg(e)
+                    .cmd("HSETNX")
+                    .arg(MARKER)
+                    .arg("seq")
+                    .arg(1)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        self.read_marker()
+            .await?
+            .ok_or_else(|| unavailable("marker not readable after creation"))
+    }
+
+    async fn bump_marker(&self) -> Result<Option<Marker>, StoreError> {
+        // Only bump an existing marker: never recreate one by accident.
+        let script = Script::new(
+            "if redis.call('EXISTS', KEYS[1]) == 0 then return nil end \
+             redis.call('HINCRBY', KEYS[1], 'seq', 1) \
+             return redis.call('HMGET', KEYS[1], 'epoch', 'seq')",
+        );
+        let v: Option<(String, String)> = self
+            .run(|mut c| async move { script.key(MARKER).invoke_async(&mut c).await })
+            .await?;
+        Ok(v.map(|(epoch, seq)| Marker {
+            epoch,
+            seq: seq.parse().unwrap_or(0),
+        }))
+    }
+
+    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+        let e = epoch.to_string();
+        let _: Value = self
+            .run(|mut c| async move {
+                redis::pipe()
+                    .atomic()
+                    .cmd("DEL")
+                    .arg(MARKER)
+                    .cmd("HSET")
+                    .arg(MARKER)
+                    .arg("epoch")
+                    .arg(e)
+                    .arg("seq")
+                    .arg(1)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        self.read_marker()
+            .await?
+            .ok_or_else(|| unavailable("marker not readable after replacement"))
+    }
+}

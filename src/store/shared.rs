@@ -1,0 +1,387 @@
+//! What every shared store (Redis, PostgreSQL, etcd) has in common:
+//! amnesia detection and the per-replica knowledge behind it.
+//!
+//! A backend ([`Backend`]) only speaks its server's protocol. [`SharedStore`]
+//! wraps it into a [`FenceStore`] and refuses writes when the server may have
+//! lost data: its marker record (written at first start) is missing, was
+//! replaced, or carries a sequence number lower than this replica already
+//! saw (a restored backup, a failover to a lagging replica); or a key's
+//! highest token is lower than one the server acknowledged to this replica.
+//! Writes stay refused until an operator confirms ([`FenceStore::confirm_reset`]),
+//! which writes back every fence this replica knows and a new marker.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dashmap::DashMap;
+
+use super::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
+
+/// How often the marker is re-read even without a reconnect.
+const MARKER_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The marker record: who created the store's fence data, and how many
+/// (re)connections it has seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Marker {
+    pub epoch: String,
+    pub seq: u64,
+}
+
+/// One server protocol. Every method is one atomic operation on the server.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    fn kind(&self) -> &'static str;
+    /// Changes every time a new connection (session) to the server is made,
+    /// so the marker is checked again after each reconnect.
+    fn session(&self) -> u64;
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
+    async fn acquire(
+        &self,
+        key: &str,
+        token: u64,
+        lease_id: &str,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError>;
+    async fn poll(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError>;
+    async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError>;
+    async fn ping(&self) -> Result<(), StoreError>;
+    async fn read_marker(&self) -> Result<Option<Marker>, StoreError>;
+    /// Creates the marker if none exists; returns the stored one.
+    async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError>;
+    /// Adds one to the marker's sequence; returns the new marker (`None` if
+    /// the marker is gone).
+    async fn bump_marker(&self) -> Result<Option<Marker>, StoreError>;
+    /// Replaces the marker (after an operator confirmed a reset).
+    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError>;
+}
+
+/// A fresh random-enough identifier (lease ids, epochs): no two processes or
+/// calls share one.
+pub fn unique_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    let a = h.finish();
+    h.write_u64(a);
+    format!("{a:016x}{:016x}", h.finish())
+}
+
+#[derive(Default)]
+struct GuardState {
+    /// The marker as this replica last saw it.
+    known: Option<Marker>,
+    /// The backend session the marker was last checked on, and when.
+    checked_session: Option<u64>,
+    checked_at: Option<std::time::Instant>,
+    /// Why writes are refused, if they are.
+    amnesia: Option<String>,
+}
+
+/// A [`FenceStore`] over a shared [`Backend`].
+pub struct SharedStore<B: Backend> {
+    backend: B,
+    guard: Mutex<GuardState>,
+    /// Serializes marker checks (one per reconnect, not one per request).
+    check_lock: tokio::sync::Mutex<()>,
+    /// Highest tokens this replica saw acknowledged, to catch a store whose
+    /// answers go backwards. Bounded; eviction only loses detection power.
+    known_highest: DashMap<String, u64>,
+    known_capacity: usize,
+    /// Confirm a reset automatically at start (the operator said so).
+    accept_reset: bool,
+    /// TTL of the latest lease, to re-register one that expired while its
+    /// writer was waiting.
+    lease_ttl_ms: AtomicU64,
+}
+
+impl<B: Backend> SharedStore<B> {
+    pub fn new(backend: B, accept_reset: bool) -> Self {
+        Self {
+            backend,
+            guard: Mutex::new(GuardState::default()),
+            check_lock: tokio::sync::Mutex::new(()),
+            known_highest: DashMap::new(),
+            known_capacity: 1_000_000,
+            accept_reset,
+            lease_ttl_ms: AtomicU64::new(60_000),
+        }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn set_amnesia(&self, why: String) -> StoreError {
+        tracing::error!(store = self.backend.kind(), reason = %why, "fence store may have lost data: refusing writes until an operator confirms");
+        let mut g = self.guard.lock().expect("guard lock");
+        g.amnesia.get_or_insert(why.clone());
+        StoreError::Amnesia(why)
+    }
+
+    /// (whether the marker was checked on this session, whether that check
+    /// is recent); fails while in amnesia.
+    fn check_due(&self, session: u64) -> Result<(bool, bool), StoreError> {
+        let g = self.guard.lock().expect("guard lock");
+        if let Some(why) = &g.amnesia {
+            return Err(StoreError::Amnesia(why.clone()));
+        }
+        Ok((
+            g.checked_session == Some(session),
+            g.checked_at.is_some_and(|t| t.elapsed() < MARKER_INTERVAL),
+        ))
+    }
+
+    /// Checks the marker on a new session, and at least every
+    /// [`MARKER_INTERVAL`] (a wipe does not always drop connections); fails
+    /// while in amnesia.
+    async fn ensure(&self) -> Result<(), StoreError> {
+        let session = self.backend.session();
+        let (same_session, fresh) = self.check_due(session)?;
+        if same_session && fresh {
+            return Ok(());
+        }
+        let _one = if same_session {
+            // Only the periodic re-check is due: one caller does it, the
+            // others go on.
+            match self.check_lock.try_lock() {
+                Ok(guard) => guard,
+                Err(_) => return Ok(()),
+            }
+        } else {
+            self.check_lock.lock().await
+        };
+        let (same_session, fresh) = self.check_due(session)?;
+        if same_session && fresh {
+            return Ok(());
+        }
+        let known = self.guard.lock().expect("guard lock").known.clone();
+        let periodic = same_session;
+        let verdict: Result<Marker, String> = match (known, self.backend.read_marker().await?) {
+            (None, None) => {
+                let m = self.backend.create_marker(&unique_id()).await?;
+                tracing::info!(store = self.backend.kind(), epoch = %m.epoch, "fence store marker adopted");
+                Ok(m)
+            }
+            (None, Some(_)) => self
+                .backend
+                .bump_marker()
+                .await?
+                .ok_or_else(|| "the marker vanished".to_string()),
+            (Some(k), None) => Err(format!(
+                "its marker (epoch {}) is missing: the data was wiped or replaced",
+                k.epoch
+            )),
+            (Some(k), Some(m)) if m.epoch != k.epoch => Err(format!(
+                "its marker changed from epoch {} to {}",
+                k.epoch, m.epoch
+            )),
+            (Some(k), Some(m)) if m.seq < k.seq => Err(format!(
+                "its marker went back from sequence {} to {} (restored backup or lagging failover)",
+                k.seq, m.seq
+            )),
+            // Same session, periodic check: the marker just has to be there
+            // and not behind.
+            (Some(_), Some(m)) if periodic => Ok(m),
+            (Some(_), Some(_)) => self
+                .backend
+                .bump_marker()
+                .await?
+                .ok_or_else(|| "the marker vanished".to_string()),
+        };
+        match verdict {
+            Ok(m) => {
+                let mut g = self.guard.lock().expect("guard lock");
+                g.known = Some(m);
+                g.checked_session = Some(session);
+                g.checked_at = Some(std::time::Instant::now());
+                Ok(())
+            }
+            Err(why) => {
+                {
+                    let mut g = self.guard.lock().expect("guard lock");
+                    g.checked_session = Some(session);
+                    g.checked_at = Some(std::time::Instant::now());
+                }
+                let err = self.set_amnesia(why);
+                if self.accept_reset {
+                    tracing::warn!("--accept-store-reset: confirming the reset");
+                    self.confirm_reset().await?;
+                    return Ok(());
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Records an acknowledged token; a store answer that contradicts what
+    /// it acknowledged before means lost data.
+    fn witness(
+        &self,
+        key: &str,
+        outcome_highest: Option<u64>,
+        admitted: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let known = self.known_highest.get(key).map(|v| *v);
+        if let Some(k) = known {
+            if let Some(t) = admitted {
+                if t < k {
+                    return Err(self.set_amnesia(format!(
+                        "it admitted token {t} for {key} after acknowledging {k}"
+                    )));
+                }
+            }
+            if let Some(h) = outcome_highest {
+                if h < k {
+                    return Err(self.set_amnesia(format!(
+                        "its highest token for {key} went down from {k} to {h}"
+                    )));
+                }
+            }
+        }
+        let new = admitted.into_iter().chain(outcome_highest).max();
+        if let Some(v) = new {
+            if known.is_none() && self.known_highest.len() >= self.known_capacity {
+                let mut budget = self.known_capacity / 8;
+                self.known_highest.retain(|_, _| {
+                    budget = budget.saturating_sub(1);
+                    budget == 0
+                });
+            }
+            self.known_highest
+                .entry(key.to_string())
+                .and_modify(|x| *x = (*x).max(v))
+                .or_insert(v);
+        }
+        Ok(())
+    }
+
+    fn witness_lease(&self, key: &str, outcome: &LeaseOutcome) -> Result<(), StoreError> {
+        match outcome {
+            LeaseOutcome::Stale { highest } => self.witness(key, Some(*highest), None),
+            LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } => {
+                self.witness(key, None, Some(l.token))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl<B: Backend> FenceStore for SharedStore<B> {
+    fn kind(&self) -> &'static str {
+        self.backend.kind()
+    }
+
+    fn exclusive(&self) -> bool {
+        false
+    }
+
+    fn start_state(&self) -> StartState {
+        // In-flight writes of a crashed replica hold leases in the store
+        // until they expire: no local recovery window is needed.
+        StartState::Clean
+    }
+
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.backend.highest(key).await
+    }
+
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        self.ensure().await?;
+        let a = self.backend.advance(key, token).await?;
+        match a {
+            Advance::Stale { highest } => self.witness(key, Some(highest), None)?,
+            Advance::Raised { .. } | Advance::Equal => self.witness(key, None, Some(token))?,
+        }
+        Ok(a)
+    }
+
+    async fn acquire_lease(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.ensure().await?;
+        self.lease_ttl_ms.store(
+            u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        let outcome = self.backend.acquire(key, token, &unique_id(), ttl).await?;
+        if let Err(e) = self.witness_lease(key, &outcome) {
+            if let LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } = &outcome {
+                let _ = self.backend.release(key, l).await;
+            }
+            return Err(e);
+        }
+        Ok(outcome)
+    }
+
+    async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {
+        self.ensure().await?;
+        let ttl = Duration::from_millis(self.lease_ttl_ms.load(Ordering::Relaxed));
+        let outcome = self.backend.poll(key, lease, ttl).await?;
+        self.witness_lease(key, &outcome)?;
+        Ok(outcome)
+    }
+
+    async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
+        self.backend.release(key, lease).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.backend.ping().await?;
+        self.ensure().await
+    }
+
+    async fn close_clean(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn amnesia(&self) -> Option<String> {
+        self.guard.lock().expect("guard lock").amnesia.clone()
+    }
+
+    async fn confirm_reset(&self) -> Result<(), StoreError> {
+        // Write back every fence this replica knows, then a new marker.
+        let known: Vec<(String, u64)> = self
+            .known_highest
+            .iter()
+            .map(|e| (e.key().clone(), *e.value()))
+            .collect();
+        for (key, token) in &known {
+            self.backend.advance(key, *token).await?;
+        }
+        // If another replica confirmed already, join its new marker instead
+        // of replacing it (which would put that replica in amnesia).
+        let current = self.backend.read_marker().await?;
+        let known_marker = self.guard.lock().expect("guard lock").known.clone();
+        let m = match current {
+            Some(m) if Some(&m.epoch) != known_marker.as_ref().map(|k| &k.epoch) => m,
+            _ => self.backend.replace_marker(&unique_id()).await?,
+        };
+        tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
+        let mut g = self.guard.lock().expect("guard lock");
+        g.known = Some(m);
+        g.amnesia = None;
+        g.checked_session = Some(self.backend.session());
+        g.checked_at = Some(std::time::Instant::now());
+        Ok(())
+    }
+}

@@ -1,0 +1,389 @@
+//! One suite, run on every store: the embedded store (one process) and the
+//! shared stores (Redis, PostgreSQL, etcd; two fencegate replicas on one real
+//! server started by the test).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::servers::{StoreKind, StoreServer};
+use common::*;
+
+const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// Replicas on one store, in front of one recording upstream.
+struct Cluster {
+    store: StoreServer,
+    up: Upstream,
+    a: Proxy,
+    /// `None` for the embedded store: one process is the whole cluster.
+    b: Option<Proxy>,
+    _token_dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn start(kind: StoreKind, upstream_timeout: &str) -> Cluster {
+        let store = StoreServer::start(kind);
+        let up = start_upstream().await;
+        let token_dir = tempfile::tempdir().unwrap();
+        let token_file = token_dir.path().join("admin-token");
+        std::fs::write(&token_file, ADMIN_TOKEN).unwrap();
+        let replica = || {
+            ProxyBuilder::new(&up.url(), store.dir.path())
+                .store_url(&store.url())
+                .args(&[
+                    "--upstream-timeout",
+                    upstream_timeout,
+                    "--store-timeout",
+                    "1s",
+                ])
+                .args(&["--admin-token-file", token_file.to_str().unwrap()])
+                .spawn()
+        };
+        let a = replica();
+        let b = (kind != StoreKind::Embedded).then(replica);
+        Cluster {
+            store,
+            up,
+            a,
+            b,
+            _token_dir: token_dir,
+        }
+    }
+
+    fn b(&self) -> &Proxy {
+        self.b.as_ref().unwrap_or(&self.a)
+    }
+
+    fn replicas(&mut self) -> Vec<&mut Proxy> {
+        let mut v = vec![&mut self.a];
+        if let Some(b) = self.b.as_mut() {
+            v.push(b);
+        }
+        v
+    }
+}
+
+async fn confirm_reset(p: &Proxy) -> Answer {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    send(
+        "POST",
+        &p.admin_url("/v1/store/confirm-reset"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await
+}
+
+/// Retries a write while it gets 503 (recovery window, store coming back),
+/// bounded.
+async fn put_when_ready(url: &str, token: &str, within: Duration) -> Answer {
+    let deadline = Instant::now() + within;
+    loop {
+        let a = put(url, token).await;
+        if a.status != 503 || Instant::now() > deadline {
+            return a;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn tokens_across_replicas(kind: StoreKind) {
+    let c = Cluster::start(kind, "2s").await;
+    assert_eq!(put(&c.a.url("/k"), "5").await.status, 200);
+    assert_eq!(
+        put(&c.b().url("/k"), "5").await.status,
+        200,
+        "equal on the other replica"
+    );
+    let a = put(&c.b().url("/k"), "4").await;
+    assert_eq!(a.status, 409, "{}", a.text());
+    assert_eq!(a.header("x-fence-token-highest"), Some("5"));
+    assert_eq!(put(&c.a.url("/k"), "7").await.status, 200);
+    let a = put(&c.b().url("/k"), "6").await;
+    assert_eq!(a.status, 409);
+    assert_eq!(a.header("x-fence-token-highest"), Some("7"));
+    let f = send(
+        "GET",
+        &c.b().admin_url("/v1/fences/default%3A%2Fk"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(f.json()["highest"], "7");
+    let tokens: Vec<_> =
+        c.up.records()
+            .iter()
+            .map(|r| r.token.clone().unwrap())
+            .collect();
+    assert_eq!(tokens, ["5", "5", "7"]);
+}
+
+async fn full_u64_range(kind: StoreKind) {
+    let c = Cluster::start(kind, "2s").await;
+    let max = u64::MAX.to_string();
+    assert_eq!(
+        put(&c.a.url("/m"), "18446744073709551614").await.status,
+        200
+    );
+    assert_eq!(put(&c.b().url("/m"), &max).await.status, 200);
+    let a = put(&c.a.url("/m"), "18446744073709551614").await;
+    assert_eq!(a.status, 409);
+    assert_eq!(a.header("x-fence-token-highest"), Some(max.as_str()));
+    assert_eq!(put(&c.a.url("/m"), &max).await.status, 200);
+    assert_eq!(put(&c.a.url("/zero"), "0").await.status, 200);
+    let f = send(
+        "GET",
+        &c.b().admin_url("/v1/fences/default%3A%2Fm"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(f.json()["highest"], max);
+}
+
+async fn ordering_across_replicas(kind: StoreKind) {
+    let c = Cluster::start(kind, "5s").await;
+    let url = c.a.url("/o");
+    let old = tokio::spawn(async move {
+        send(
+            "PUT",
+            &url,
+            &[("x-fence-token", "1"), ("x-test-delay-ms", "700")],
+            "x",
+        )
+        .await
+    });
+    eventually("old write in flight", Duration::from_secs(5), || {
+        c.up.arrivals() == 1
+    })
+    .await;
+    let new = put(&c.b().url("/o"), "2").await;
+    assert_eq!(new.status, 200, "{}", new.text());
+    assert_eq!(old.await.unwrap().status, 200);
+    let r = c.up.records();
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[0].token.as_deref(), Some("1"));
+    assert!(
+        r[1].arrived >= r[0].completed,
+        "token 2 reached the backend while token 1 was in flight on the other replica"
+    );
+    // An older token is now refused on both.
+    assert_eq!(put(&c.a.url("/o"), "1").await.status, 409);
+}
+
+async fn concurrent_advances_then_kill_9(kind: StoreKind) {
+    let mut c = Cluster::start(kind, "1s").await;
+    let mut tasks = Vec::new();
+    for i in 0..300u32 {
+        let replica = if i % 2 == 0 { &c.a } else { c.b() };
+        let url = replica.url(&format!("/c/{i}"));
+        tasks.push(tokio::spawn(async move { put(&url, "100").await.status }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    for p in c.replicas() {
+        p.kill9();
+    }
+    for p in c.replicas() {
+        p.restart();
+    }
+    for i in (0..300u32).step_by(11) {
+        let replica = if i % 3 == 0 { &c.a } else { c.b() };
+        let a = put_when_ready(
+            &replica.url(&format!("/c/{i}")),
+            "99",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(a.status, 409, "key {i} lost its fence: {}", a.text());
+        assert_eq!(a.header("x-fence-token-highest"), Some("100"));
+    }
+}
+
+async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
+    let mut c = Cluster::start(kind, "2s").await;
+    assert_eq!(put(&c.a.url("/s"), "5").await.status, 200);
+    let before = c.up.count();
+    c.store.kill9();
+    for p in [&c.a, c.b()] {
+        let a = put(&p.url("/s/new"), "9").await;
+        assert_eq!(a.status, 503, "{}", a.text());
+        assert!(a.header("retry-after").is_some());
+        assert_eq!(
+            send("GET", &p.url("/s"), &[], "").await.status,
+            200,
+            "reads flow"
+        );
+        let r = send("GET", &p.admin_url("/readyz"), &[], "").await;
+        assert_eq!(r.status, 503, "{}", r.text());
+    }
+    let m = send("GET", &c.a.admin_url("/metrics"), &[], "")
+        .await
+        .text();
+    assert!(m.contains("decision=\"store_error\""), "{m}");
+    assert_eq!(
+        c.up.count(),
+        before + 2,
+        "only the reads reached the backend"
+    );
+    c.store.restart();
+    let a = put_when_ready(&c.b().url("/s/new"), "9", Duration::from_secs(10)).await;
+    assert_eq!(
+        a.status,
+        200,
+        "writes resume without a restart: {}",
+        a.text()
+    );
+    assert_eq!(
+        put_when_ready(&c.a.url("/s"), "4", Duration::from_secs(10))
+            .await
+            .status,
+        409,
+        "fence kept"
+    );
+    assert_eq!(
+        send("GET", &c.a.admin_url("/readyz"), &[], "").await.status,
+        200
+    );
+}
+
+async fn replica_killed_mid_write(kind: StoreKind) {
+    use tokio::io::AsyncWriteExt;
+    let mut c = Cluster::start(kind, "2s").await;
+    // Token 1 goes out through replica a, which dies while the backend is
+    // still applying it.
+    let mut s = tokio::net::TcpStream::connect(c.a.addr).await.unwrap();
+    s.write_all(b"PUT /r HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-Test-Delay-Ms: 1500\r\nContent-Length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    eventually("token 1 in flight", Duration::from_secs(5), || {
+        c.up.arrivals() == 1
+    })
+    .await;
+    c.a.kill9();
+    if kind == StoreKind::Embedded {
+        c.a.restart();
+    }
+    // Token 2 is held (or refused with 503) until token 1 can no longer be
+    // in flight, then goes: never before token 1 was applied.
+    let a = put_when_ready(&c.b().url("/r"), "2", Duration::from_secs(15)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let r = c.up.records();
+    let t1 = r
+        .iter()
+        .find(|x| x.token.as_deref() == Some("1"))
+        .expect("token 1 was applied");
+    let t2 = r.iter().find(|x| x.token.as_deref() == Some("2")).unwrap();
+    assert!(
+        t2.arrived >= t1.completed,
+        "token 2 overtook the dead replica's write"
+    );
+}
+
+async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
+    let c = Cluster::start(kind, "2s").await;
+    assert_eq!(put(&c.a.url("/w"), "5").await.status, 200);
+    assert_eq!(put(&c.b().url("/w"), "5").await.status, 200);
+    let applied = c.up.count();
+    c.store.wipe().await;
+    // A stale token would pass a store that forgot: it must not.
+    let a = put(&c.b().url("/w"), "3").await;
+    assert_eq!(a.status, 503, "{}", a.text());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Keys this replica never saw are refused too, once the marker is checked.
+    let a = put(&c.a.url("/w/other"), "1").await;
+    assert_eq!(a.status, 503, "{}", a.text());
+    assert!(a.text().contains("lost data"), "{}", a.text());
+    assert_eq!(c.up.count(), applied, "nothing reached the backend");
+    assert_eq!(
+        send("GET", &c.a.admin_url("/readyz"), &[], "").await.status,
+        503
+    );
+    let m = send("GET", &c.a.admin_url("/metrics"), &[], "")
+        .await
+        .text();
+    assert!(m.contains("fencegate_store_amnesia 1"), "{m}");
+    // Without the admin token, no confirmation.
+    assert_eq!(
+        send("POST", &c.a.admin_url("/v1/store/confirm-reset"), &[], "")
+            .await
+            .status,
+        401
+    );
+    // The operator confirms on each replica; known fences are written back.
+    for p in [&c.a, c.b()] {
+        let r = confirm_reset(p).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let a = put(&c.b().url("/w"), "3").await;
+    assert_eq!(a.status, 409, "the fence was restored: {}", a.text());
+    assert_eq!(put(&c.a.url("/w"), "6").await.status, 200);
+    assert_eq!(put(&c.b().url("/w/other"), "1").await.status, 200);
+}
+
+macro_rules! suite {
+    ($store:ident, $kind:expr, [$($case:ident),*]) => {
+        mod $store {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread")]
+                async fn $case() {
+                    super::$case($kind).await
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    embedded,
+    StoreKind::Embedded,
+    [
+        tokens_across_replicas,
+        full_u64_range,
+        ordering_across_replicas,
+        concurrent_advances_then_kill_9,
+        replica_killed_mid_write
+    ]
+);
+suite!(
+    redis,
+    StoreKind::Redis,
+    [
+        tokens_across_replicas,
+        full_u64_range,
+        ordering_across_replicas,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed
+    ]
+);
+suite!(
+    postgres,
+    StoreKind::Postgres,
+    [
+        tokens_across_replicas,
+        full_u64_range,
+        ordering_across_replicas,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed
+    ]
+);
+suite!(
+    etcd,
+    StoreKind::Etcd,
+    [
+        tokens_across_replicas,
+        full_u64_range,
+        ordering_across_replicas,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed
+    ]
+);

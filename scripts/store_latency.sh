@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Latency of one durable advance (a PUT to a new key: raise + in-flight lease)
+# per store, measured the same way for each: fencegate in front of an nginx
+# answering 200, wrk with one connection (sequential writes: the latency of
+# one advance) and with 64 connections (throughput), each for SECONDS.
+# Servers are started here on loopback in temp dirs, with the durability
+# settings docs/stores.md asks for.
+#
+# Usage: scripts/store_latency.sh [SECONDS]   (needs wrk, nginx, redis-server,
+# postgresql, etcd-server; run as root for PostgreSQL's runuser)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${1:-5}
+for t in wrk nginx redis-server etcd runuser; do
+  command -v "$t" >/dev/null || { echo "missing: $t" >&2; exit 1; }
+done
+PGBIN=$(ls -d /usr/lib/postgresql/*/bin | tail -1)
+[ -x "$PGBIN/initdb" ] || { echo "missing: postgresql" >&2; exit 1; }
+cargo build --release --quiet
+BIN=$PWD/target/release/fencegate
+WORK=$(mktemp -d /tmp/fencegate-latency.XXXXXX)
+chmod 755 "$WORK"
+PIDS=()
+cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done; pkill -9 -f "$WORK" 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
+
+NGINX_PORT=$(port)
+mkdir -p "$WORK/nginx"
+cat > "$WORK/nginx/conf" <<CONF
+worker_processes 1; pid $WORK/nginx/pid; error_log $WORK/nginx/err;
+events {} http { access_log off; client_body_temp_path $WORK/nginx/b; keepalive_requests 1000000;
+  server { listen 127.0.0.1:$NGINX_PORT; location / { return 200 "ok\n"; } } }
+CONF
+nginx -c "$WORK/nginx/conf" -p "$WORK/nginx"; PIDS+=("$(cat "$WORK/nginx/pid")")
+
+REDIS_PORT=$(port)
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --dir "$WORK" >/dev/null &
+PIDS+=($!)
+PG_PORT=$(port)
+mkdir -p "$WORK/pg"; chown -R postgres "$WORK"
+runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
+runuser -u postgres -- "$PGBIN/postgres" -D "$WORK/pg" -p "$PG_PORT" -c listen_addresses=127.0.0.1 -k "$WORK" >/dev/null 2>&1 &
+PIDS+=($!)
+ETCD_PORT=$(port); ETCD_PEER=$(port)
+etcd --name default --data-dir "$WORK/etcd" --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+  --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" \
+  --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-cluster "default=http://127.0.0.1:$ETCD_PEER" >/dev/null 2>&1 &
+PIDS+=($!)
+for p in $REDIS_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
+sleep 1
+
+cat > "$WORK/newkey.lua" <<'LUA'
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("PUT", "/lat/" .. math.random(1, 1e9) .. "/" .. n, { ["X-Fence-Token"] = "1" }, "x")
+end
+LUA
+cat > "$WORK/steady.lua" <<'LUA'
+wrk.method = "PUT"; wrk.body = "x"; wrk.headers["X-Fence-Token"] = "1"
+LUA
+
+echo "| store | advance p50 (1 conn) | advance p99 (1 conn) | advances/s (64 conns) | steady-token writes/s (64 conns) |"
+echo "|---|---|---|---|---|"
+for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0" \
+             "postgres|postgres://postgres@127.0.0.1:$PG_PORT/postgres" "etcd|etcd://127.0.0.1:$ETCD_PORT"; do
+  name=${store%%|*}; url=${store#*|}
+  "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://127.0.0.1:$NGINX_PORT" \
+    --store "$url" > "$WORK/$name.out" 2> "$WORK/$name.err" &
+  FG=$!; PIDS+=($FG)
+  for _ in $(seq 100); do grep -q listening "$WORK/$name.out" 2>/dev/null && break; sleep 0.1; done
+  PROXY=$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' "$WORK/$name.out")
+  curl -s -o /dev/null -X PUT -H 'X-Fence-Token: 1' "http://$PROXY/warmup"
+  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/newkey.lua" "http://$PROXY/" > "$WORK/$name.1"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/newkey.lua" "http://$PROXY/" > "$WORK/$name.64"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/steady.lua" "http://$PROXY/steady" > "$WORK/$name.s"
+  for f in 1 64 s; do
+    if grep -q Non-2xx "$WORK/$name.$f"; then echo "$name: non-2xx answers" >&2; cat "$WORK/$name.$f" >&2; exit 1; fi
+  done
+  p50=$(awk '$1=="50%" {print $2}' "$WORK/$name.1"); p99=$(awk '$1=="99%" {print $2}' "$WORK/$name.1")
+  rps=$(awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.64"); steady=$(awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.s")
+  echo "| $name | $p50 | $p99 | $rps | $steady |"
+  kill "$FG"; wait "$FG" 2>/dev/null || true
+done
+echo
+echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d); wrk -t1, ${SECS}s per cell; servers on the same host (loopback)"

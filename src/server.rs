@@ -92,6 +92,17 @@ impl Server {
                 "the last run did not stop cleanly: writes are refused (503) until writes forwarded before the crash can no longer be in flight"
             );
         }
+        if !store.exclusive() {
+            // Connect now, so schema setup, durability warnings and the
+            // marker check happen at start; a store that is down only makes
+            // writes fail closed until it answers.
+            let probe = store.clone();
+            tokio::spawn(async move {
+                if let Err(e) = probe.ping().await {
+                    tracing::warn!(store = probe.kind(), error = %e, "fence store not reachable at start: writes fail closed until it is");
+                }
+            });
+        }
         let store: Arc<dyn FenceStore> = Arc::new(InstrumentedStore::new(store, metrics.clone()));
         let fence = Fence::new(
             store,

@@ -139,6 +139,23 @@ impl Fence {
         cache_capacity: usize,
         recovery_window: Duration,
     ) -> Arc<Self> {
+        Self::with_lease_margin(
+            store,
+            cache_capacity,
+            recovery_window,
+            Duration::from_secs(1),
+        )
+    }
+
+    /// Like [`new`](Self::new); shared-store leases live `recovery_window +
+    /// lease_margin`, where the margin covers the store's own latency (a
+    /// lease's clock starts on the store, before the grant reaches us).
+    pub fn with_lease_margin(
+        store: Arc<dyn FenceStore>,
+        cache_capacity: usize,
+        recovery_window: Duration,
+        lease_margin: Duration,
+    ) -> Arc<Self> {
         let recovering_until = match store.start_state() {
             StartState::Unclean { previous_window } => {
                 let window = recovery_window.max(previous_window.unwrap_or_default());
@@ -154,7 +171,7 @@ impl Fence {
                 capacity: cache_capacity,
             },
             recovering_until,
-            lease_ttl: recovery_window + Duration::from_secs(1),
+            lease_ttl: recovery_window + lease_margin,
         })
     }
 
@@ -367,12 +384,20 @@ impl Fence {
         // more than that is the longest a wait can legitimately take.
         let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
         let mut pause = Duration::from_millis(2);
+        // Until it is granted, the registered lease is released if this
+        // admission ends any other way (stale, error, client gone). One
+        // guard for the whole wait: releasing between polls would let a
+        // late release delete the lease after it was granted.
+        let mut pending: Option<PendingLease> = None;
         loop {
             match outcome {
                 LeaseOutcome::Stale { highest } => {
                     return Err(FenceError::Stale { token, highest })
                 }
                 LeaseOutcome::Granted(lease) => {
+                    if let Some(p) = pending.take() {
+                        p.disarm();
+                    }
                     return Ok(Permit {
                         fence: self.clone(),
                         gate: None,
@@ -380,16 +405,16 @@ impl Fence {
                         token,
                         lease: Some(lease),
                         waited_out: false,
-                    })
+                    });
                 }
                 LeaseOutcome::Busy { lease, retry_after } => {
-                    // Until it is granted, the lease is released if this
-                    // admission ends any other way (error, client gone).
-                    let pending = PendingLease {
-                        store: self.store.clone(),
-                        key: key.clone(),
-                        lease: Some(lease),
-                    };
+                    if pending.is_none() {
+                        pending = Some(PendingLease {
+                            store: self.store.clone(),
+                            key: key.clone(),
+                            lease: Some(lease.clone()),
+                        });
+                    }
                     if Instant::now() >= deadline {
                         return Err(StoreError::Unavailable(
                             "an older write's lease neither ended nor expired".into(),
@@ -398,11 +423,7 @@ impl Fence {
                     }
                     tokio::time::sleep(retry_after.min(pause)).await;
                     pause = (pause * 2).min(Duration::from_millis(50));
-                    let lease = pending.lease.as_ref().expect("held");
-                    outcome = self.store.poll_lease(&key, lease).await?;
-                    if matches!(outcome, LeaseOutcome::Granted(_)) {
-                        pending.disarm();
-                    }
+                    outcome = self.store.poll_lease(&key, &lease).await?;
                 }
             }
         }

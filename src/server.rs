@@ -104,10 +104,15 @@ impl Server {
             });
         }
         let store: Arc<dyn FenceStore> = Arc::new(InstrumentedStore::new(store, metrics.clone()));
-        let fence = Fence::new(
+        let lease_margin = match &config.store {
+            StoreConfig::Shared(s) => s.timeout + Duration::from_secs(1),
+            StoreConfig::Embedded { .. } => Duration::from_secs(1),
+        };
+        let fence = Fence::with_lease_margin(
             store,
             config.highest_cache_entries,
             config.max_upstream_timeout(),
+            lease_margin,
         );
         let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone()));
         let exchanges = proxy.exchanges();

@@ -160,22 +160,23 @@ impl EtcdBackend {
         Err(last.unwrap_or_else(|| unavailable("no endpoint")))
     }
 
-    /// The replica lease to attach a new in-flight key to. Keys must outlive
-    /// the write (`ttl`), so a lease is used for new keys only during the
-    /// first half of its life; it is granted for twice `ttl`.
+    /// The replica lease to attach a new in-flight key to. It is granted for
+    /// twice `ttl` and used for new keys only during the first third of its
+    /// life, so every key lives at least 4/3 of `ttl`: the write plus the
+    /// store's own latency.
     async fn replica_lease(&self, ttl: Duration) -> Result<String, StoreError> {
         let mut slot = self.lease.lock().await;
         if let Some(l) = slot.as_ref() {
-            if l.ttl >= ttl && l.granted.elapsed() < l.ttl / 2 {
+            if l.ttl >= ttl * 2 && l.granted.elapsed() < l.ttl / 3 {
                 return Ok(l.id.clone());
             }
         }
-        let grant_ttl = (ttl * 2).max(Duration::from_secs(2));
+        let secs = (ttl * 2).as_secs_f64().ceil().max(2.0) as u64;
+        let grant_ttl = Duration::from_secs(secs);
+        // Stamped before sending: the lease's clock may start any time after.
+        let sent = Instant::now();
         let v = self
-            .post(
-                "/v3/lease/grant",
-                json!({"TTL": grant_ttl.as_secs().to_string()}),
-            )
+            .post("/v3/lease/grant", json!({"TTL": secs.to_string()}))
             .await?;
         let id = v["ID"]
             .as_str()
@@ -183,7 +184,7 @@ impl EtcdBackend {
             .ok_or_else(|| unavailable("lease grant without an ID"))?;
         *slot = Some(ReplicaLease {
             id: id.clone(),
-            granted: Instant::now(),
+            granted: sent,
             ttl: grant_ttl,
         });
         Ok(id)
@@ -205,6 +206,7 @@ impl EtcdBackend {
         let fk = fence_key(key);
         let mut success = stale_ops;
         success.push(json!({"request_range": {"key": b64(&fk)}}));
+        let (success_n, ops_n) = (success.len(), ops.len());
         let v = self
             .post(
                 "/v3/kv/txn",
@@ -215,8 +217,19 @@ impl EtcdBackend {
                 }),
             )
             .await?;
+        if v["header"]["revision"].as_str().is_none() {
+            return Err(unavailable("transaction answer without a header"));
+        }
         let responses = v["responses"].as_array().cloned().unwrap_or_default();
-        if v["succeeded"].as_bool().unwrap_or(false) {
+        let succeeded = v["succeeded"].as_bool().unwrap_or(false);
+        let expected = if succeeded { success_n } else { ops_n };
+        if responses.len() != expected {
+            return Err(unavailable(format!(
+                "transaction answered {} results for {expected} operations",
+                responses.len()
+            )));
+        }
+        if succeeded {
             let range = responses
                 .last()
                 .map(|r| r["response_range"].clone())
@@ -439,16 +452,30 @@ impl Backend for EtcdBackend {
         Err(unavailable("marker update kept conflicting"))
     }
 
-    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+    async fn replace_marker(
+        &self,
+        expected: Option<&Marker>,
+        epoch: &str,
+    ) -> Result<Marker, StoreError> {
+        let compare = match expected {
+            None => {
+                json!({"key": b64(MARKER), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+            }
+            Some(m) => {
+                json!({"key": b64(MARKER), "target": "VALUE", "result": "EQUAL", "value": b64(&format!("{} {}", m.epoch, m.seq))})
+            }
+        };
         self.post(
-            "/v3/kv/put",
-            json!({"key": b64(MARKER), "value": b64(&format!("{epoch} 1"))}),
+            "/v3/kv/txn",
+            json!({
+                "compare": [compare],
+                "success": [{"request_put": {"key": b64(MARKER), "value": b64(&format!("{epoch} 1"))}}],
+            }),
         )
         .await?;
-        Ok(Marker {
-            epoch: epoch.to_string(),
-            seq: 1,
-        })
+        self.read_marker()
+            .await?
+            .ok_or_else(|| unavailable("marker not readable after replacement"))
     }
 }
 

@@ -20,7 +20,7 @@ use super::shared::{Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
-const SCHEMA_VERSION: i32 = 1;
+const SCHEMA_VERSION: i32 = 2;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL);
@@ -66,9 +66,10 @@ CREATE OR REPLACE FUNCTION fencegate_register(k text, t numeric, lid text, ttl_m
 RETURNS text LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM fencegate_leases l WHERE l.key = k AND l.expires_at <= clock_timestamp();
+    -- A lease polled again gets a fresh expiry: it must outlive its write.
     INSERT INTO fencegate_leases (id, key, token, expires_at)
         VALUES (lid, k, t, clock_timestamp() + ttl_ms * interval '1 millisecond')
-        ON CONFLICT (id) DO NOTHING;
+        ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
     IF EXISTS (SELECT 1 FROM fencegate_leases l WHERE l.key = k AND l.token < t) THEN
         RETURN 'busy';
     END IF;
@@ -140,6 +141,13 @@ fn lease_outcome(status: &str, value: &str, lease: WriteLease) -> Result<LeaseOu
     }
 }
 
+fn marker_row(r: tokio_postgres::Row) -> Result<Marker, tokio_postgres::Error> {
+    Ok(Marker {
+        epoch: r.try_get(0)?,
+        seq: u64::try_from(r.try_get::<_, i64>(1)?).unwrap_or(0),
+    })
+}
+
 impl PostgresBackend {
     pub fn new(url: &str, timeout: Duration, pool_size: usize) -> Result<Self, String> {
         url.parse::<tokio_postgres::Config>()
@@ -208,7 +216,7 @@ impl PostgresBackend {
             .map_err(|_| unavailable("schema setup timed out"))?
             .map_err(|e| unavailable(format!("schema setup: {e}")))?;
         if let Ok(row) = client.query_one("SHOW synchronous_commit", &[]).await {
-            let v: String = row.get(0);
+            let v: String = row.try_get(0).unwrap_or_default();
             if v == "off" {
                 tracing::warn!("postgres synchronous_commit is off: an acknowledged fence can be lost in a crash (see docs/stores.md)");
             }
@@ -225,13 +233,17 @@ impl PostgresBackend {
         F: FnOnce(Client) -> Fut,
         Fut: std::future::Future<Output = (Client, Result<T, tokio_postgres::Error>)>,
     {
+        // One deadline for waiting on the slot, connecting and the query.
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let mut slot = self.slots[i].lock().await;
+        let mut slot = tokio::time::timeout_at(deadline, self.slots[i].lock())
+            .await
+            .map_err(|_| unavailable("timed out waiting for a connection"))?;
         let client = match slot.take() {
             Some(c) if !c.is_closed() => c,
             _ => self.connect().await?,
         };
-        match tokio::time::timeout(self.timeout, f(client)).await {
+        match tokio::time::timeout_at(deadline, f(client)).await {
             Ok((client, Ok(v))) => {
                 *slot = Some(client);
                 Ok(v)
@@ -261,7 +273,12 @@ impl PostgresBackend {
                 None => c.query_one(sql, &[&k, &t]).await,
                 Some((id, ttl)) => c.query_one(sql, &[&k, &t, id, ttl]).await,
             };
-            let r = r.map(|row| (row.get::<_, String>(0), row.get::<_, Option<String>>(1)));
+            let r = r.and_then(|row| {
+                Ok((
+                    row.try_get::<_, String>(0)?,
+                    row.try_get::<_, Option<String>>(1)?,
+                ))
+            });
             (c, r)
         })
         .await
@@ -288,7 +305,7 @@ impl Backend for PostgresBackend {
                         &[&k],
                     )
                     .await
-                    .map(|row| row.map(|r| r.get(0)));
+                    .and_then(|row| row.map(|r| r.try_get(0)).transpose());
                 (c, r)
             })
             .await?;
@@ -385,12 +402,7 @@ impl Backend for PostgresBackend {
             let r = c
                 .query_opt("SELECT epoch, seq FROM fencegate_marker WHERE id = 1", &[])
                 .await
-                .map(|row| {
-                    row.map(|r| Marker {
-                        epoch: r.get(0),
-                        seq: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
-                    })
-                });
+                .and_then(|row| row.map(marker_row).transpose());
             (c, r)
         })
         .await
@@ -421,26 +433,35 @@ impl Backend for PostgresBackend {
                     &[],
                 )
                 .await
-                .map(|row| {
-                    row.map(|r| Marker {
-                        epoch: r.get(0),
-                        seq: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
-                    })
-                });
+                .and_then(|row| row.map(marker_row).transpose());
             (c, r)
         })
         .await
     }
 
-    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
+    async fn replace_marker(
+        &self,
+        expected: Option<&Marker>,
+        epoch: &str,
+    ) -> Result<Marker, StoreError> {
         let e = epoch.to_string();
+        let expected =
+            expected.map(|m| (m.epoch.clone(), i64::try_from(m.seq).unwrap_or(i64::MAX)));
         self.with_client(|c| async move {
-            let r = c
-                .execute(
-                    "INSERT INTO fencegate_marker (id, epoch, seq) VALUES (1, $1, 1) ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch, seq = 1",
-                    &[&e],
-                )
-                .await;
+            let r = match &expected {
+                None => c
+                    .execute(
+                        "INSERT INTO fencegate_marker (id, epoch, seq) VALUES (1, $1, 1) ON CONFLICT (id) DO NOTHING",
+                        &[&e],
+                    )
+                    .await,
+                Some((old, seq)) => c
+                    .execute(
+                        "UPDATE fencegate_marker SET epoch = $1, seq = 1 WHERE id = 1 AND epoch = $2 AND seq = $3",
+                        &[&e, old, seq],
+                    )
+                    .await,
+            };
             (c, r)
         })
         .await?;

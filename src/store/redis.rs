@@ -74,11 +74,11 @@ if h and lt(token, h) then
 end
 if not h then return {'lost', ''} end
 local now = now_ms()
-local older, mine = scan(KEYS[2], token, id, now)
-if not mine then
-  redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
-  redis.call('PEXPIRE', KEYS[2], ttl * 2)
-end
+local older = scan(KEYS[2], token, id, now)
+-- (Re)register with a fresh expiry: a lease being waited on, or checked
+-- again before its write goes, must outlive that write.
+redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
+redis.call('PEXPIRE', KEYS[2], ttl * 2)
 if older then return {'busy', token} end
 return {'granted', token}
 "#;
@@ -238,6 +238,11 @@ async fn warn_if_not_durable(c: &mut MultiplexedConnection) {
             v.ok().and_then(|v| v.get(1).cloned())
         }
     };
+    if let Some(policy) = get("maxmemory-policy").await {
+        if policy != "noeviction" {
+            tracing::warn!(maxmemory_policy = %policy, "redis may evict keys under memory pressure, fences and leases included (set maxmemory-policy noeviction; see docs/stores.md)");
+        }
+    }
     let (aof, fsync) = (get("appendonly").await, get("appendfsync").await);
     if let (Some(aof), Some(fsync)) = (aof, fsync) {
         if aof != "yes" || fsync != "always" {
@@ -420,21 +425,33 @@ impl Backend for RedisBackend {
         }))
     }
 
-    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
-        let e = epoch.to_string();
-        let _: Value = self
+    async fn replace_marker(
+        &self,
+        expected: Option<&Marker>,
+        epoch: &str,
+    ) -> Result<Marker, StoreError> {
+        let script = Script::new(
+            "local cur = redis.call('HMGET', KEYS[1], 'epoch', 'seq') \
+             local matches = (ARGV[1] == '' and not cur[1]) or (cur[1] == ARGV[1] and cur[2] == ARGV[2]) \
+             if matches then \
+               redis.call('DEL', KEYS[1]) \
+               redis.call('HSET', KEYS[1], 'epoch', ARGV[3], 'seq', 1) \
+             end \
+             return 1",
+        );
+        let (e, q) = match expected {
+            Some(m) => (m.epoch.clone(), m.seq.to_string()),
+            None => (String::new(), String::new()),
+        };
+        let new = epoch.to_string();
+        let _: i64 = self
             .run(|mut c| async move {
-                redis::pipe()
-                    .atomic()
-                    .cmd("DEL")
-                    .arg(MARKER)
-                    .cmd("HSET")
-                    .arg(MARKER)
-                    .arg("epoch")
+                script
+                    .key(MARKER)
                     .arg(e)
-                    .arg("seq")
-                    .arg(1)
-                    .query_async(&mut c)
+                    .arg(q)
+                    .arg(new)
+                    .invoke_async(&mut c)
                     .await
             })
             .await?;

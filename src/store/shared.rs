@@ -60,8 +60,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Adds one to the marker's sequence; returns the new marker (`None` if
     /// the marker is gone).
     async fn bump_marker(&self) -> Result<Option<Marker>, StoreError>;
-    /// Replaces the marker (after an operator confirmed a reset).
-    async fn replace_marker(&self, epoch: &str) -> Result<Marker, StoreError>;
+    /// Replaces the marker with a new epoch (after an operator confirmed a
+    /// reset), but only if it is still `expected` (`None`: absent); returns
+    /// the marker stored afterwards, ours or a concurrent confirmer's.
+    async fn replace_marker(
+        &self,
+        expected: Option<&Marker>,
+        epoch: &str,
+    ) -> Result<Marker, StoreError>;
 }
 
 /// A fresh random-enough identifier (lease ids, epochs): no two processes or
@@ -102,10 +108,16 @@ pub struct SharedStore<B: Backend> {
     check_lock: tokio::sync::Mutex<()>,
     /// Highest tokens this replica saw acknowledged, to catch a store whose
     /// answers go backwards. Bounded; eviction only loses detection power.
-    known_highest: DashMap<String, u64>,
+    /// Each value carries the ticket of its recording, so that an answer is
+    /// only compared with values acknowledged before its request was sent
+    /// (answers to concurrent requests arrive in any order).
+    known_highest: DashMap<String, (u64, u64)>,
+    /// Ticket counter for `known_highest`.
+    tickets: AtomicU64,
     known_capacity: usize,
-    /// Confirm a reset automatically at start (the operator said so).
-    accept_reset: bool,
+    /// Confirm a reset automatically, once, at the first marker check (the
+    /// operator said so at start; later losses need a new confirmation).
+    accept_reset: std::sync::atomic::AtomicBool,
     /// TTL of the latest lease, to re-register one that expired while its
     /// writer was waiting.
     lease_ttl_ms: AtomicU64,
@@ -118,8 +130,9 @@ impl<B: Backend> SharedStore<B> {
             guard: Mutex::new(GuardState::default()),
             check_lock: tokio::sync::Mutex::new(()),
             known_highest: DashMap::new(),
+            tickets: AtomicU64::new(0),
             known_capacity: 1_000_000,
-            accept_reset,
+            accept_reset: std::sync::atomic::AtomicBool::new(accept_reset),
             lease_ttl_ms: AtomicU64::new(60_000),
         }
     }
@@ -207,6 +220,7 @@ impl<B: Backend> SharedStore<B> {
         };
         match verdict {
             Ok(m) => {
+                self.accept_reset.store(false, Ordering::Release);
                 let mut g = self.guard.lock().expect("guard lock");
                 g.known = Some(m);
                 g.checked_session = Some(session);
@@ -220,7 +234,7 @@ impl<B: Backend> SharedStore<B> {
                     g.checked_at = Some(std::time::Instant::now());
                 }
                 let err = self.set_amnesia(why);
-                if self.accept_reset {
+                if self.accept_reset.swap(false, Ordering::AcqRel) {
                     tracing::warn!("--accept-store-reset: confirming the reset");
                     self.confirm_reset().await?;
                     return Ok(());
@@ -230,16 +244,24 @@ impl<B: Backend> SharedStore<B> {
         }
     }
 
+    /// The ticket to take before sending a request whose answer will be
+    /// witnessed.
+    fn ticket(&self) -> u64 {
+        self.tickets.load(Ordering::Acquire)
+    }
+
     /// Records an acknowledged token; a store answer that contradicts what
-    /// it acknowledged before means lost data.
+    /// it acknowledged before the request was sent means lost data.
     fn witness(
         &self,
         key: &str,
+        sent: u64,
         outcome_highest: Option<u64>,
         admitted: Option<u64>,
     ) -> Result<(), StoreError> {
         let known = self.known_highest.get(key).map(|v| *v);
-        if let Some(k) = known {
+        if let Some((k, ack)) = known.filter(|(_, ack)| *ack <= sent) {
+            let _ = ack;
             if let Some(t) = admitted {
                 if t < k {
                     return Err(self.set_amnesia(format!(
@@ -264,20 +286,38 @@ impl<B: Backend> SharedStore<B> {
                     budget == 0
                 });
             }
+            let ack = self.tickets.fetch_add(1, Ordering::AcqRel) + 1;
             self.known_highest
                 .entry(key.to_string())
-                .and_modify(|x| *x = (*x).max(v))
-                .or_insert(v);
+                .and_modify(|x| {
+                    if v > x.0 {
+                        *x = (v, ack);
+                    }
+                })
+                .or_insert((v, ack));
         }
         Ok(())
     }
 
-    fn witness_lease(&self, key: &str, outcome: &LeaseOutcome) -> Result<(), StoreError> {
+    fn witness_lease(
+        &self,
+        key: &str,
+        sent: u64,
+        outcome: &LeaseOutcome,
+    ) -> Result<(), StoreError> {
         match outcome {
-            LeaseOutcome::Stale { highest } => self.witness(key, Some(*highest), None),
+            LeaseOutcome::Stale { highest } => self.witness(key, sent, Some(*highest), None),
             LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } => {
-                self.witness(key, None, Some(l.token))
+                self.witness(key, sent, None, Some(l.token))
             }
+        }
+    }
+
+    /// A backend's own report of lost data latches amnesia like ours.
+    fn latch(&self, e: StoreError) -> StoreError {
+        match e {
+            StoreError::Amnesia(why) => self.set_amnesia(why),
+            other => other,
         }
     }
 }
@@ -304,10 +344,17 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         self.ensure().await?;
-        let a = self.backend.advance(key, token).await?;
+        let sent = self.ticket();
+        let a = self
+            .backend
+            .advance(key, token)
+            .await
+            .map_err(|e| self.latch(e))?;
         match a {
-            Advance::Stale { highest } => self.witness(key, Some(highest), None)?,
-            Advance::Raised { .. } | Advance::Equal => self.witness(key, None, Some(token))?,
+            Advance::Stale { highest } => self.witness(key, sent, Some(highest), None)?,
+            Advance::Raised { .. } | Advance::Equal => {
+                self.witness(key, sent, None, Some(token))?
+            }
         }
         Ok(a)
     }
@@ -323,8 +370,13 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
-        let outcome = self.backend.acquire(key, token, &unique_id(), ttl).await?;
-        if let Err(e) = self.witness_lease(key, &outcome) {
+        let sent = self.ticket();
+        let outcome = self
+            .backend
+            .acquire(key, token, &unique_id(), ttl)
+            .await
+            .map_err(|e| self.latch(e))?;
+        if let Err(e) = self.witness_lease(key, sent, &outcome) {
             if let LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } = &outcome {
                 let _ = self.backend.release(key, l).await;
             }
@@ -336,8 +388,13 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {
         self.ensure().await?;
         let ttl = Duration::from_millis(self.lease_ttl_ms.load(Ordering::Relaxed));
-        let outcome = self.backend.poll(key, lease, ttl).await?;
-        self.witness_lease(key, &outcome)?;
+        let sent = self.ticket();
+        let outcome = self
+            .backend
+            .poll(key, lease, ttl)
+            .await
+            .map_err(|e| self.latch(e))?;
+        self.witness_lease(key, sent, &outcome)?;
         Ok(outcome)
     }
 
@@ -363,7 +420,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         let known: Vec<(String, u64)> = self
             .known_highest
             .iter()
-            .map(|e| (e.key().clone(), *e.value()))
+            .map(|e| (e.key().clone(), e.value().0))
             .collect();
         for (key, token) in &known {
             self.backend.advance(key, *token).await?;
@@ -374,7 +431,13 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         let known_marker = self.guard.lock().expect("guard lock").known.clone();
         let m = match current {
             Some(m) if Some(&m.epoch) != known_marker.as_ref().map(|k| &k.epoch) => m,
-            _ => self.backend.replace_marker(&unique_id()).await?,
+            // Compare-and-set: if two replicas confirm at once, the second
+            // joins the first's marker instead of overwriting it.
+            current => {
+                self.backend
+                    .replace_marker(current.as_ref(), &unique_id())
+                    .await?
+            }
         };
         tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
         let mut g = self.guard.lock().expect("guard lock");

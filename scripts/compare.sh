@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Side-by-side comparison, one run, same machine: small PUTs (1 KiB body,
+# 64 connections, wrk) sent
+#   direct      to a fast upstream (nginx answering 200 itself)
+#   nginx       through nginx as a plain reverse proxy (1 worker)
+#   haproxy     through HAProxy (1 thread)
+#   steady      through fencegate, one key, the same token every time
+#   newkey      through fencegate, a new key per request (a durable advance)
+#   newkey-redis, newkey-postgres   the same on the shared stores
+# wrk and the upstream are pinned to CPU 0, each proxy (and store server) to
+# CPU 1. Rounds alternate between systems; medians are reported, with
+# ratios, the proxy's CPU per request, and the disk's fsync rate.
+#
+# Usage: scripts/compare.sh [ROUNDS] [SECONDS]
+# Needs: wrk nginx haproxy taskset python3 curl, and for the shared-store
+# rows redis-server and postgresql (as root: PostgreSQL runs via runuser).
+# It installs nothing: it says what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-3}
+SECS=${2:-8}
+missing=()
+for t in wrk nginx haproxy taskset python3 curl redis-server runuser; do command -v "$t" >/dev/null || missing+=("$t"); done
+PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1)
+[ -n "$PGBIN" ] && [ -x "$PGBIN/initdb" ] || missing+=(postgresql)
+if ((${#missing[@]})); then
+  echo "missing: ${missing[*]} (Debian: apt-get install wrk nginx haproxy util-linux curl redis-server postgresql)" >&2
+  exit 1
+fi
+cargo build --release --quiet
+BIN=$PWD/target/release/fencegate
+WORK=$(mktemp -d "$PWD/target/compare.XXXXXX")
+chmod 755 "$WORK"
+PIDS=()
+cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
+nginx_conf() { # name port body
+  mkdir -p "$WORK/$1"
+  cat > "$WORK/$1/conf" <<CONF
+worker_processes 1; pid $WORK/$1/pid; error_log $WORK/$1/err;
+events { worker_connections 4096; }
+http { access_log off; client_body_temp_path $WORK/$1/b; proxy_temp_path $WORK/$1/p;
+  keepalive_requests 1000000; client_max_body_size 0;
+  upstream backend { server 127.0.0.1:$UP_PORT; keepalive 64; }
+  server { listen 127.0.0.1:$2; $3 } }
+CONF
+}
+
+UP_PORT=$(port)
+nginx_conf upstream "$UP_PORT" 'location / { return 200 "ok\n"; }'
+taskset -c 0 nginx -c "$WORK/upstream/conf" -p "$WORK/upstream"; PIDS+=("$(cat "$WORK/upstream/pid")")
+
+NGINX_PORT=$(port)
+nginx_conf proxy "$NGINX_PORT" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_request_buffering off; }'
+taskset -c 1 nginx -c "$WORK/proxy/conf" -p "$WORK/proxy"; NGINX_PID=$(cat "$WORK/proxy/pid"); PIDS+=("$NGINX_PID")
+NGINX_WORKER=$(pgrep -P "$NGINX_PID" | head -1)
+
+HAPROXY_PORT=$(port)
+cat > "$WORK/haproxy.cfg" <<CONF
+global
+  nbthread 1
+  maxconn 4096
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+  option http-keep-alive
+frontend fe
+  bind 127.0.0.1:$HAPROXY_PORT
+  default_backend be
+backend be
+  http-reuse always
+  server up 127.0.0.1:$UP_PORT
+CONF
+taskset -c 1 haproxy -f "$WORK/haproxy.cfg" -D -p "$WORK/haproxy.pid"; HAPROXY_PID=$(cat "$WORK/haproxy.pid"); PIDS+=("$HAPROXY_PID")
+
+REDIS_PORT=$(port)
+taskset -c 1 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --dir "$WORK" >/dev/null &
+PIDS+=($!)
+PG_PORT=$(port)
+mkdir -p "$WORK/pg"; chown -R postgres "$WORK/pg"; chmod 777 "$WORK"
+runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
+taskset -c 1 runuser -u postgres -- "$PGBIN/postgres" -D "$WORK/pg" -p "$PG_PORT" -c listen_addresses=127.0.0.1 -k "$WORK/pg" >/dev/null 2>&1 &
+PIDS+=($!)
+for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT; do wait_port "$p"; done
+
+start_fencegate() { # name store
+  taskset -c 1 "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+    --upstream "http://127.0.0.1:$UP_PORT" --store "$2" > "$WORK/$1.out" 2> "$WORK/$1.err" &
+  local pid=$!; PIDS+=("$pid")
+  for _ in $(seq 100); do grep -q listening "$WORK/$1.out" 2>/dev/null && break; sleep 0.1; done
+  echo "$pid $(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' "$WORK/$1.out")"
+}
+read -r FG_PID FG_ADDR < <(start_fencegate embedded "$WORK/fences.redb")
+read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_PORT/0")
+read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
+sleep 1
+
+cat > "$WORK/steady.lua" <<'LUA'
+wrk.method = "PUT"
+wrk.body = string.rep("x", 1024)
+wrk.headers["X-Fence-Token"] = "1"
+LUA
+cat > "$WORK/newkey.lua" <<'LUA'
+local n = 0
+local body = string.rep("x", 1024)
+request = function()
+  n = n + 1
+  return wrk.format("PUT", "/new/" .. math.random(1, 1e9) .. "/" .. n, { ["X-Fence-Token"] = "1" }, body)
+end
+LUA
+
+cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
+to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
+
+SYSTEMS=(direct nginx haproxy steady newkey newkey-redis newkey-postgres)
+declare -A RES
+for r in $(seq "$ROUNDS"); do
+  for sys in "${SYSTEMS[@]}"; do
+    case $sys in
+      direct) url="http://127.0.0.1:$UP_PORT/k"; script=steady; pid="";;
+      nginx) url="http://127.0.0.1:$NGINX_PORT/k"; script=steady; pid=$NGINX_WORKER;;
+      haproxy) url="http://127.0.0.1:$HAPROXY_PORT/k"; script=steady; pid=$HAPROXY_PID;;
+      steady) url="http://$FG_ADDR/k"; script=steady; pid=$FG_PID;;
+      newkey) url="http://$FG_ADDR/"; script=newkey; pid=$FG_PID;;
+      newkey-redis) url="http://$FGR_ADDR/"; script=newkey; pid=$FGR_PID;;
+      newkey-postgres) url="http://$FGP_ADDR/"; script=newkey; pid=$FGP_PID;;
+    esac
+    c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
+    taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
+    c1=0; [ -n "$pid" ] && c1=$(cpu "$pid")
+    if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
+    rps=$(awk '/Requests\/sec/ {print $2}' "$WORK/wrk.txt")
+    p50=$(to_ms "$(awk '$1=="50%" {print $2}' "$WORK/wrk.txt")")
+    p99=$(to_ms "$(awk '$1=="99%" {print $2}' "$WORK/wrk.txt")")
+    cpu_us=$(python3 -c "print(round(($c1-$c0)*1e6/($rps*$SECS),1))")
+    RES[$sys]+="$rps $p50 $p99 $cpu_us;"
+    echo "round $r $sys: req/s=$rps p50=${p50}ms p99=${p99}ms cpu/req=${cpu_us}us" >&2
+  done
+done
+FSYNC=$(python3 scripts/fsync_rate.py "$WORK" 3)
+
+median() { python3 -c 'import sys,statistics; print(statistics.median(float(x) for x in sys.argv[1:]))' "$@"; }
+col() { echo "${RES[$1]}" | tr ';' '\n' | awk -v c="$2" 'NF {print $c}'; }
+BEST=$(python3 -c "print(max($(median $(col nginx 1)), $(median $(col haproxy 1))))")
+echo
+echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d); $ROUNDS alternating rounds x ${SECS}s, medians; wrk -t1 -c64, 1 KiB PUT; wrk+upstream on CPU 0, proxy (and store) on CPU 1"
+echo
+echo "| system | req/s | p50 ms | p99 ms | proxy CPU us/req | vs direct | vs best plain proxy |"
+echo "|---|---|---|---|---|---|---|"
+D=$(median $(col direct 1))
+for sys in "${SYSTEMS[@]}"; do
+  rps=$(median $(col "$sys" 1)); p50=$(median $(col "$sys" 2)); p99=$(median $(col "$sys" 3)); c=$(median $(col "$sys" 4))
+  [ "$sys" = direct ] && c="-"
+  printf '| %s | %.0f | %s | %s | %s | %.2fx | %.2fx |\n' "$sys" "$rps" "$p50" "$p99" "$c" "$(python3 -c "print($rps/$D)")" "$(python3 -c "print($rps/$BEST)")"
+done
+NK=$(median $(col newkey 1)); NKR=$(median $(col newkey-redis 1)); ST=$(median $(col steady 1))
+echo
+echo "disk fsync rate (4 KiB write+fsync, same filesystem): $FSYNC/s"
+echo "new-key durable advances per disk fsync: $(python3 -c "print(f'{$NK/$FSYNC:.2f}x')")"
+echo "redis new-key vs embedded steady: $(python3 -c "print(f'{$NKR/$ST:.2f}x')")"

@@ -10,6 +10,12 @@ use fencegate::config::{Config, RawConfig, RawRoute};
 use fencegate::server::Server;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc instead of glibc malloc: measured in docs/benchmarks.md (the
+/// proxy allocates and frees per request; glibc's free path showed up in
+/// profiles).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A fencing-token reverse proxy: writes must carry X-Fence-Token, stale
 /// ones are refused before they reach the backend.
 #[derive(Parser, Debug)]

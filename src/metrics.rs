@@ -168,6 +168,31 @@ impl Metrics {
     }
 }
 
+/// A route's metric handles, resolved once at start: the per-request path
+/// then touches atomics only, no label hashing.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    pub in_flight: IntGauge,
+    pub admitted: prometheus::IntCounter,
+    pub admission_wait: prometheus::Histogram,
+    pub upstream_latency: prometheus::Histogram,
+    pub read_tokens_ignored: prometheus::IntCounter,
+    pub admission_waited_out: prometheus::IntCounter,
+}
+
+impl Metrics {
+    pub fn route(&self, name: &str) -> RouteMetrics {
+        RouteMetrics {
+            in_flight: self.in_flight.with_label_values(&[name]),
+            admitted: self.writes.with_label_values(&[name, "admitted"]),
+            admission_wait: self.admission_wait.with_label_values(&[name]),
+            upstream_latency: self.upstream_latency.with_label_values(&[name]),
+            read_tokens_ignored: self.read_tokens_ignored.with_label_values(&[name]),
+            admission_waited_out: self.admission_waited_out.with_label_values(&[name]),
+        }
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()

@@ -28,7 +28,7 @@ use crate::config::{Config, Limits, Route};
 use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::token::{token_from_headers, FENCE_TOKEN};
 
 /// Headers that name a different method than the request line's.
@@ -58,6 +58,7 @@ type UpstreamClient = Client<HttpConnector, ProxyBody>;
 struct RouteRuntime {
     route: Route,
     client: UpstreamClient,
+    metrics: RouteMetrics,
 }
 
 /// The request handler shared by every connection.
@@ -98,6 +99,7 @@ impl Proxy {
                 RouteRuntime {
                     route: route.clone(),
                     client,
+                    metrics: metrics.route(&route.name),
                 }
             })
             .collect();
@@ -259,14 +261,11 @@ impl Proxy {
         let route = &rt.route;
         ctx.route = Some(route.name.clone());
         ctx.write = self.is_write(route, req.method(), req.headers())?;
-        let _in_flight = GaugeGuard::new(self.metrics.in_flight.with_label_values(&[&route.name]));
+        let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
 
         if !ctx.write {
             if req.headers().contains_key(&FENCE_TOKEN) {
-                self.metrics
-                    .read_tokens_ignored
-                    .with_label_values(&[&route.name])
-                    .inc();
+                rt.metrics.read_tokens_ignored.inc();
             }
             return self.forward(rt, req, &path, Vec::new()).await;
         }
@@ -304,10 +303,7 @@ impl Proxy {
             match self.fence.admit(key, token, deadline).await {
                 Ok(p) => {
                     if p.waited_out {
-                        self.metrics
-                            .admission_waited_out
-                            .with_label_values(&[&route.name])
-                            .inc();
+                        rt.metrics.admission_waited_out.inc();
                     }
                     permits.push(Arc::new(p));
                 }
@@ -338,14 +334,10 @@ impl Proxy {
         }
         ctx.key = keys.first().cloned();
         self.metrics.store_up.set(1);
-        self.metrics
+        rt.metrics
             .admission_wait
-            .with_label_values(&[&route.name])
             .observe(started.elapsed().as_secs_f64());
-        self.metrics
-            .writes
-            .with_label_values(&[&route.name, "admitted"])
-            .inc();
+        rt.metrics.admitted.inc();
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
         self.forward(rt, req, &path, permits).await
     }
@@ -492,9 +484,8 @@ impl Proxy {
                 Err(e) => return Err(ProxyError::Upstream(format!("exchange task failed: {e}"))),
             }
         };
-        self.metrics
+        rt.metrics
             .upstream_latency
-            .with_label_values(&[&route.name])
             .observe(started.elapsed().as_secs_f64());
         let resp = match result {
             Err(_) => {

@@ -6,7 +6,7 @@
 #   haproxy     through HAProxy (1 thread)
 #   steady      through fencegate, one key, the same token every time
 #   newkey      through fencegate, a new key per request (a durable advance)
-#   newkey-redis, newkey-postgres   the same on the shared stores
+#   steady-redis, newkey-redis, newkey-postgres   the same on shared stores
 # wrk and the upstream are pinned to CPU 0, each proxy (and store server) to
 # CPU 1. Rounds alternate between systems; medians are reported, with
 # ratios, the proxy's CPU per request, and the disk's fsync rate.
@@ -116,7 +116,7 @@ LUA
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey newkey-redis newkey-postgres)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres)
 declare -A RES
 for r in $(seq "$ROUNDS"); do
   for sys in "${SYSTEMS[@]}"; do
@@ -126,6 +126,7 @@ for r in $(seq "$ROUNDS"); do
       haproxy) url="http://127.0.0.1:$HAPROXY_PORT/k"; script=steady; pid=$HAPROXY_PID;;
       steady) url="http://$FG_ADDR/k"; script=steady; pid=$FG_PID;;
       newkey) url="http://$FG_ADDR/"; script=newkey; pid=$FG_PID;;
+      steady-redis) url="http://$FGR_ADDR/k"; script=steady; pid=$FGR_PID;;
       newkey-redis) url="http://$FGR_ADDR/"; script=newkey; pid=$FGR_PID;;
       newkey-postgres) url="http://$FGP_ADDR/"; script=newkey; pid=$FGP_PID;;
     esac
@@ -157,8 +158,8 @@ for sys in "${SYSTEMS[@]}"; do
   [ "$sys" = direct ] && c="-"
   printf '| %s | %.0f | %s | %s | %s | %.2fx | %.2fx |\n' "$sys" "$rps" "$p50" "$p99" "$c" "$(python3 -c "print($rps/$D)")" "$(python3 -c "print($rps/$BEST)")"
 done
-NK=$(median $(col newkey 1)); NKR=$(median $(col newkey-redis 1)); ST=$(median $(col steady 1))
+NK=$(median $(col newkey 1)); STR=$(median $(col steady-redis 1)); ST=$(median $(col steady 1))
 echo
 echo "disk fsync rate (4 KiB write+fsync, same filesystem): $FSYNC/s"
 echo "new-key durable advances per disk fsync: $(python3 -c "print(f'{$NK/$FSYNC:.2f}x')")"
-echo "redis new-key vs embedded steady: $(python3 -c "print(f'{$NKR/$ST:.2f}x')")"
+echo "redis steady vs embedded steady: $(python3 -c "print(f'{$STR/$ST:.2f}x')")"

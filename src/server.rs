@@ -132,7 +132,6 @@ impl Server {
         let mut h1 = http1::Builder::new();
         h1.timer(TokioTimer::new())
             .header_read_timeout(config.limits.header_read_timeout)
-            .max_buf_size(config.limits.max_header_bytes.max(8192) + 8192)
             .max_header_size(config.limits.max_header_bytes)
             .keep_alive(true);
         let grace = config.shutdown_grace;

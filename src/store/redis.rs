@@ -6,8 +6,11 @@
 //! - `fencegate:f:{KEY}`: the highest token, as a decimal string (Lua numbers
 //!   are doubles and cannot hold every u64; scripts compare the strings by
 //!   length, then lexically, which is numeric order for canonical decimals).
-//! - `fencegate:l:{KEY}`: hash of lease id -> `"TOKEN EXPIRY_MS"`, expiry on
-//!   the Redis server's clock (`TIME`).
+//! - `fencegate:l:{KEY}`: hash of lease `TOKEN20:ID` -> expiry (ms, on the
+//!   Redis server's clock, `TIME`).
+//! - `fencegate:o:{KEY}`: the same leases in a sorted set (score 0, ordered
+//!   by name, so by zero-padded token): the oldest lease is found in
+//!   O(log n).
 //! - `fencegate:marker`: hash with `epoch` and `seq` (amnesia detection).
 //!
 //! Durability is Redis's: only `appendonly yes` with `appendfsync always`
@@ -34,21 +37,32 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- Drops expired leases; returns whether one older than token remains and
--- whether lease `id` is still registered.
-local function scan(lkey, token, id, now)
-  local older, mine = false, false
-  local all = redis.call('HGETALL', lkey)
-  for i = 1, #all, 2 do
-    local tok, exp = string.match(all[i + 1], '^(%d+) (%d+)$')
-    if tonumber(exp) <= now then
-      redis.call('HDEL', lkey, all[i])
-    else
-      if all[i] == id then mine = true end
-      if lt(tok, token) then older = true end
-    end
+-- Leases: KEYS[2] hash member -> expiry ms; KEYS[3] sorted set of the same
+-- members, all with score 0, so they sort by name: "TOKEN20:ID". The oldest
+-- lease is the first member: finding an older one costs O(log n), however
+-- many writes of one token are in flight.
+local function pad(token)
+  return string.rep('0', 20 - #token) .. token
+end
+-- Whether an unexpired lease older than token exists; expired ones met on
+-- the way are dropped.
+local function older_exists(token, now)
+  local bound = '(' .. pad(token)
+  while true do
+    local m = redis.call('ZRANGEBYLEX', KEYS[3], '-', bound, 'LIMIT', 0, 1)
+    if #m == 0 then return false end
+    local exp = redis.call('HGET', KEYS[2], m[1])
+    if exp and tonumber(exp) > now then return true end
+    redis.call('ZREM', KEYS[3], m[1])
+    redis.call('HDEL', KEYS[2], m[1])
   end
-  return older, mine
+end
+local function register(token, id, ttl, now)
+  local member = pad(token) .. ':' .. id
+  redis.call('ZADD', KEYS[3], 0, member)
+  redis.call('HSET', KEYS[2], member, now + ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl * 2)
+  redis.call('PEXPIRE', KEYS[3], ttl * 2)
 end
 "#;
 
@@ -58,9 +72,8 @@ local h = redis.call('GET', KEYS[1])
 if h and lt(token, h) then return {'stale', h} end
 if (not h) or lt(h, token) then redis.call('SET', KEYS[1], token) end
 local now = now_ms()
-local older = scan(KEYS[2], token, id, now)
-redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
-redis.call('PEXPIRE', KEYS[2], ttl * 2)
+local older = older_exists(token, now)
+register(token, id, ttl, now)
 if older then return {'busy', token} end
 return {'granted', token}
 "#;
@@ -69,16 +82,17 @@ const POLL: &str = r#"
 local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local h = redis.call('GET', KEYS[1])
 if h and lt(token, h) then
-  redis.call('HDEL', KEYS[2], id)
+  local member = pad(token) .. ':' .. id
+  redis.call('ZREM', KEYS[3], member)
+  redis.call('HDEL', KEYS[2], member)
   return {'stale', h}
 end
 if not h then return {'lost', ''} end
 local now = now_ms()
-local older = scan(KEYS[2], token, id, now)
+local older = older_exists(token, now)
 -- (Re)register with a fresh expiry: a lease being waited on, or checked
 -- again before its write goes, must outlive that write.
-redis.call('HSET', KEYS[2], id, token .. ' ' .. (now + ttl))
-redis.call('PEXPIRE', KEYS[2], ttl * 2)
+register(token, id, ttl, now)
 if older then return {'busy', token} end
 return {'granted', token}
 "#;
@@ -93,7 +107,9 @@ return {'raised', h or ''}
 "#;
 
 const RELEASE: &str = r#"
-redis.call('HDEL', KEYS[1], ARGV[1])
+local member = string.rep('0', 20 - #ARGV[1]) .. ARGV[1] .. ':' .. ARGV[2]
+redis.call('ZREM', KEYS[2], member)
+redis.call('HDEL', KEYS[1], member)
 return 1
 "#;
 
@@ -122,6 +138,10 @@ fn fence_key(key: &str) -> String {
 
 fn lease_key(key: &str) -> String {
     format!("fencegate:l:{{{key}}}")
+}
+
+fn lease_order_key(key: &str) -> String {
+    format!("fencegate:o:{{{key}}}")
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
@@ -297,7 +317,7 @@ impl Backend for RedisBackend {
         lease_id: &str,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let (fk, lk) = (fence_key(key), lease_key(key));
+        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
         let ttl_ms = ttl.as_millis().max(1) as u64;
         let script = &self.acquire;
         let id = lease_id.to_string();
@@ -306,6 +326,7 @@ impl Backend for RedisBackend {
                 script
                     .key(fk)
                     .key(lk)
+                    .key(ok)
                     .arg(token.to_string())
                     .arg(id)
                     .arg(ttl_ms)
@@ -328,7 +349,7 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let (fk, lk) = (fence_key(key), lease_key(key));
+        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
         let ttl_ms = ttl.as_millis().max(1) as u64;
         let script = &self.poll;
         let (id, token) = (lease.id.clone(), lease.token);
@@ -337,6 +358,7 @@ impl Backend for RedisBackend {
                 script
                     .key(fk)
                     .key(lk)
+                    .key(ok)
                     .arg(token.to_string())
                     .arg(id)
                     .arg(ttl_ms)
@@ -348,11 +370,19 @@ impl Backend for RedisBackend {
     }
 
     async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
-        let lk = lease_key(key);
+        let (lk, ok) = (lease_key(key), lease_order_key(key));
         let script = &self.release;
-        let id = lease.id.clone();
+        let (id, token) = (lease.id.clone(), lease.token.to_string());
         let _: i64 = self
-            .run(|mut c| async move { script.key(lk).arg(id).invoke_async(&mut c).await })
+            .run(|mut c| async move {
+                script
+                    .key(lk)
+                    .key(ok)
+                    .arg(token)
+                    .arg(id)
+                    .invoke_async(&mut c)
+                    .await
+            })
             .await?;
         Ok(())
     }

@@ -155,27 +155,103 @@ impl Admin {
                 r
             }
             p if p.starts_with("/v1/fences/") => {
-                if self.authorized(&req) {
-                    let mut r = problem(
-                        StatusCode::METHOD_NOT_ALLOWED,
-                        "only GET is supported on fences",
-                    );
-                    r.headers_mut()
-                        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-                    r
+                if !self.authorized(&req) {
+                    unauthorized()
                 } else {
-                    let mut r = problem(
-                        StatusCode::UNAUTHORIZED,
-                        "admin mutations need a bearer token (--admin-token-file)",
-                    );
-                    r.headers_mut()
-                        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                    r
+                    let seg = p["/v1/fences/".len()..].to_string();
+                    match decode_segment(&seg).filter(|k| !seg.contains('/') && !k.is_empty()) {
+                        None => problem(
+                            StatusCode::BAD_REQUEST,
+                            "the key must be one percent-encoded path segment",
+                        ),
+                        Some(key) => match *req.method() {
+                            Method::POST => self.fence_ahead(&key, req).await,
+                            Method::DELETE => self.reset(&key).await,
+                            _ => {
+                                let mut r = problem(
+                                    StatusCode::METHOD_NOT_ALLOWED,
+                                    "fences support GET, POST (fence-ahead) and DELETE (reset)",
+                                );
+                                r.headers_mut().insert(
+                                    header::ALLOW,
+                                    HeaderValue::from_static("GET, HEAD, POST, DELETE"),
+                                );
+                                r
+                            }
+                        },
+                    }
                 }
             }
             _ => problem(StatusCode::NOT_FOUND, "unknown admin endpoint"),
         };
         Ok(resp)
+    }
+
+    /// `POST /v1/fences/{key}` with `{"token": "N"}`: raise the fence at
+    /// lock grant, before the new holder's first write.
+    async fn fence_ahead(&self, key: &str, req: Request<Incoming>) -> Response<ProxyBody> {
+        use http_body_util::BodyExt;
+        let body = match http_body_util::Limited::new(req.into_body(), 4096)
+            .collect()
+            .await
+        {
+            Ok(b) => b.to_bytes(),
+            Err(_) => {
+                return problem(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "the body must be a small JSON object",
+                )
+            }
+        };
+        let token = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| match &v["token"] {
+                serde_json::Value::String(s) => crate::token::parse_token(s.as_bytes()).ok(),
+                serde_json::Value::Number(n) => n.as_u64(),
+                _ => None,
+            });
+        let Some(token) = token else {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                r#"expected {"token": "N"} with N an unsigned decimal integer"#,
+            );
+        };
+        match self.fence.raise(key, token).await {
+            Ok(highest) => {
+                tracing::info!(key, token, "fence-ahead: highest raised");
+                json_response(
+                    StatusCode::OK,
+                    json!({"key": key, "highest": highest.to_string()}),
+                )
+            }
+            Err(crate::fence::FenceError::Stale { highest, .. }) => {
+                let mut r = problem(
+                    StatusCode::CONFLICT,
+                    &format!("token {token} is lower than the highest token {highest}"),
+                );
+                r.headers_mut().insert(
+                    crate::token::FENCE_TOKEN_HIGHEST.clone(),
+                    HeaderValue::from(highest),
+                );
+                r
+            }
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        }
+    }
+
+    /// `DELETE /v1/fences/{key}`: forget a fence (after token inflation
+    /// locked a key out). Audited in the log.
+    async fn reset(&self, key: &str) -> Response<ProxyBody> {
+        match self.fence.forget(key).await {
+            Ok(previous) => {
+                tracing::warn!(key, previous = ?previous, "AUDIT: fence reset by an operator through the admin API");
+                json_response(
+                    StatusCode::OK,
+                    json!({"key": key, "previous": previous.map(|p| p.to_string())}),
+                )
+            }
+            Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        }
     }
 
     async fn ready(&self) -> Response<ProxyBody> {

@@ -78,6 +78,8 @@ pub struct RawRoute {
     pub write_methods: Option<Vec<String>>,
     pub literal_keys: Option<bool>,
     pub strip_token: Option<bool>,
+    /// Refuse a token more than this far above the key's highest.
+    pub max_token_step: Option<u64>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
 }
@@ -159,6 +161,10 @@ pub struct Route {
     pub write_methods: WriteMethods,
     pub literal_keys: bool,
     pub strip_token: bool,
+    /// Token inflation guard: a write whose token is more than this above
+    /// the key's highest is refused (a holder with a valid lock could
+    /// otherwise lock everyone out with u64::MAX).
+    pub max_token_step: Option<u64>,
     pub connect_timeout: Duration,
     /// From the first byte sent upstream to the response head. Also bounds
     /// how long a newer write waits behind an older one, and the
@@ -426,6 +432,15 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
         write_methods,
         literal_keys: r.literal_keys.unwrap_or(false),
         strip_token: r.strip_token.unwrap_or(false),
+        max_token_step: match r.max_token_step {
+            Some(0) => {
+                return Err(invalid(
+                    f("max_token_step"),
+                    "must be at least 1 (omit it for no limit)",
+                ))
+            }
+            v => v,
+        },
         connect_timeout: duration(
             &f("connect_timeout"),
             &r.connect_timeout,
@@ -606,6 +621,7 @@ impl Config {
                     },
                     literal_keys: Some(r.literal_keys),
                     strip_token: Some(r.strip_token),
+                    max_token_step: r.max_token_step,
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
                 })

@@ -25,6 +25,14 @@ pub enum ProxyError {
     Token(TokenError),
     #[error("token {token} is lower than the highest token {highest} for this key")]
     Stale { token: u64, highest: u64 },
+    #[error(
+        "token {token} is more than {max_step} above the highest token {highest} for this key"
+    )]
+    TokenTooFarAhead {
+        token: u64,
+        highest: u64,
+        max_step: u64,
+    },
     #[error("{0}")]
     BadTarget(KeyError),
     #[error("{0}")]
@@ -53,7 +61,10 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Token(TokenError::Missing) => StatusCode::PRECONDITION_REQUIRED,
-            Self::Token(_) | Self::BadTarget(_) | Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::Token(_)
+            | Self::BadTarget(_)
+            | Self::BadRequest(_)
+            | Self::TokenTooFarAhead { .. } => StatusCode::BAD_REQUEST,
             Self::Stale { .. } => StatusCode::CONFLICT,
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -71,6 +82,7 @@ impl ProxyError {
             Self::Token(TokenError::Missing) => "missing-token",
             Self::Token(_) => "malformed-token",
             Self::Stale { .. } => "stale-token",
+            Self::TokenTooFarAhead { .. } => "token-too-far-ahead",
             Self::BadTarget(_) => "bad-target",
             Self::BadRequest(_) => "bad-request",
             Self::NoRoute => "no-route",
@@ -90,6 +102,7 @@ impl ProxyError {
             Self::Token(TokenError::Missing) => "Fence token required",
             Self::Token(_) => "Malformed fence token",
             Self::Stale { .. } => "Stale fence token",
+            Self::TokenTooFarAhead { .. } => "Fence token too far ahead",
             Self::BadTarget(_) => "Ambiguous or invalid request target",
             Self::BadRequest(_) => "Bad request",
             Self::NoRoute => "No route",
@@ -126,6 +139,13 @@ impl ProxyError {
                 // many parsers, and tokens use the full u64 range.
                 body.insert("token".into(), json!(token.to_string()));
                 body.insert("highest".into(), json!(highest.to_string()));
+                extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
+            }
+            Self::TokenTooFarAhead {
+                highest, max_step, ..
+            } => {
+                body.insert("highest".into(), json!(highest.to_string()));
+                body.insert("max_step".into(), json!(max_step.to_string()));
                 extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
             }
             Self::StoreUnavailable(_) => {

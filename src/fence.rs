@@ -429,6 +429,61 @@ impl Fence {
         }
     }
 
+    /// The key's highest token as far as this process can tell without
+    /// taking part in admission: the in-memory copy (exclusive stores) or
+    /// the store.
+    pub async fn highest(&self, key: &str) -> Result<Option<u64>, FenceError> {
+        if self.store.exclusive() {
+            if let Some(g) = self.gates.get(key) {
+                if let Some(h) = g.state.lock().expect("gate lock").highest {
+                    return Ok(Some(h));
+                }
+            }
+            if let Some(h) = self.cache.get(key) {
+                return Ok(Some(h));
+            }
+        }
+        Ok(self.store.highest(key).await?)
+    }
+
+    /// Fence-ahead: raises the key's highest to `token` (durably) without a
+    /// write, so older holders are cut off at lock grant. Returns the
+    /// highest afterwards; `Err(Stale)` if it was already above `token`.
+    pub async fn raise(self: &Arc<Self>, key: &str, token: u64) -> Result<u64, FenceError> {
+        if let Some(retry_after) = self.recovering_for() {
+            return Err(FenceError::Recovering { retry_after });
+        }
+        let highest = if self.store.exclusive() {
+            let key: Arc<str> = Arc::from(key);
+            let guard = GateGuard {
+                fence: self,
+                key: key.clone(),
+                gate: Some(self.gate(&key)),
+            };
+            let gate = guard.gate.as_ref().expect("set above");
+            self.advance(&key, gate, token).await?
+        } else {
+            match self.store.advance(key, token).await? {
+                Advance::Stale { highest } => highest,
+                Advance::Raised { .. } | Advance::Equal => token,
+            }
+        };
+        if highest > token {
+            return Err(FenceError::Stale { token, highest });
+        }
+        Ok(highest)
+    }
+
+    /// Operator reset: forgets the key's fence in the store and in memory.
+    pub async fn forget(&self, key: &str) -> Result<Option<u64>, FenceError> {
+        let old = self.store.forget(key).await?;
+        self.cache.map.remove(key);
+        if let Some(g) = self.gates.get(key) {
+            g.state.lock().expect("gate lock").highest = None;
+        }
+        Ok(old)
+    }
+
     /// For a write holding several keys: the highest token of a key if it
     /// rose above the permit's token after admission (the write must not go).
     pub async fn overtaken(&self, permit: &Permit) -> Result<Option<u64>, FenceError> {

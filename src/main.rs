@@ -75,6 +75,10 @@ struct Opts {
     /// Do not forward X-Fence-Token upstream (--upstream route).
     #[arg(long, env = "FENCEGATE_STRIP_TOKEN", global = true)]
     strip_token: bool,
+    /// Token inflation guard of the --upstream route: refuse tokens more
+    /// than this above the key's highest.
+    #[arg(long, env = "FENCEGATE_MAX_TOKEN_STEP", global = true)]
+    max_token_step: Option<u64>,
     /// Upstream response timeout (every route), e.g. 60s.
     #[arg(long, env = "FENCEGATE_UPSTREAM_TIMEOUT", global = true)]
     upstream_timeout: Option<String>,
@@ -161,12 +165,13 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
         r.namespace.clone_from(&opts.namespace);
         r.literal_keys = opts.literal_keys.then_some(true);
         r.strip_token = opts.strip_token.then_some(true);
+        r.max_token_step = opts.max_token_step;
     } else if opts.key.is_some()
         || opts.namespace.is_some()
         || opts.literal_keys
         || opts.strip_token
     {
-        anyhow::bail!("--key, --namespace, --literal-keys and --strip-token configure the --upstream route; set them per route in the config file");
+        anyhow::bail!("--key, --namespace, --literal-keys, --strip-token and --max-token-step configure the --upstream route; set them per route in the config file");
     }
     for r in &mut raw.routes {
         set(&mut r.upstream_timeout, &opts.upstream_timeout);

@@ -286,6 +286,9 @@ impl crate::store::FenceStore for InstrumentedStore {
     async fn ping(&self) -> Result<(), crate::store::StoreError> {
         self.inner.ping().await
     }
+    async fn forget(&self, key: &str) -> Result<Option<u64>, crate::store::StoreError> {
+        self.inner.forget(key).await
+    }
     async fn close_clean(&self) -> Result<(), crate::store::StoreError> {
         self.inner.close_clean().await
     }

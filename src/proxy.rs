@@ -161,6 +161,7 @@ impl Proxy {
                 ProxyError::Token(crate::token::TokenError::Missing) => Some("missing_token"),
                 ProxyError::Token(_) => Some("malformed_token"),
                 ProxyError::Stale { .. } => Some("stale"),
+                ProxyError::TokenTooFarAhead { .. } => Some("too_far_ahead"),
                 ProxyError::BadTarget(_) => Some("bad_key"),
                 ProxyError::Recovering { .. } => Some("recovering"),
                 ProxyError::StoreUnavailable(_) => Some("store_error"),
@@ -292,6 +293,25 @@ impl Proxy {
         }
         let token = token_from_headers(req.headers()).map_err(ProxyError::Token)?;
 
+        if let Some(step) = route.max_token_step {
+            for key in &keys {
+                let highest = self
+                    .fence
+                    .highest(key)
+                    .await
+                    .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
+                if let Some(h) = highest {
+                    if token > h.saturating_add(step) {
+                        ctx.key = Some(key.clone());
+                        return Err(ProxyError::TokenTooFarAhead {
+                            token,
+                            highest: h,
+                            max_step: step,
+                        });
+                    }
+                }
+            }
+        }
         let started = Instant::now();
         keys.sort();
         keys.dedup();

@@ -56,6 +56,10 @@ enum Op {
         key: String,
         reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
     },
+    Forget {
+        key: String,
+        reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
+    },
     Ping {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
@@ -249,6 +253,11 @@ impl FenceStore for EmbeddedStore {
         self.call(|reply| Op::Advance { key, token, reply }).await
     }
 
+    async fn forget(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Forget { key, reply }).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         if self.healthy.load(Ordering::Acquire) {
             return Ok(());
@@ -316,6 +325,7 @@ impl Writer {
                     match op {
                         Op::Advance { reply, .. } => drop(reply.send(Err(e.clone()))),
                         Op::Get { reply, .. } => drop(reply.send(Err(e.clone()))),
+                        Op::Forget { reply, .. } => drop(reply.send(Err(e.clone()))),
                         Op::Ping { reply } => drop(reply.send(Err(e.clone()))),
                         Op::CloseClean { reply } => drop(reply.send(Err(e.clone()))),
                     }
@@ -374,6 +384,14 @@ impl Writer {
                             .map_err(|e| self.fail(e))?
                             .map(|v| v.value());
                         replies.push(Box::new(move || drop(reply.send(Ok(v)))));
+                    }
+                    Op::Forget { key, reply } => {
+                        let old = table
+                            .remove(key.as_str())
+                            .map_err(|e| self.fail(e))?
+                            .map(|v| v.value());
+                        raised = true; // a change to commit
+                        replies.push(Box::new(move || drop(reply.send(Ok(old)))));
                     }
                     Op::Ping { reply } => {
                         replies.push(Box::new(move || drop(reply.send(Ok(())))));

@@ -181,6 +181,17 @@ pub trait FenceStore: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Removes a key's fence (an operator's reset after token inflation),
+    /// durably; returns the highest it had. Stores that cannot do it safely
+    /// refuse.
+    async fn forget(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let _ = key;
+        Err(StoreError::Unavailable(format!(
+            "resetting a fence is not supported on the {} store",
+            self.kind()
+        )))
+    }
+
     /// Cheap liveness probe for `/readyz`: `Ok` if a write could be
     /// persisted now, as far as the store can tell.
     async fn ping(&self) -> Result<(), StoreError>;

@@ -1,0 +1,140 @@
+//! Operator tools against token inflation and for lock grants: the
+//! per-route maximum token step, fence-ahead and the audited reset.
+
+mod common;
+
+use common::*;
+
+const TOKEN: &str = "operator-token-0123456789";
+
+async fn setup(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--admin-token-file", token_file.to_str().unwrap()])
+        .args(extra)
+        .spawn();
+    (dir, up, p)
+}
+
+fn auth() -> String {
+    format!("Bearer {TOKEN}")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_far_above_the_highest_is_refused() {
+    let (_d, up, p) = setup(&["--max-token-step", "1000"]).await;
+    // A new key has no highest to measure from: accepted.
+    assert_eq!(put(&p.url("/k"), "500").await.status, 200);
+    assert_eq!(
+        put(&p.url("/k"), "1500").await.status,
+        200,
+        "exactly the step"
+    );
+    let a = put(&p.url("/k"), "18446744073709551615").await;
+    assert_eq!(a.status, 400, "{}", a.text());
+    assert_eq!(
+        a.json()["type"],
+        "urn:fencegate:problem:token-too-far-ahead"
+    );
+    assert_eq!(a.json()["highest"], "1500");
+    assert_eq!(a.header("x-fence-token-highest"), Some("1500"));
+    assert_eq!(put(&p.url("/k"), "2501").await.status, 400);
+    assert_eq!(put(&p.url("/k"), "2500").await.status, 200);
+    assert_eq!(up.count(), 3, "refused inflation never reached the backend");
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(m.contains("decision=\"too_far_ahead\""), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fence_ahead_cuts_off_the_old_holder_before_the_new_one_writes() {
+    let (_d, up, p) = setup(&[]).await;
+    assert_eq!(put(&p.url("/doc"), "33").await.status, 200);
+    // The lock service grants token 34: fence ahead at grant time.
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+        &[("authorization", &auth())],
+        r#"{"token":"34"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json()["highest"], "34");
+    // The paused old holder wakes up: refused, though 34 never wrote.
+    assert_eq!(put(&p.url("/doc"), "33").await.status, 409);
+    assert_eq!(put(&p.url("/doc"), "34").await.status, 200);
+    // Fencing ahead below the highest is refused; without the token, 401.
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+        &[("authorization", &auth())],
+        r#"{"token":"2"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 409);
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+        &[],
+        r#"{"token":"99"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 401);
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+        &[("authorization", "Bearer wrong-token-000000000")],
+        r#"{"token":"99"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 401);
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+        &[("authorization", &auth())],
+        r#"{"token":"-1"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 400);
+    assert_eq!(up.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_reset_unlocks_an_inflated_key_and_is_audited() {
+    let (_d, _up, p) = setup(&[]).await;
+    assert_eq!(
+        put(&p.url("/locked"), "18446744073709551615").await.status,
+        200
+    );
+    assert_eq!(
+        put(&p.url("/locked"), "7").await.status,
+        409,
+        "locked out by inflation"
+    );
+    let a = send(
+        "DELETE",
+        &p.admin_url("/v1/fences/default%3A%2Flocked"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 401, "reset needs the admin token");
+    let a = send(
+        "DELETE",
+        &p.admin_url("/v1/fences/default%3A%2Flocked"),
+        &[("authorization", &auth())],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json()["previous"], "18446744073709551615");
+    assert_eq!(
+        put(&p.url("/locked"), "7").await.status,
+        200,
+        "the key is usable again"
+    );
+    assert_eq!(put(&p.url("/locked"), "6").await.status, 409);
+    assert!(p.stderr().contains("AUDIT: fence reset"), "{}", p.stderr());
+}

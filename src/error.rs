@@ -37,6 +37,8 @@ pub enum ProxyError {
     BadTarget(KeyError),
     #[error("{0}")]
     BadRequest(String),
+    #[error("ambiguous message framing: {0}")]
+    BadFraming(String),
     #[error("no route matches this host and path")]
     NoRoute,
     #[error("method {0} is not supported by this proxy")]
@@ -64,6 +66,7 @@ impl ProxyError {
             Self::Token(_)
             | Self::BadTarget(_)
             | Self::BadRequest(_)
+            | Self::BadFraming(_)
             | Self::TokenTooFarAhead { .. } => StatusCode::BAD_REQUEST,
             Self::Stale { .. } => StatusCode::CONFLICT,
             Self::NoRoute => StatusCode::NOT_FOUND,
@@ -85,6 +88,7 @@ impl ProxyError {
             Self::TokenTooFarAhead { .. } => "token-too-far-ahead",
             Self::BadTarget(_) => "bad-target",
             Self::BadRequest(_) => "bad-request",
+            Self::BadFraming(_) => "bad-framing",
             Self::NoRoute => "no-route",
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::BodyTooLarge { .. } => "body-too-large",
@@ -105,6 +109,7 @@ impl ProxyError {
             Self::TokenTooFarAhead { .. } => "Fence token too far ahead",
             Self::BadTarget(_) => "Ambiguous or invalid request target",
             Self::BadRequest(_) => "Bad request",
+            Self::BadFraming(_) => "Ambiguous message framing",
             Self::NoRoute => "No route",
             Self::MethodNotAllowed(_) => "Method not allowed",
             Self::BodyTooLarge { .. } => "Request body too large",
@@ -163,7 +168,11 @@ impl ProxyError {
         }
         if matches!(
             self,
-            Self::BadTarget(_) | Self::Token(_) | Self::BodyTooLarge { .. } | Self::BodyTimeout
+            Self::BadTarget(_)
+                | Self::Token(_)
+                | Self::BadFraming(_)
+                | Self::BodyTooLarge { .. }
+                | Self::BodyTimeout
         ) {
             // The request may have an unread body, or be a smuggling attempt:
             // do not reuse the connection.

@@ -79,6 +79,7 @@ pub struct Proxy {
 const BODY_OK: u8 = 0;
 const BODY_TOO_LARGE: u8 = 1;
 const BODY_TIMEOUT: u8 = 2;
+const BODY_MALFORMED: u8 = 3;
 
 impl Proxy {
     pub fn new(config: &Config, fence: Arc<Fence>, metrics: Arc<Metrics>) -> Self {
@@ -202,6 +203,7 @@ impl Proxy {
         if req.method() == Method::CONNECT {
             return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
         }
+        check_framing(req.headers())?;
         let host_header = req
             .headers()
             .get(header::HOST)
@@ -523,6 +525,10 @@ impl Proxy {
                         })
                     }
                     BODY_TIMEOUT => return Err(ProxyError::BodyTimeout),
+                    BODY_MALFORMED => return Err(ProxyError::BadFraming(
+                        "the request body could not be read (malformed chunk or connection cut)"
+                            .into(),
+                    )),
                     _ => {}
                 }
                 let kind = if e.is_connect() { "connect" } else { "other" };
@@ -570,6 +576,29 @@ fn is_copy_or_move(method: &Method, headers: &HeaderMap) -> bool {
             .iter()
             .flat_map(|h| headers.get_all(*h))
             .any(|v| v.to_str().is_ok_and(|m| named(m.trim())))
+}
+
+/// Refuses message framing that two HTTP implementations could read two
+/// ways (request smuggling): both Content-Length and Transfer-Encoding,
+/// several Content-Length headers, or a transfer coding other than exactly
+/// `chunked`. The parser accepts some of these; a proxy must not.
+fn check_framing(headers: &HeaderMap) -> Result<(), ProxyError> {
+    let bad = |why: &str| ProxyError::BadFraming(why.to_string());
+    let lengths = headers.get_all(header::CONTENT_LENGTH).iter().count();
+    if lengths > 1 {
+        return Err(bad("more than one Content-Length header"));
+    }
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if codings.peek().is_some() {
+        if lengths > 0 {
+            return Err(bad("both Content-Length and Transfer-Encoding"));
+        }
+        let all: Vec<&[u8]> = codings.map(|v| v.as_bytes()).collect();
+        if all.len() != 1 || !all[0].trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            return Err(bad("Transfer-Encoding other than a single `chunked`"));
+        }
+    }
+    Ok(())
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -672,6 +701,7 @@ impl Body for GuardedBody {
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => {
+                this.state.store(BODY_MALFORMED, Ordering::Release);
                 this.permits.clear();
                 Poll::Ready(Some(Err(Box::new(e))))
             }

@@ -812,6 +812,67 @@ mod tests {
         assert!(!r.matches_path("/"));
     }
 
+    use proptest::prelude::*;
+
+    fn field() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("listen".to_string()),
+            Just("store".to_string()),
+            Just("upstream".to_string()),
+            Just("key".to_string()),
+            Just("namespace".to_string()),
+            Just("upstream_timeout".to_string()),
+            Just("write_methods".to_string()),
+            Just("max_token_step".to_string()),
+            Just("path_prefix".to_string()),
+            "[a-z_]{1,12}",
+        ]
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "\"[ -~]{0,24}\"",
+            "-?[0-9]{1,22}",
+            Just("true".to_string()),
+            Just("[\"PUT\", \"post\"]".to_string()),
+            Just("\"http://127.0.0.1:9000\"".to_string()),
+            Just("\"/{a}/{b}\"".to_string()),
+            Just("\"10ms\"".to_string()),
+        ]
+    }
+
+    proptest! {
+        /// Whatever a config file says, loading it never panics: it is a
+        /// config or an error naming a field.
+        #[test]
+        fn the_loader_never_panics(
+            top in proptest::collection::vec((field(), value()), 0..5),
+            routes in proptest::collection::vec(proptest::collection::vec((field(), value()), 0..6), 0..3),
+        ) {
+            let mut text = String::new();
+            for (k, v) in &top {
+                text.push_str(&format!("{k} = {v}\n"));
+            }
+            for r in &routes {
+                text.push_str("[[routes]]\n");
+                for (k, v) in r {
+                    text.push_str(&format!("{k} = {v}\n"));
+                }
+            }
+            if let Ok(raw) = RawConfig::from_toml(&text) {
+                match Config::try_from(raw) {
+                    Ok(c) => {
+                        // A valid config prints to a config that loads to the
+                        // same thing.
+                        let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+                        prop_assert_eq!(again.to_toml(), c.to_toml());
+                    }
+                    Err(e) => prop_assert!(e.to_string().contains('`') || e.to_string().contains("config")),
+                }
+            }
+        }
+    }
+
     #[test]
     fn explicit_write_methods_are_case_insensitive() {
         let w = WriteMethods::Only(["PUT".to_string()].into());

@@ -51,30 +51,119 @@ impl Rng {
 
 /// The in-test lock service: one lock per key, increasing tokens, short
 /// leases that expire whether or not the holder noticed.
-struct LockService {
+struct InTestLocks {
     next_token: AtomicU64,
     locks: Vec<Mutex<Option<(usize, u64, Instant)>>>,
 }
 
+/// etcd as the lock service: a lock is a key created with an etcd lease
+/// (expiring on etcd's clock) only if absent; the token is the revision of
+/// that creation, which only goes up.
+struct EtcdLocks {
+    endpoint: String,
+    ttl_secs: u64,
+    /// Newest token granted per key (for counting stale attempts).
+    latest: Vec<AtomicU64>,
+}
+
+enum LockService {
+    InTest(InTestLocks),
+    Etcd(EtcdLocks),
+}
+
+fn b64(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
 impl LockService {
-    fn acquire(&self, key: usize, client: usize) -> Option<u64> {
-        let mut l = self.locks[key].lock().unwrap();
-        match *l {
-            Some((_, _, expires)) if expires > Instant::now() => None,
-            _ => {
-                let token = self.next_token.fetch_add(1, Ordering::SeqCst);
-                *l = Some((client, token, Instant::now() + LEASE));
+    fn in_test() -> Self {
+        LockService::InTest(InTestLocks {
+            next_token: AtomicU64::new(1),
+            locks: (0..KEYS).map(|_| Mutex::new(None)).collect(),
+        })
+    }
+
+    /// The lease length clients may outlive.
+    fn lease(&self) -> Duration {
+        match self {
+            LockService::InTest(_) => LEASE,
+            LockService::Etcd(e) => Duration::from_secs(e.ttl_secs),
+        }
+    }
+
+    async fn acquire(&self, key: usize, client: usize) -> Option<u64> {
+        match self {
+            LockService::InTest(l) => {
+                let mut g = l.locks[key].lock().unwrap();
+                match *g {
+                    Some((_, _, expires)) if expires > Instant::now() => None,
+                    _ => {
+                        let token = l.next_token.fetch_add(1, Ordering::SeqCst);
+                        *g = Some((client, token, Instant::now() + LEASE));
+                        Some(token)
+                    }
+                }
+            }
+            LockService::Etcd(e) => {
+                let grant = send(
+                    "POST",
+                    &format!("{}/v3/lease/grant", e.endpoint),
+                    &[],
+                    format!(r#"{{"TTL":"{}"}}"#, e.ttl_secs),
+                )
+                .await
+                .json();
+                let lease = grant["ID"].as_str()?.to_string();
+                let k = b64(&format!("lock/k{key}"));
+                let txn = format!(
+                    r#"{{"compare":[{{"key":"{k}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{{"request_put":{{"key":"{k}","value":"{}","lease":"{lease}"}}}}]}}"#,
+                    b64(&client.to_string())
+                );
+                let v = send("POST", &format!("{}/v3/kv/txn", e.endpoint), &[], txn)
+                    .await
+                    .json();
+                if v["succeeded"].as_bool() != Some(true) {
+                    let _ = send(
+                        "POST",
+                        &format!("{}/v3/lease/revoke", e.endpoint),
+                        &[],
+                        format!(r#"{{"ID":"{lease}"}}"#),
+                    )
+                    .await;
+                    return None;
+                }
+                let token: u64 = v["header"]["revision"].as_str()?.parse().ok()?;
+                e.latest[key].fetch_max(token, Ordering::SeqCst);
                 Some(token)
             }
         }
     }
+
     fn latest(&self, key: usize) -> u64 {
-        self.locks[key].lock().unwrap().map_or(0, |(_, t, _)| t)
+        match self {
+            LockService::InTest(l) => l.locks[key].lock().unwrap().map_or(0, |(_, t, _)| t),
+            LockService::Etcd(e) => e.latest[key].load(Ordering::SeqCst),
+        }
     }
-    fn release(&self, key: usize, token: u64) {
-        let mut l = self.locks[key].lock().unwrap();
-        if matches!(*l, Some((_, t, _)) if t == token) {
-            *l = None;
+
+    async fn release(&self, key: usize, token: u64) {
+        match self {
+            LockService::InTest(l) => {
+                let mut g = l.locks[key].lock().unwrap();
+                if matches!(*g, Some((_, t, _)) if t == token) {
+                    *g = None;
+                }
+            }
+            LockService::Etcd(e) => {
+                // Delete the lock only if it is still ours (created at our
+                // revision).
+                let k = b64(&format!("lock/k{key}"));
+                let txn = format!(
+                    r#"{{"compare":[{{"key":"{k}","target":"CREATE","result":"EQUAL","create_revision":"{token}"}}],"success":[{{"request_delete_range":{{"key":"{k}"}}}}]}}"#
+                );
+                let _ = send("POST", &format!("{}/v3/kv/txn", e.endpoint), &[], txn).await;
+            }
         }
     }
 }
@@ -109,7 +198,8 @@ async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
     let status = if rng.chance(20) {
         // A real client process, stopped in the middle of its body for
         // longer than its lease, then continued.
-        let pause = LEASE + Duration::from_millis(rng.below(150));
+        let pause = run.locks.lease().min(Duration::from_millis(600))
+            + Duration::from_millis(rng.below(150));
         let cid = id.clone();
         tokio::task::spawn_blocking(move || curl_paused(&url, &cid, token, delay, pause))
             .await
@@ -198,18 +288,18 @@ async fn client_loop(run: Arc<Run>, client: usize, seed: u64) {
     let mut rng = Rng(seed ^ (client as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15));
     while Instant::now() < run.deadline {
         let key = rng.below(KEYS as u64) as usize;
-        let Some(token) = run.locks.acquire(key, client) else {
+        let Some(token) = run.locks.acquire(key, client).await else {
             tokio::time::sleep(Duration::from_millis(2 + rng.below(10))).await;
             continue;
         };
         for _ in 0..1 + rng.below(3) {
             if rng.chance(25) {
                 // A GC pause or VM freeze past the lease.
-                tokio::time::sleep(LEASE + Duration::from_millis(rng.below(100))).await;
+                tokio::time::sleep(run.locks.lease() + Duration::from_millis(rng.below(100))).await;
             }
             write(&run, &mut rng, key, token).await;
         }
-        run.locks.release(key, token);
+        run.locks.release(key, token).await;
     }
 }
 
@@ -303,7 +393,7 @@ fn keep_failure(
 }
 
 /// One checked run. `faults` runs alongside the clients.
-async fn history<F, Fut>(name: &str, store: StoreKind, faults: F)
+async fn history<F, Fut>(name: &str, store: StoreKind, lock_service: Option<StoreKind>, faults: F)
 where
     F: FnOnce(Arc<Run>, Vec<Proxy>, Option<StoreServer>) -> Fut,
     Fut: std::future::Future<Output = (usize, Vec<Proxy>, Option<StoreServer>)>,
@@ -324,6 +414,7 @@ where
         });
     let up = start_upstream().await;
     let dir = tempfile::tempdir().unwrap();
+    let lock_server = lock_service.map(StoreServer::start);
     let server = (store != StoreKind::Embedded).then(|| StoreServer::start(store));
     let replica = |i: usize| {
         let b = ProxyBuilder::new(&up.url(), &dir.path().join(format!("r{i}"))).args(&[
@@ -344,9 +435,13 @@ where
     let run = Arc::new(Run {
         attempts: Mutex::new(Vec::new()),
         replicas: RwLock::new(proxies.iter().map(|p| p.addr).collect()),
-        locks: LockService {
-            next_token: AtomicU64::new(1),
-            locks: (0..KEYS).map(|_| Mutex::new(None)).collect(),
+        locks: match &lock_server {
+            Some(etcd) => LockService::Etcd(EtcdLocks {
+                endpoint: etcd.url().replace("etcd://", "http://"),
+                ttl_secs: 2,
+                latest: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
+            }),
+            None => LockService::in_test(),
         },
         seq: AtomicU64::new(0),
         deadline: Instant::now() + Duration::from_secs(secs),
@@ -406,7 +501,8 @@ async fn history_embedded_with_kill_9_restarts() {
     history(
         "embedded",
         StoreKind::Embedded,
-        |run, mut proxies, server| async move {
+        None,
+        |run: Arc<Run>, mut proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
             let mut faults = 0;
             while Instant::now() + Duration::from_secs(2) < run.deadline {
                 tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -426,7 +522,8 @@ async fn history_redis_with_replica_kills_and_store_restarts() {
     history(
         "redis",
         StoreKind::Redis,
-        |run, mut proxies, mut server| async move {
+        None,
+        |run: Arc<Run>, mut proxies: Vec<Proxy>, mut server: Option<StoreServer>| async move {
             let mut faults = 0;
             let mut round = 0;
             while Instant::now() + Duration::from_secs(2) < run.deadline {
@@ -447,6 +544,24 @@ async fn history_redis_with_replica_kills_and_store_restarts() {
                 faults += 1;
             }
             (faults, proxies, server)
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_with_etcd_leases_as_the_lock_service() {
+    // Tokens are etcd revisions; leases (2 s) expire on etcd's clock while
+    // holders pause past them.
+    history(
+        "etcd-locks",
+        StoreKind::Embedded,
+        Some(StoreKind::Etcd),
+        |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            while Instant::now() < run.deadline {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            (0, proxies, server)
         },
     )
     .await;

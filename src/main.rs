@@ -34,6 +34,12 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
+    /// GET a URL and exit 0 on a 2xx answer (container health checks, where
+    /// the image has no curl): `fencegate probe http://127.0.0.1:9090/readyz`.
+    Probe {
+        /// The URL to GET (http only).
+        url: String,
+    },
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -219,12 +225,51 @@ async fn run(config: Config) -> anyhow::Result<bool> {
     Ok(clean)
 }
 
+/// `fencegate probe URL`: exit 0 on 2xx within 5 s.
+fn probe(url: &str) -> ExitCode {
+    use http_body_util::Empty;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return ExitCode::FAILURE;
+    };
+    runtime.block_on(async {
+        let Ok(uri) = url.parse::<http::Uri>() else {
+            eprintln!("fencegate probe: `{url}` is not a URL");
+            return ExitCode::from(2);
+        };
+        let client: Client<_, Empty<bytes::Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        match tokio::time::timeout(std::time::Duration::from_secs(5), client.get(uri)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => ExitCode::SUCCESS,
+            Ok(Ok(resp)) => {
+                eprintln!("fencegate probe: {}", resp.status());
+                ExitCode::FAILURE
+            }
+            Ok(Err(e)) => {
+                eprintln!("fencegate probe: {e}");
+                ExitCode::FAILURE
+            }
+            Err(_) => {
+                eprintln!("fencegate probe: timed out");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Probe { url }) = &cli.command {
+        return probe(url);
+    }
     init_logging(cli.opts.log_format);
     let file = match &cli.command {
         Some(Command::CheckConfig { file }) => Some(file),
-        None => cli.opts.config.as_ref(),
+        _ => cli.opts.config.as_ref(),
     };
     let config = match raw_config(&cli.opts, file)
         .and_then(|raw| Config::try_from(raw).map_err(anyhow::Error::from))

@@ -138,3 +138,22 @@ async fn an_operator_reset_unlocks_an_inflated_key_and_is_audited() {
     assert_eq!(put(&p.url("/locked"), "6").await.status, 409);
     assert!(p.stderr().contains("AUDIT: fence reset"), "{}", p.stderr());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_probe_subcommand_checks_readiness() {
+    let (_d, _up, p) = setup(&[]).await;
+    let probe = |url: String| {
+        std::process::Command::new(bin())
+            .args(["probe", &url])
+            .output()
+            .unwrap()
+            .status
+    };
+    assert!(probe(p.admin_url("/readyz")).success());
+    assert!(!probe(p.admin_url("/no-such-endpoint")).success());
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    assert!(!probe(format!("http://{closed}/readyz")).success());
+}

@@ -244,6 +244,35 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// Runs the acquire or poll script: both take the fence, lease and
+    /// lease-order keys and (token, lease id, TTL in ms).
+    async fn lease_script(
+        &self,
+        script: &Script,
+        key: &str,
+        token: u64,
+        lease_id: &str,
+        ttl: Duration,
+    ) -> Result<(String, String), StoreError> {
+        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let id = lease_id.to_string();
+        self.run(|mut c| async move {
+            script
+                .key(fk)
+                .key(lk)
+                .key(ok)
+                .arg(token.to_string())
+                .arg(id)
+                .arg(ttl_ms)
+                .invoke_async(&mut c)
+                .await
+        })
+        .await
+    }
+}
+
 /// Logs a warning unless the server fsyncs every write (`appendonly yes`,
 /// `appendfsync always`). CONFIG may be disabled: then nothing is said.
 async fn warn_if_not_durable(c: &mut MultiplexedConnection) {
@@ -317,22 +346,8 @@ impl Backend for RedisBackend {
         lease_id: &str,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
-        let ttl_ms = ttl.as_millis().max(1) as u64;
-        let script = &self.acquire;
-        let id = lease_id.to_string();
-        let reply: (String, String) = self
-            .run(|mut c| async move {
-                script
-                    .key(fk)
-                    .key(lk)
-                    .key(ok)
-                    .arg(token.to_string())
-                    .arg(id)
-                    .arg(ttl_ms)
-                    .invoke_async(&mut c)
-                    .await
-            })
+        let reply = self
+            .lease_script(&self.acquire, key, token, lease_id, ttl)
             .await?;
         lease_outcome(
             reply,
@@ -349,22 +364,8 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
-        let ttl_ms = ttl.as_millis().max(1) as u64;
-        let script = &self.poll;
-        let (id, token) = (lease.id.clone(), lease.token);
-        let reply: (String, String) = self
-            .run(|mut c| async move {
-                script
-                    .key(fk)
-                    .key(lk)
-                    .key(ok)
-                    .arg(token.to_string())
-                    .arg(id)
-                    .arg(ttl_ms)
-                    .invoke_async(&mut c)
-                    .await
-            })
+        let reply = self
+            .lease_script(&self.poll, key, lease.token, &lease.id, ttl)
             .await?;
         lease_outcome(reply, lease.clone())
     }

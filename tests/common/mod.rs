@@ -18,6 +18,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+pub mod history;
 pub mod servers;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -171,7 +172,14 @@ async fn upstream_handle(
 
 /// Starts the recording upstream on a free loopback port.
 pub async fn start_upstream() -> Upstream {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    start_upstream_on("127.0.0.1:0").await
+}
+
+/// Starts the recording upstream on `addr`.
+pub async fn start_upstream_on(addr: &str) -> Upstream {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
     let addr = listener.local_addr().unwrap();
     let records = Arc::new(Mutex::new(Vec::new()));
     let arrivals = Arc::new(Mutex::new(Vec::new()));
@@ -272,7 +280,9 @@ impl ProxyBuilder {
 }
 
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_fencegate")
+    // Set by cargo for integration tests (not for the example that shares
+    // this module, which never starts fencegate itself).
+    option_env!("CARGO_BIN_EXE_fencegate").expect("only integration tests start the binary")
 }
 
 impl Proxy {

@@ -1,0 +1,404 @@
+//! The history checker's parts, shared by `tests/history.rs` and the
+//! `fencegate_check` example (which runs them against a deployment).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+pub const KEYS: usize = 3;
+pub const CLIENTS: usize = 8;
+pub const LEASE: Duration = Duration::from_millis(150);
+
+/// xorshift64*: enough randomness for schedules, reproducible by seed.
+pub struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// The in-test lock service: one lock per key, increasing tokens, short
+/// leases that expire whether or not the holder noticed.
+pub struct InTestLocks {
+    next_token: AtomicU64,
+    locks: Vec<Mutex<Option<(usize, u64, Instant)>>>,
+}
+
+/// etcd as the lock service: a lock is a key created with an etcd lease
+/// (expiring on etcd's clock) only if absent; the token is the revision of
+/// that creation, which only goes up.
+pub struct EtcdLocks {
+    pub endpoint: String,
+    pub ttl_secs: u64,
+    /// Newest token granted per key (for counting stale attempts).
+    pub latest: Vec<AtomicU64>,
+}
+
+pub enum LockService {
+    InTest(InTestLocks),
+    Etcd(EtcdLocks),
+}
+
+pub fn b64(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
+
+impl LockService {
+    pub fn in_test() -> Self {
+        LockService::InTest(InTestLocks {
+            next_token: AtomicU64::new(1),
+            locks: (0..KEYS).map(|_| Mutex::new(None)).collect(),
+        })
+    }
+
+    /// The lease length clients may outlive.
+    fn lease(&self) -> Duration {
+        match self {
+            LockService::InTest(_) => LEASE,
+            LockService::Etcd(e) => Duration::from_secs(e.ttl_secs),
+        }
+    }
+
+    async fn acquire(&self, key: usize, client: usize) -> Option<u64> {
+        match self {
+            LockService::InTest(l) => {
+                let mut g = l.locks[key].lock().unwrap();
+                match *g {
+                    Some((_, _, expires)) if expires > Instant::now() => None,
+                    _ => {
+                        let token = l.next_token.fetch_add(1, Ordering::SeqCst);
+                        *g = Some((client, token, Instant::now() + LEASE));
+                        Some(token)
+                    }
+                }
+            }
+            LockService::Etcd(e) => {
+                let grant = send(
+                    "POST",
+                    &format!("{}/v3/lease/grant", e.endpoint),
+                    &[],
+                    format!(r#"{{"TTL":"{}"}}"#, e.ttl_secs),
+                )
+                .await
+                .json();
+                let lease = grant["ID"].as_str()?.to_string();
+                let k = b64(&format!("lock/k{key}"));
+                let txn = format!(
+                    r#"{{"compare":[{{"key":"{k}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{{"request_put":{{"key":"{k}","value":"{}","lease":"{lease}"}}}}]}}"#,
+                    b64(&client.to_string())
+                );
+                let v = send("POST", &format!("{}/v3/kv/txn", e.endpoint), &[], txn)
+                    .await
+                    .json();
+                if v["succeeded"].as_bool() != Some(true) {
+                    let _ = send(
+                        "POST",
+                        &format!("{}/v3/lease/revoke", e.endpoint),
+                        &[],
+                        format!(r#"{{"ID":"{lease}"}}"#),
+                    )
+                    .await;
+                    return None;
+                }
+                let token: u64 = v["header"]["revision"].as_str()?.parse().ok()?;
+                e.latest[key].fetch_max(token, Ordering::SeqCst);
+                Some(token)
+            }
+        }
+    }
+
+    fn latest(&self, key: usize) -> u64 {
+        match self {
+            LockService::InTest(l) => l.locks[key].lock().unwrap().map_or(0, |(_, t, _)| t),
+            LockService::Etcd(e) => e.latest[key].load(Ordering::SeqCst),
+        }
+    }
+
+    async fn release(&self, key: usize, token: u64) {
+        match self {
+            LockService::InTest(l) => {
+                let mut g = l.locks[key].lock().unwrap();
+                if matches!(*g, Some((_, t, _)) if t == token) {
+                    *g = None;
+                }
+            }
+            LockService::Etcd(e) => {
+                // Delete the lock only if it is still ours (created at our
+                // revision).
+                let k = b64(&format!("lock/k{key}"));
+                let txn = format!(
+                    r#"{{"compare":[{{"key":"{k}","target":"CREATE","result":"EQUAL","create_revision":"{token}"}}],"success":[{{"request_delete_range":{{"key":"{k}"}}}}]}}"#
+                );
+                let _ = send("POST", &format!("{}/v3/kv/txn", e.endpoint), &[], txn).await;
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub id: String,
+    pub token: u64,
+    /// The lock service's newest token for the key when this was sent.
+    pub latest_at_send: u64,
+    /// HTTP status, or 0 when the outcome is unknown (connection lost in a
+    /// crash): such a write may or may not have been applied.
+    pub status: u16,
+}
+
+pub struct Run {
+    pub attempts: Mutex<Vec<Attempt>>,
+    /// Addresses of the live replicas (they change on restart).
+    pub replicas: RwLock<Vec<SocketAddr>>,
+    pub locks: LockService,
+    pub seq: AtomicU64,
+    pub deadline: Instant,
+    /// Path prefix of the keys, so runs against a long-lived deployment
+    /// use fresh keys.
+    pub prefix: String,
+}
+
+pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
+    let id = format!("w{}", run.seq.fetch_add(1, Ordering::Relaxed));
+    let addrs = run.replicas.read().unwrap().clone();
+    let addr = addrs[rng.below(addrs.len() as u64) as usize];
+    let delay = if rng.chance(10) { 200 } else { rng.below(20) };
+    let latest_at_send = run.locks.latest(key);
+    let url = format!("http://{addr}{}/k{key}", run.prefix);
+    let status = if rng.chance(20) {
+        // A real client process, stopped in the middle of its body for
+        // longer than its lease, then continued.
+        let pause = run.locks.lease().min(Duration::from_millis(600))
+            + Duration::from_millis(rng.below(150));
+        let cid = id.clone();
+        tokio::task::spawn_blocking(move || curl_paused(&url, &cid, token, delay, pause))
+            .await
+            .unwrap()
+    } else {
+        let t = token.to_string();
+        let d = delay.to_string();
+        send_or_lost(
+            "PUT",
+            &url,
+            &[
+                ("x-fence-token", &t),
+                ("x-write-id", &id),
+                ("x-test-delay-ms", &d),
+            ],
+        )
+        .await
+    };
+    run.attempts.lock().unwrap().push(Attempt {
+        id,
+        token,
+        latest_at_send,
+        status,
+    });
+}
+
+/// Sends with a bounded wait; a lost connection (a crash) is status 0.
+pub async fn send_or_lost(method: &str, url: &str, headers: &[(&str, &str)]) -> u16 {
+    let mut req = http::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(full("history")).unwrap();
+    match tokio::time::timeout(Duration::from_secs(10), client().request(req)).await {
+        Ok(Ok(resp)) => resp.status().as_u16(),
+        _ => 0,
+    }
+}
+
+/// curl streaming its body from stdin; SIGSTOP after the first half,
+/// SIGCONT after `pause`.
+pub fn curl_paused(url: &str, id: &str, token: u64, delay: u64, pause: Duration) -> u16 {
+    let mut child = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-T",
+            "-",
+            "-X",
+            "PUT",
+            "--max-time",
+            "10",
+        ])
+        .args([
+            "-H",
+            &format!("X-Fence-Token: {token}"),
+            "-H",
+            &format!("X-Write-Id: {id}"),
+        ])
+        .args(["-H", &format!("X-Test-Delay-Ms: {delay}"), "-H", "Expect:"])
+        .arg(url)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("curl not found: install the Debian package `curl`");
+    let mut stdin = child.stdin.take().unwrap();
+    let _ = stdin.write_all(b"first half;");
+    let _ = stdin.flush();
+    std::thread::sleep(Duration::from_millis(20));
+    signal(child.id(), "STOP");
+    std::thread::sleep(pause);
+    signal(child.id(), "CONT");
+    let _ = stdin.write_all(b"second half");
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+pub async fn client_loop(run: Arc<Run>, client: usize, seed: u64) {
+    let mut rng = Rng(seed ^ (client as u64 + 1).wrapping_mul(0x9E3779B97F4A7C15));
+    while Instant::now() < run.deadline {
+        let key = rng.below(KEYS as u64) as usize;
+        let Some(token) = run.locks.acquire(key, client).await else {
+            tokio::time::sleep(Duration::from_millis(2 + rng.below(10))).await;
+            continue;
+        };
+        for _ in 0..1 + rng.below(3) {
+            if rng.chance(25) {
+                // A GC pause or VM freeze past the lease.
+                tokio::time::sleep(run.locks.lease() + Duration::from_millis(rng.below(100))).await;
+            }
+            write(&run, &mut rng, key, token).await;
+        }
+        run.locks.release(key, token).await;
+    }
+}
+
+/// What a run did, for its one-line report.
+pub struct Report {
+    pub attempts: usize,
+    pub applied: usize,
+    pub stale_attempts: usize,
+    pub refused_409: usize,
+    pub faults: usize,
+    pub unknown: usize,
+}
+
+impl Report {
+    pub fn new(attempts: &[Attempt], records: &[Record], faults: usize) -> Report {
+        Report {
+            attempts: attempts.len(),
+            applied: records.len(),
+            stale_attempts: attempts
+                .iter()
+                .filter(|a| a.token < a.latest_at_send)
+                .count(),
+            refused_409: attempts.iter().filter(|a| a.status == 409).count(),
+            faults,
+            unknown: attempts.iter().filter(|a| a.status == 0).count(),
+        }
+    }
+
+    pub fn line(&self, name: &str, seed: u64) -> String {
+        format!(
+            "history {name} (seed {seed}): {} writes, {} applied, {} stale attempts, {} refused with 409, {} faults injected, {} with unknown outcome",
+            self.attempts, self.applied, self.stale_attempts, self.refused_409, self.faults, self.unknown
+        )
+    }
+}
+
+pub fn check(attempts: &[Attempt], records: &[Record]) -> Result<(), String> {
+    let applied: HashMap<String, &Record> = records
+        .iter()
+        .filter_map(|r| {
+            r.headers
+                .get("x-write-id")
+                .map(|v| (v.to_str().unwrap().to_string(), r))
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for a in attempts {
+        let was_applied = applied.contains_key(&a.id);
+        match a.status {
+            200..=299 if !was_applied => {
+                errors.push(format!("{} answered {} but not applied", a.id, a.status))
+            }
+            400 | 409 | 428 | 503 if was_applied => {
+                errors.push(format!("{} answered {} but applied", a.id, a.status))
+            }
+            _ => {}
+        }
+    }
+    let mut by_key: HashMap<String, Vec<&Record>> = HashMap::new();
+    for r in records {
+        by_key.entry(r.target.clone()).or_default().push(r);
+    }
+    for (key, mut rs) in by_key {
+        rs.sort_by_key(|r| r.arrived);
+        for w in rs.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let (ta, tb): (u64, u64) = (
+                a.token.as_ref().unwrap().parse().unwrap(),
+                b.token.as_ref().unwrap().parse().unwrap(),
+            );
+            if tb < ta {
+                errors.push(format!("{key}: token {tb} applied after {ta}"));
+            } else if tb > ta && b.arrived < a.completed {
+                errors.push(format!(
+                    "{key}: token {tb} arrived while {ta} was being applied"
+                ));
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+pub fn keep_failure(
+    name: &str,
+    seed: u64,
+    attempts: &[Attempt],
+    records: &[Record],
+    why: &str,
+) -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/history-failures");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}-{seed}.txt"));
+    let mut f = std::fs::File::create(&path).unwrap();
+    writeln!(f, "seed {seed}\n{why}\n\nattempts:").unwrap();
+    for a in attempts {
+        writeln!(f, "{a:?}").unwrap();
+    }
+    writeln!(f, "\napplied:").unwrap();
+    for r in records {
+        writeln!(
+            f,
+            "{} {:?} {:?} arrived {:?} completed {:?}",
+            r.target,
+            r.token,
+            r.headers.get("x-write-id"),
+            r.arrived,
+            r.completed
+        )
+        .unwrap();
+    }
+    path.display().to_string()
+}

@@ -17,7 +17,6 @@
 //! (restart replicas, the store) while it runs. Exit code 0: no violation.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::sync::atomic::AtomicU64;

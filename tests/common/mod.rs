@@ -282,7 +282,10 @@ impl ProxyBuilder {
 pub fn bin() -> &'static str {
     // Set by cargo for integration tests (not for the example that shares
     // this module, which never starts fencegate itself).
-    option_env!("CARGO_BIN_EXE_fencegate").expect("only integration tests start the binary")
+    match option_env!("CARGO_BIN_EXE_fencegate") {
+        Some(path) => path,
+        None => panic!("only integration tests start the binary"),
+    }
 }
 
 impl Proxy {

@@ -51,6 +51,8 @@ pub struct RawConfig {
     pub highest_cache_entries: Option<u64>,
     pub admin_token_file: Option<PathBuf>,
     pub shutdown_grace: Option<String>,
+    /// One log line per request.
+    pub access_log: Option<bool>,
     #[serde(default)]
     pub limits: RawLimits,
     #[serde(default)]
@@ -80,6 +82,8 @@ pub struct RawRoute {
     pub strip_token: Option<bool>,
     /// Refuse a token more than this far above the key's highest.
     pub max_token_step: Option<u64>,
+    /// Add X-Forwarded-For / X-Forwarded-Proto upstream (default true).
+    pub forwarded_headers: Option<bool>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
 }
@@ -165,6 +169,9 @@ pub struct Route {
     /// the key's highest is refused (a holder with a valid lock could
     /// otherwise lock everyone out with u64::MAX).
     pub max_token_step: Option<u64>,
+    /// Append the client address to X-Forwarded-For and set
+    /// X-Forwarded-Proto on requests sent upstream.
+    pub forwarded_headers: bool,
     pub connect_timeout: Duration,
     /// From the first byte sent upstream to the response head. Also bounds
     /// how long a newer write waits behind an older one, and the
@@ -207,6 +214,7 @@ pub struct Config {
     pub admin_token: Option<String>,
     pub admin_token_file: Option<PathBuf>,
     pub shutdown_grace: Duration,
+    pub access_log: bool,
     pub limits: Limits,
     pub routes: Vec<Route>,
 }
@@ -441,6 +449,7 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             }
             v => v,
         },
+        forwarded_headers: r.forwarded_headers.unwrap_or(true),
         connect_timeout: duration(
             &f("connect_timeout"),
             &r.connect_timeout,
@@ -535,6 +544,7 @@ impl TryFrom<RawConfig> for Config {
                 &raw.shutdown_grace,
                 Duration::from_secs(30),
             )?,
+            access_log: raw.access_log.unwrap_or(false),
             limits: Limits {
                 max_header_bytes: max_header_bytes as usize,
                 max_body_bytes,
@@ -599,6 +609,7 @@ impl Config {
             highest_cache_entries: Some(self.highest_cache_entries as u64),
             admin_token_file: self.admin_token_file.clone(),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
+            access_log: Some(self.access_log),
             limits: RawLimits {
                 max_header_bytes: Some(self.limits.max_header_bytes as u64),
                 max_body_bytes: self.limits.max_body_bytes,
@@ -622,6 +633,7 @@ impl Config {
                     literal_keys: Some(r.literal_keys),
                     strip_token: Some(r.strip_token),
                     max_token_step: r.max_token_step,
+                    forwarded_headers: Some(r.forwarded_headers),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
                 })

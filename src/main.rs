@@ -109,6 +109,9 @@ struct Opts {
     /// How many highest tokens to keep in memory.
     #[arg(long, env = "FENCEGATE_HIGHEST_CACHE_ENTRIES", global = true)]
     highest_cache_entries: Option<u64>,
+    /// Log one line per request (target fencegate::access).
+    #[arg(long, env = "FENCEGATE_ACCESS_LOG", global = true)]
+    access_log: bool,
     /// Log format.
     #[arg(long, env = "FENCEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -137,6 +140,9 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.store, &opts.store);
     set(&mut raw.shutdown_grace, &opts.shutdown_grace);
     set(&mut raw.store_timeout, &opts.store_timeout);
+    if opts.access_log {
+        raw.access_log = Some(true);
+    }
     if opts.accept_store_reset {
         raw.accept_store_reset = Some(true);
     }

@@ -69,6 +69,8 @@ pub struct Proxy {
     fence: Arc<Fence>,
     metrics: Arc<Metrics>,
     limits: Limits,
+    /// One log line per request (target `fencegate::access`).
+    access_log: bool,
     /// Upstream exchanges of admitted writes run as tasks of their own, so a
     /// client hanging up cannot end a write's in-flight period while the
     /// backend may still be applying it; shutdown waits for them.
@@ -118,6 +120,7 @@ impl Proxy {
             fence,
             metrics,
             limits: config.limits.clone(),
+            access_log: config.access_log,
             exchanges: TaskTracker::new(),
         }
     }
@@ -136,13 +139,50 @@ impl Proxy {
     /// Serves one request. Never fails: every error becomes an answer.
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
+        peer: std::net::SocketAddr,
     ) -> Result<Response<ProxyBody>, Infallible> {
-        let mut ctx = RequestContext::default();
-        let resp = match self.serve(req, &mut ctx).await {
+        let started = Instant::now();
+        let mut ctx = RequestContext {
+            peer: Some(peer),
+            ..RequestContext::default()
+        };
+        // Keep a sane client-sent request id, else make one; it goes
+        // upstream and back to the client, and into the access log.
+        let request_id = req
+            .headers()
+            .get(&X_REQUEST_ID)
+            .filter(|v| {
+                v.len() <= 128
+                    && v.as_bytes()
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
+            })
+            .cloned()
+            .unwrap_or_else(|| {
+                HeaderValue::from_str(&crate::store::shared::unique_id()).expect("hex id")
+            });
+        req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        let mut resp = match self.serve(req, &mut ctx).await {
             Ok(resp) => resp,
             Err(err) => self.refuse(err, &ctx),
         };
+        resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        if self.access_log {
+            tracing::info!(
+                target: "fencegate::access",
+                request_id = request_id.to_str().unwrap_or("-"),
+                client = %peer,
+                method = %ctx.method,
+                route = ctx.route.as_deref().unwrap_or("-"),
+                key = ctx.key.as_deref().unwrap_or("-"),
+                token = ctx.token,
+                class = if ctx.write { "write" } else { "read" },
+                status = resp.status().as_u16(),
+                latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "request"
+            );
+        }
         let route = ctx.route.as_deref().unwrap_or("-");
         self.metrics
             .requests
@@ -270,7 +310,7 @@ impl Proxy {
             if req.headers().contains_key(&FENCE_TOKEN) {
                 rt.metrics.read_tokens_ignored.inc();
             }
-            return self.forward(rt, req, &path, Vec::new()).await;
+            return self.forward(rt, req, &path, Vec::new(), ctx.peer).await;
         }
 
         // Writes: everything that can be refused is checked before anything
@@ -294,6 +334,7 @@ impl Proxy {
             }
         }
         let token = token_from_headers(req.headers()).map_err(ProxyError::Token)?;
+        ctx.token = Some(token);
 
         if let Some(step) = route.max_token_step {
             for key in &keys {
@@ -361,7 +402,7 @@ impl Proxy {
             .observe(started.elapsed().as_secs_f64());
         rt.metrics.admitted.inc();
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
-        self.forward(rt, req, &path, permits).await
+        self.forward(rt, req, &path, permits, ctx.peer).await
     }
 
     /// A request is a write if its method is, or if a method-override header
@@ -445,6 +486,7 @@ impl Proxy {
         req: Request<Incoming>,
         path: &CanonicalPath,
         permits: Vec<Arc<Permit>>,
+        peer: Option<std::net::SocketAddr>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let route = &rt.route;
         let (parts, body) = req.into_parts();
@@ -464,6 +506,23 @@ impl Proxy {
         strip_hop_by_hop(&mut headers, key_header);
         if route.strip_token {
             headers.remove(&FENCE_TOKEN);
+        }
+        if route.forwarded_headers {
+            if let Some(peer) = peer {
+                // Append the client to X-Forwarded-For, as nginx's
+                // $proxy_add_x_forwarded_for does.
+                let ip = peer.ip().to_string();
+                let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+                    Some(prev) => format!("{prev}, {ip}"),
+                    None => ip,
+                };
+                if let Ok(v) = HeaderValue::from_str(&value) {
+                    headers.insert(&X_FORWARDED_FOR, v);
+                }
+                headers
+                    .entry(&X_FORWARDED_PROTO)
+                    .or_insert(HeaderValue::from_static("http"));
+            }
         }
         if !headers.contains_key(header::HOST) {
             if let Some(auth) = parts.uri.authority() {
@@ -560,7 +619,13 @@ struct RequestContext {
     key: Option<String>,
     method: String,
     write: bool,
+    token: Option<u64>,
+    peer: Option<std::net::SocketAddr>,
 }
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 fn strip_port(host: &str) -> &str {
     if host.starts_with('[') {

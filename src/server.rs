@@ -140,14 +140,14 @@ impl Server {
             h1.clone(),
             draining.clone(),
             grace,
-            move |req| proxy.clone().handle(req),
+            move |req, peer| proxy.clone().handle(req, peer),
         ));
         let admin_task = tokio::spawn(accept_loop(
             admin_listener,
             h1,
             draining.clone(),
             grace,
-            move |req| admin.clone().handle(req),
+            move |req, _peer| admin.clone().handle(req),
         ));
         tracing::info!(%proxy_addr, %admin_addr, routes = config.routes.len(), "fencegate started");
         Ok(Self {
@@ -207,7 +207,7 @@ async fn accept_loop<F, Fut>(
     handler: F,
 ) -> bool
 where
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<http::Response<ProxyBody>, std::convert::Infallible>>
         + Send
         + 'static,
@@ -217,7 +217,7 @@ where
         tokio::select! {
             _ = stop.cancelled() => break,
             accepted = listener.accept() => {
-                let (stream, _peer) = match accepted {
+                let (stream, peer) = match accepted {
                     Ok(c) => c,
                     Err(e) => {
                         // Out of file descriptors and the like: back off
@@ -229,7 +229,8 @@ where
                 };
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
-                let conn = h1.serve_connection(TokioIo::new(stream), service_fn(handler));
+                let service = service_fn(move |req| handler(req, peer));
+                let conn = h1.serve_connection(TokioIo::new(stream), service);
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {

@@ -829,3 +829,60 @@ literal_keys = true
     );
     assert_eq!(up.count(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn request_ids_forwarded_for_and_the_access_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--access-log", "--log-format", "json"])
+        .spawn();
+    let a = put(&p.url("/r"), "3").await;
+    let id = a
+        .header("x-request-id")
+        .expect("a request id is generated")
+        .to_string();
+    let r = &up.records()[0];
+    assert_eq!(
+        r.headers["x-request-id"],
+        id.as_str(),
+        "the same id goes upstream"
+    );
+    assert_eq!(r.headers["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(r.headers["x-forwarded-proto"], "http");
+    let a = send(
+        "PUT",
+        &p.url("/r"),
+        &[
+            ("x-fence-token", "2"),
+            ("x-request-id", "client-id-42"),
+            ("x-forwarded-for", "10.9.8.7"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 409);
+    assert_eq!(
+        a.header("x-request-id"),
+        Some("client-id-42"),
+        "a client id is kept"
+    );
+    let a = send("GET", &p.url("/r"), &[("x-forwarded-for", "10.9.8.7")], "").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(
+        up.records()[1].headers["x-forwarded-for"],
+        "10.9.8.7, 127.0.0.1",
+        "appended, not replaced"
+    );
+    let log = p.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("client-id-42"))
+        .unwrap_or_else(|| panic!("no access log line for the refused write:\n{log}"));
+    let v: serde_json::Value = serde_json::from_str(line).expect("JSON log line");
+    assert_eq!(v["target"], "fencegate::access");
+    assert_eq!(v["fields"]["status"], 409);
+    assert_eq!(v["fields"]["key"], "default:/r");
+    assert_eq!(v["fields"]["token"], 2);
+    assert_eq!(v["fields"]["method"], "PUT");
+}

@@ -252,7 +252,15 @@ impl Proxy {
                     .map_err(|_| ProxyError::BadRequest("the Host header is not ASCII".into()))
             })
             .transpose()?;
-        key::check_authority(req.uri(), host_header).map_err(ProxyError::BadTarget)?;
+        // In HTTP/2 the authority is the `:authority` pseudo-header (the
+        // host), not an absolute-form target naming another host.
+        if req.version() != http::Version::HTTP_2 {
+            key::check_authority(req.uri(), host_header).map_err(ProxyError::BadTarget)?;
+        } else if let (Some(auth), Some(h)) = (req.uri().authority(), host_header) {
+            if !auth.as_str().eq_ignore_ascii_case(h) {
+                return Err(ProxyError::BadTarget(KeyError::ForeignHost));
+            }
+        }
         // "Example.COM." and "example.com" are one host.
         let host = req
             .uri()

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use http::Request;
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -129,22 +129,33 @@ impl Server {
         let proxy_addr = proxy_listener.local_addr().expect("bound address");
         let admin_addr = admin_listener.local_addr().expect("bound address");
 
-        let mut h1 = http1::Builder::new();
-        h1.timer(TokioTimer::new())
+        // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) on the same port.
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
             .header_read_timeout(config.limits.header_read_timeout)
-            .max_header_size(config.limits.max_header_bytes)
+            // The read buffer bounds the request head (431 above it); body
+            // chunks are read through it too.
+            .max_buf_size(config.limits.max_header_bytes.max(8192))
             .keep_alive(true);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(
+                u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
+            );
         let grace = config.shutdown_grace;
         let proxy_task = tokio::spawn(accept_loop(
             proxy_listener,
-            h1.clone(),
+            builder.clone(),
             draining.clone(),
             grace,
             move |req, peer| proxy.clone().handle(req, peer),
         ));
         let admin_task = tokio::spawn(accept_loop(
             admin_listener,
-            h1,
+            builder,
             draining.clone(),
             grace,
             move |req, _peer| admin.clone().handle(req),
@@ -201,7 +212,7 @@ impl Server {
 /// Returns whether every connection finished in time.
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
-    h1: http1::Builder,
+    builder: auto::Builder<TokioExecutor>,
     stop: CancellationToken,
     grace: Duration,
     handler: F,
@@ -230,7 +241,7 @@ where
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
                 let service = service_fn(move |req| handler(req, peer));
-                let conn = h1.serve_connection(TokioIo::new(stream), service);
+                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {

@@ -79,6 +79,7 @@ async fn main() {
         seq: AtomicU64::new(0),
         deadline: Instant::now() + Duration::from_secs(secs),
         prefix: format!("/fencegate-check/{seed}"),
+        pause_percent: 25,
     });
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| tokio::spawn(client_loop(run.clone(), c, seed)))

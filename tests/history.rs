@@ -32,10 +32,12 @@ where
     F: FnOnce(Arc<Run>, Vec<Proxy>, Option<StoreServer>) -> Fut,
     Fut: std::future::Future<Output = (usize, Vec<Proxy>, Option<StoreServer>)>,
 {
+    // etcd's leases are 2 s long: its run needs more time to see expiries.
+    let default_secs = if lock_service.is_some() { 12 } else { 8 };
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
+        .unwrap_or(default_secs);
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -80,6 +82,9 @@ where
         seq: AtomicU64::new(0),
         deadline: Instant::now() + Duration::from_secs(secs),
         prefix: String::new(),
+        // With etcd's 2 s leases a run sees few expiries: pause more often
+        // so that every run exercises stale holders.
+        pause_percent: if lock_server.is_some() { 60 } else { 25 },
     });
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| tokio::spawn(client_loop(run.clone(), c, seed)))

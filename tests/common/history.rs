@@ -172,6 +172,8 @@ pub struct Run {
     /// Path prefix of the keys, so runs against a long-lived deployment
     /// use fresh keys.
     pub prefix: String,
+    /// How often a client sleeps past its lease before a write.
+    pub pause_percent: u64,
 }
 
 pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
@@ -279,7 +281,7 @@ pub async fn client_loop(run: Arc<Run>, client: usize, seed: u64) {
             continue;
         };
         for _ in 0..1 + rng.below(3) {
-            if rng.chance(25) {
+            if rng.chance(run.pause_percent) {
                 // A GC pause or VM freeze past the lease.
                 tokio::time::sleep(run.locks.lease() + Duration::from_millis(rng.below(100))).await;
             }

@@ -71,6 +71,8 @@ pub struct Proxy {
     limits: Limits,
     /// One log line per request (target `fencegate::access`).
     access_log: bool,
+    request_id_prefix: String,
+    request_seq: std::sync::atomic::AtomicU64,
     /// Upstream exchanges of admitted writes run as tasks of their own, so a
     /// client hanging up cannot end a write's in-flight period while the
     /// backend may still be applying it; shutdown waits for them.
@@ -121,8 +123,17 @@ impl Proxy {
             metrics,
             limits: config.limits.clone(),
             access_log: config.access_log,
+            request_id_prefix: crate::store::shared::unique_id()[..16].to_string(),
+            request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
         }
+    }
+
+    /// A new request id: a per-process random prefix and a counter, so the
+    /// request path pays one atomic increment, not a random draw.
+    fn next_request_id(&self) -> HeaderValue {
+        let n = self.request_seq.fetch_add(1, Ordering::Relaxed);
+        HeaderValue::from_str(&format!("{}-{n:x}", self.request_id_prefix)).expect("hex id")
     }
 
     /// The tracker of in-flight write exchanges (for the drain).
@@ -159,9 +170,7 @@ impl Proxy {
                         .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
             })
             .cloned()
-            .unwrap_or_else(|| {
-                HeaderValue::from_str(&crate::store::shared::unique_id()).expect("hex id")
-            });
+            .unwrap_or_else(|| self.next_request_id());
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
         let mut resp = match self.serve(req, &mut ctx).await {
             Ok(resp) => resp,

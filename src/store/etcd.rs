@@ -26,7 +26,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 
-use super::shared::{Backend, Marker};
+use super::shared::{busy, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
@@ -81,8 +81,7 @@ fn lease_prefix(key: &str) -> String {
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
-    v.parse()
-        .map_err(|_| unavailable(format!("unexpected token value {v:?} in the store")))
+    stored_token("etcd", v)
 }
 
 /// etcd's JSON omits zero values: a missing count is 0.
@@ -256,6 +255,21 @@ fn decode_padded(v: &str) -> Result<u64, StoreError> {
     }
 }
 
+/// Busy if the transaction's last result (the count of older leases) is
+/// not zero, else granted.
+fn older_leases(results: &[Value], lease: WriteLease) -> LeaseOutcome {
+    if results
+        .last()
+        .map(|x| count(&x["response_range"]))
+        .unwrap_or(0)
+        > 0
+    {
+        busy(lease)
+    } else {
+        LeaseOutcome::Granted(lease)
+    }
+}
+
 fn older_count(key: &str, token: u64) -> Value {
     json!({"request_range": {
         "key": b64(&lease_prefix(key)),
@@ -342,16 +356,7 @@ impl Backend for EtcdBackend {
             .await?;
         match step {
             LeaseStep::Stale(h) => Ok(LeaseOutcome::Stale { highest: h }),
-            LeaseStep::Ran(r) => Ok(
-                if r.last().map(|x| count(&x["response_range"])).unwrap_or(0) > 0 {
-                    LeaseOutcome::Busy {
-                        lease,
-                        retry_after: Duration::from_millis(5),
-                    }
-                } else {
-                    LeaseOutcome::Granted(lease)
-                },
-            ),
+            LeaseStep::Ran(r) => Ok(older_leases(&r, lease)),
         }
     }
 
@@ -378,16 +383,7 @@ impl Backend for EtcdBackend {
             .await?;
         match step {
             LeaseStep::Stale(h) => Ok(LeaseOutcome::Stale { highest: h }),
-            LeaseStep::Ran(r) => Ok(
-                if r.last().map(|x| count(&x["response_range"])).unwrap_or(0) > 0 {
-                    LeaseOutcome::Busy {
-                        lease: lease.clone(),
-                        retry_after: Duration::from_millis(5),
-                    }
-                } else {
-                    LeaseOutcome::Granted(lease.clone())
-                },
-            ),
+            LeaseStep::Ran(r) => Ok(older_leases(&r, lease.clone())),
         }
     }
 

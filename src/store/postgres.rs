@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio_postgres::{Client, NoTls};
 
-use super::shared::{Backend, Marker};
+use super::shared::{lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
@@ -120,25 +120,11 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
-    v.parse()
-        .map_err(|_| unavailable(format!("unexpected token value {v:?} in the store")))
+    stored_token("postgres", v)
 }
 
 fn lease_outcome(status: &str, value: &str, lease: WriteLease) -> Result<LeaseOutcome, StoreError> {
-    match status {
-        "stale" => Ok(LeaseOutcome::Stale {
-            highest: parse_token(value)?,
-        }),
-        "busy" => Ok(LeaseOutcome::Busy {
-            lease,
-            retry_after: Duration::from_millis(5),
-        }),
-        "granted" => Ok(LeaseOutcome::Granted(lease)),
-        "lost" => Err(StoreError::Amnesia(
-            "a fence vanished while a write was waiting on it".into(),
-        )),
-        other => Err(unavailable(format!("unexpected answer {other}"))),
-    }
+    lease_answer("postgres", status, value, lease)
 }
 
 fn marker_row(r: tokio_postgres::Row) -> Result<Marker, tokio_postgres::Error> {

@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, Script, Value};
 
-use super::shared::{Backend, Marker};
+use super::shared::{lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const LT: &str = r#"
@@ -145,25 +145,11 @@ fn lease_order_key(key: &str) -> String {
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
-    v.parse()
-        .map_err(|_| unavailable(format!("unexpected token value {v:?} in the store")))
+    stored_token("redis", v)
 }
 
 fn lease_outcome(reply: (String, String), lease: WriteLease) -> Result<LeaseOutcome, StoreError> {
-    match reply.0.as_str() {
-        "stale" => Ok(LeaseOutcome::Stale {
-            highest: parse_token(&reply.1)?,
-        }),
-        "busy" => Ok(LeaseOutcome::Busy {
-            lease,
-            retry_after: Duration::from_millis(5),
-        }),
-        "granted" => Ok(LeaseOutcome::Granted(lease)),
-        "lost" => Err(StoreError::Amnesia(
-            "a fence vanished while a write was waiting on it".into(),
-        )),
-        other => Err(unavailable(format!("unexpected script answer {other}"))),
-    }
+    lease_answer("redis", &reply.0, &reply.1, lease)
 }
 
 impl RedisBackend {

@@ -70,6 +70,48 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Marker, StoreError>;
 }
 
+/// A token as a store wrote it (decimal text); anything else is a store
+/// fault, reported as unavailable.
+pub fn stored_token(engine: &str, v: &str) -> Result<u64, StoreError> {
+    v.parse().map_err(|_| {
+        StoreError::Unavailable(format!(
+            "{engine}: unexpected token value {v:?} in the store"
+        ))
+    })
+}
+
+/// The admission answer scripts and functions return as (status, value):
+/// `stale` with the highest, `busy`, `granted`, or `lost` (the fence
+/// vanished while a write waited on it: lost data).
+pub fn lease_answer(
+    engine: &str,
+    status: &str,
+    value: &str,
+    lease: WriteLease,
+) -> Result<LeaseOutcome, StoreError> {
+    match status {
+        "stale" => Ok(LeaseOutcome::Stale {
+            highest: stored_token(engine, value)?,
+        }),
+        "busy" => Ok(busy(lease)),
+        "granted" => Ok(LeaseOutcome::Granted(lease)),
+        "lost" => Err(StoreError::Amnesia(
+            "a fence vanished while a write was waiting on it".into(),
+        )),
+        other => Err(StoreError::Unavailable(format!(
+            "{engine}: unexpected answer {other}"
+        ))),
+    }
+}
+
+/// An older lease is held: poll again shortly.
+pub fn busy(lease: WriteLease) -> LeaseOutcome {
+    LeaseOutcome::Busy {
+        lease,
+        retry_after: Duration::from_millis(5),
+    }
+}
+
 /// A fresh random-enough identifier (lease ids, epochs): no two processes or
 /// calls share one.
 pub fn unique_id() -> String {

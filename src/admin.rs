@@ -21,7 +21,8 @@ use crate::metrics::Metrics;
 pub struct Admin {
     pub fence: Arc<Fence>,
     pub metrics: Arc<Metrics>,
-    pub admin_token: Option<String>,
+    /// Swapped by a reload (token rotation).
+    pub admin_token: arc_swap::ArcSwapOption<String>,
     /// Cancelled when shutdown starts: `/readyz` turns 503 so load balancers
     /// stop sending new work while in-flight requests drain.
     pub draining: CancellationToken,
@@ -81,7 +82,8 @@ impl Admin {
     /// Whether a request carries the admin bearer token. Without a
     /// configured token, nothing is authorized.
     pub fn authorized<B>(&self, req: &Request<B>) -> bool {
-        let Some(expected) = &self.admin_token else {
+        let expected = self.admin_token.load();
+        let Some(expected) = expected.as_deref() else {
             return false;
         };
         let Some(got) = req

@@ -55,8 +55,24 @@ pub struct RawConfig {
     pub access_log: Option<bool>,
     #[serde(default)]
     pub limits: RawLimits,
+    /// A TLS listener (`[tls]`), beside the plain one.
+    pub tls: Option<RawTls>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub listen: Option<String>,
+    /// PEM certificate chain, leaf first.
+    pub cert: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<PathBuf>,
+    /// Require client certificates signed by these CAs (mTLS).
+    pub client_ca: Option<PathBuf>,
+    /// How often the files are checked for changes.
+    pub watch_interval: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -86,6 +102,13 @@ pub struct RawRoute {
     pub forwarded_headers: Option<bool>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
+    /// PEM CA certificates for an https upstream, instead of the system's.
+    pub upstream_ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) and key presented to the upstream.
+    pub upstream_client_cert: Option<PathBuf>,
+    pub upstream_client_key: Option<PathBuf>,
+    /// Offer HTTP/2 to an https upstream (ALPN); default true.
+    pub upstream_http2: Option<bool>,
 }
 
 /// Where fences are kept.
@@ -150,6 +173,30 @@ impl std::fmt::Display for Upstream {
     }
 }
 
+/// The TLS listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsConfig {
+    pub listen: SocketAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// When set, clients must present a certificate these CAs signed.
+    pub client_ca: Option<PathBuf>,
+    /// Certificate files are re-read when they change, checked this often
+    /// (and on SIGHUP).
+    pub watch_interval: Duration,
+}
+
+/// TLS towards an https upstream (all unset for http ones).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamTls {
+    /// Private CA; `None`: the system's roots.
+    pub ca: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+    /// Offer h2 in ALPN.
+    pub http2: bool,
+}
+
 /// A validated route.
 #[derive(Debug, Clone)]
 pub struct Route {
@@ -177,6 +224,7 @@ pub struct Route {
     /// how long a newer write waits behind an older one, and the
     /// crash-recovery window.
     pub upstream_timeout: Duration,
+    pub upstream_tls: UpstreamTls,
 }
 
 impl Route {
@@ -189,7 +237,7 @@ impl Route {
 }
 
 /// Limits and client-side timeouts.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     pub max_header_bytes: usize,
     /// `None`: no limit.
@@ -216,6 +264,7 @@ pub struct Config {
     pub shutdown_grace: Duration,
     pub access_log: bool,
     pub limits: Limits,
+    pub tls: Option<TlsConfig>,
     pub routes: Vec<Route>,
 }
 
@@ -276,10 +325,10 @@ pub fn parse_upstream(field: &str, text: &str) -> Result<Upstream, ConfigError> 
             format!("`{text}` needs a scheme, e.g. http://{text}"),
         )
     })?;
-    if scheme != http::uri::Scheme::HTTP {
+    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
         return Err(invalid(
             field,
-            format!("`{text}`: only http:// upstreams are supported"),
+            format!("`{text}`: the upstream must be http:// or https://"),
         ));
     }
     let authority = uri
@@ -408,6 +457,7 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             .as_deref()
             .ok_or_else(|| invalid(f("upstream"), "is required"))?,
     )?;
+    let upstream_tls = upstream_tls(i, r, &upstream)?;
     let key =
         KeyTemplate::parse(r.key.as_deref().unwrap_or("path")).map_err(|e| invalid(f("key"), e))?;
     let namespace = r.namespace.clone().unwrap_or_else(|| "default".into());
@@ -460,7 +510,78 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             &r.upstream_timeout,
             Duration::from_secs(60),
         )?,
+        upstream_tls,
     })
+}
+
+fn upstream_tls(i: usize, r: &RawRoute, upstream: &Upstream) -> Result<UpstreamTls, ConfigError> {
+    let f = |name: &str| format!("routes[{i}].{name}");
+    let tls = UpstreamTls {
+        ca: r.upstream_ca.clone(),
+        client_cert: r.upstream_client_cert.clone(),
+        client_key: r.upstream_client_key.clone(),
+        http2: r.upstream_http2.unwrap_or(true),
+    };
+    if upstream.scheme != http::uri::Scheme::HTTPS {
+        let set = [
+            ("upstream_ca", tls.ca.is_some()),
+            ("upstream_client_cert", tls.client_cert.is_some()),
+            ("upstream_client_key", tls.client_key.is_some()),
+            ("upstream_http2", r.upstream_http2.is_some()),
+        ];
+        if let Some((name, _)) = set.iter().find(|(_, s)| *s) {
+            return Err(invalid(f(name), "only applies to an https:// upstream"));
+        }
+    }
+    match (&tls.client_cert, &tls.client_key) {
+        (Some(_), None) => Err(invalid(
+            f("upstream_client_key"),
+            "is required with upstream_client_cert",
+        )),
+        (None, Some(_)) => Err(invalid(
+            f("upstream_client_cert"),
+            "is required with upstream_client_key",
+        )),
+        _ => {
+            // Load the files now, so check-config and a reload catch them.
+            crate::tls::upstream_connector(
+                &format!("routes[{i}]"),
+                upstream,
+                &tls,
+                hyper_util::client::legacy::connect::HttpConnector::new(),
+            )?;
+            Ok(tls)
+        }
+    }
+}
+
+fn tls(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> {
+    let Some(t) = raw else { return Ok(None) };
+    let tls = TlsConfig {
+        listen: socket("tls.listen", &t.listen, "127.0.0.1:8443")?,
+        cert: t
+            .cert
+            .clone()
+            .ok_or_else(|| invalid("tls.cert", "is required in [tls]"))?,
+        key: t
+            .key
+            .clone()
+            .ok_or_else(|| invalid("tls.key", "is required in [tls]"))?,
+        client_ca: t.client_ca.clone(),
+        watch_interval: duration(
+            "tls.watch_interval",
+            &t.watch_interval,
+            Duration::from_secs(5),
+        )?,
+    };
+    crate::tls::server_config(&tls)?;
+    Ok(Some(tls))
+}
+
+impl From<crate::tls::TlsError> for ConfigError {
+    fn from(e: crate::tls::TlsError) -> Self {
+        invalid(e.field, e.reason)
+    }
 }
 
 impl TryFrom<RawConfig> for Config {
@@ -473,6 +594,15 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid("admin_listen", "must differ from `listen`"));
         }
         let store = store(&raw)?;
+        let tls = tls(&raw.tls)?;
+        if let Some(t) = &tls {
+            if (t.listen == listen || t.listen == admin_listen) && t.listen.port() != 0 {
+                return Err(invalid(
+                    "tls.listen",
+                    "must differ from `listen` and `admin_listen`",
+                ));
+            }
+        }
         if raw.routes.is_empty() {
             return Err(invalid(
                 "routes",
@@ -559,6 +689,7 @@ impl TryFrom<RawConfig> for Config {
                     Duration::from_secs(60),
                 )?,
             },
+            tls,
             routes,
         })
     }
@@ -616,6 +747,13 @@ impl Config {
                 header_read_timeout: Some(format_duration(self.limits.header_read_timeout)),
                 body_read_timeout: Some(format_duration(self.limits.body_read_timeout)),
             },
+            tls: self.tls.as_ref().map(|t| RawTls {
+                listen: Some(t.listen.to_string()),
+                cert: Some(t.cert.clone()),
+                key: Some(t.key.clone()),
+                client_ca: t.client_ca.clone(),
+                watch_interval: Some(format_duration(t.watch_interval)),
+            }),
             routes: self
                 .routes
                 .iter()
@@ -636,6 +774,11 @@ impl Config {
                     forwarded_headers: Some(r.forwarded_headers),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
+                    upstream_ca: r.upstream_tls.ca.clone(),
+                    upstream_client_cert: r.upstream_tls.client_cert.clone(),
+                    upstream_client_key: r.upstream_tls.client_key.clone(),
+                    upstream_http2: (r.upstream.scheme == http::uri::Scheme::HTTPS)
+                        .then_some(r.upstream_tls.http2),
                 })
                 .collect(),
         };
@@ -670,6 +813,39 @@ mod tests {
 
     fn err(raw: RawConfig) -> String {
         Config::try_from(raw).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn tls_listener_files_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let one = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let two = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let cert = write("cert.pem", one.cert.pem());
+        let key = write("key.pem", one.signing_key.serialize_pem());
+        let other_key = write("other.pem", two.signing_key.serialize_pem());
+        let with = |key: &PathBuf, listen: &str| {
+            let mut raw = base();
+            raw.tls = Some(RawTls {
+                listen: Some(listen.into()),
+                cert: Some(cert.clone()),
+                key: Some(key.clone()),
+                client_ca: Some(cert.clone()),
+                watch_interval: None,
+            });
+            raw
+        };
+        let c = Config::try_from(with(&key, "127.0.0.1:8443")).unwrap();
+        let tls = c.tls.clone().unwrap();
+        assert_eq!(tls.watch_interval, Duration::from_secs(5));
+        let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+        assert_eq!(again.tls, c.tls);
+        assert!(err(with(&other_key, "127.0.0.1:8443")).contains("`tls.key`"));
+        assert!(err(with(&key, "127.0.0.1:8080")).contains("`tls.listen`"));
     }
 
     #[test]
@@ -713,6 +889,44 @@ mod tests {
                 "routes[0].upstream",
             ),
             (|r| r.routes[0].upstream = None, "routes[0].upstream"),
+            (
+                |r| r.routes[0].upstream_ca = Some("/etc/hostname".into()),
+                "routes[0].upstream_ca",
+            ),
+            (
+                |r| {
+                    r.routes[0].upstream = Some("https://x".into());
+                    r.routes[0].upstream_ca = Some("/no/such/ca.pem".into());
+                },
+                "routes[0].upstream_ca",
+            ),
+            (
+                |r| {
+                    r.routes[0].upstream = Some("https://x".into());
+                    r.routes[0].upstream_client_cert = Some("/no/such/c.pem".into());
+                },
+                "routes[0].upstream_client_key",
+            ),
+            (|r| r.tls = Some(RawTls::default()), "tls.cert"),
+            (
+                |r| {
+                    r.tls = Some(RawTls {
+                        cert: Some("/no/such/cert.pem".into()),
+                        ..RawTls::default()
+                    })
+                },
+                "tls.key",
+            ),
+            (
+                |r| {
+                    r.tls = Some(RawTls {
+                        cert: Some("/etc/hostname".into()),
+                        key: Some("/etc/hostname".into()),
+                        ..RawTls::default()
+                    })
+                },
+                "tls.cert",
+            ),
             (|r| r.store = Some("/no/such/dir/f.redb".into()), "store"),
             (|r| r.store = Some("rediss://x".into()), "store"),
             (|r| r.store = Some("mongodb://x".into()), "store"),

@@ -21,7 +21,10 @@
 //!   (problem+json).
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}`.
 //! - [`metrics`]: the Prometheus registry and metric handles.
-//! - [`server`]: listeners, connection serving, graceful shutdown.
+//! - [`server`]: listeners (plain and TLS), connection serving, reload,
+//!   graceful shutdown.
+//! - [`tls`]: rustls configs for the TLS listener (reloadable) and for
+//!   https upstreams.
 //!
 //! The binary (`src/main.rs`) only parses flags, sets up logging and signals,
 //! and calls [`server::Server`].
@@ -37,4 +40,5 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod token;

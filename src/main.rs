@@ -109,6 +109,28 @@ struct Opts {
     /// How many highest tokens to keep in memory.
     #[arg(long, env = "FENCEGATE_HIGHEST_CACHE_ENTRIES", global = true)]
     highest_cache_entries: Option<u64>,
+    /// TLS listen address (HTTP/1.1 and HTTP/2 by ALPN); needs --tls-cert
+    /// and --tls-key.
+    #[arg(long, env = "FENCEGATE_TLS_LISTEN", global = true)]
+    tls_listen: Option<String>,
+    /// PEM certificate chain of the TLS listener (reloaded when it changes).
+    #[arg(long, env = "FENCEGATE_TLS_CERT", global = true)]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of the TLS listener.
+    #[arg(long, env = "FENCEGATE_TLS_KEY", global = true)]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this PEM CA bundle (mTLS).
+    #[arg(long, env = "FENCEGATE_TLS_CLIENT_CA", global = true)]
+    tls_client_ca: Option<PathBuf>,
+    /// PEM CA bundle for https upstreams, instead of the system's roots.
+    #[arg(long, env = "FENCEGATE_UPSTREAM_CA", global = true)]
+    upstream_ca: Option<PathBuf>,
+    /// Client certificate (PEM) presented to https upstreams.
+    #[arg(long, env = "FENCEGATE_UPSTREAM_CLIENT_CERT", global = true)]
+    upstream_client_cert: Option<PathBuf>,
+    /// Private key of --upstream-client-cert.
+    #[arg(long, env = "FENCEGATE_UPSTREAM_CLIENT_KEY", global = true)]
+    upstream_client_key: Option<PathBuf>,
     /// Log one line per request (target fencegate::access).
     #[arg(long, env = "FENCEGATE_ACCESS_LOG", global = true)]
     access_log: bool,
@@ -130,11 +152,11 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
         Some(p) => RawConfig::from_file(p)?,
         None => RawConfig::default(),
     };
-    let set = |dst: &mut Option<String>, src: &Option<String>| {
+    fn set<T: Clone>(dst: &mut Option<T>, src: &Option<T>) {
         if src.is_some() {
             dst.clone_from(src);
         }
-    };
+    }
     set(&mut raw.listen, &opts.listen);
     set(&mut raw.admin_listen, &opts.admin_listen);
     set(&mut raw.store, &opts.store);
@@ -151,18 +173,10 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
         &opts.header_read_timeout,
     );
     set(&mut raw.limits.body_read_timeout, &opts.body_read_timeout);
-    if opts.admin_token_file.is_some() {
-        raw.admin_token_file.clone_from(&opts.admin_token_file);
-    }
-    if opts.max_header_bytes.is_some() {
-        raw.limits.max_header_bytes = opts.max_header_bytes;
-    }
-    if opts.max_body_bytes.is_some() {
-        raw.limits.max_body_bytes = opts.max_body_bytes;
-    }
-    if opts.highest_cache_entries.is_some() {
-        raw.highest_cache_entries = opts.highest_cache_entries;
-    }
+    set(&mut raw.admin_token_file, &opts.admin_token_file);
+    set(&mut raw.limits.max_header_bytes, &opts.max_header_bytes);
+    set(&mut raw.limits.max_body_bytes, &opts.max_body_bytes);
+    set(&mut raw.highest_cache_entries, &opts.highest_cache_entries);
     if let Some(upstream) = &opts.upstream {
         if !raw.routes.is_empty() {
             anyhow::bail!("invalid `upstream`: the config file defines routes; give routes there or --upstream, not both");
@@ -189,6 +203,44 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
         set(&mut r.upstream_timeout, &opts.upstream_timeout);
         set(&mut r.connect_timeout, &opts.connect_timeout);
     }
+    let upstream_tls = [
+        (&opts.upstream_ca, "--upstream-ca"),
+        (&opts.upstream_client_cert, "--upstream-client-cert"),
+        (&opts.upstream_client_key, "--upstream-client-key"),
+    ];
+    if let Some((_, flag)) = upstream_tls.iter().find(|(v, _)| v.is_some()) {
+        let https = |r: &RawRoute| {
+            r.upstream
+                .as_deref()
+                .is_some_and(|u| u.starts_with("https://"))
+        };
+        if !raw.routes.iter().any(https) {
+            anyhow::bail!("{flag} applies to https:// upstreams, and no route has one");
+        }
+        // Every https route that does not set its own.
+        for r in raw.routes.iter_mut().filter(|r| https(r)) {
+            r.upstream_ca = r.upstream_ca.take().or(opts.upstream_ca.clone());
+            r.upstream_client_cert = r
+                .upstream_client_cert
+                .take()
+                .or(opts.upstream_client_cert.clone());
+            r.upstream_client_key = r
+                .upstream_client_key
+                .take()
+                .or(opts.upstream_client_key.clone());
+        }
+    }
+    if opts.tls_listen.is_some()
+        || opts.tls_cert.is_some()
+        || opts.tls_key.is_some()
+        || opts.tls_client_ca.is_some()
+    {
+        let tls = raw.tls.get_or_insert_with(Default::default);
+        set(&mut tls.listen, &opts.tls_listen);
+        set(&mut tls.cert, &opts.tls_cert);
+        set(&mut tls.key, &opts.tls_key);
+        set(&mut tls.client_ca, &opts.tls_client_ca);
+    }
     Ok(raw)
 }
 
@@ -204,24 +256,51 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(config: Config) -> anyhow::Result<bool> {
+/// Reads the config file again and applies the flags over it, as at start.
+fn load_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<Config> {
+    raw_config(opts, file).and_then(|raw| Config::try_from(raw).map_err(anyhow::Error::from))
+}
+
+async fn run(
+    config: Config,
+    reload: impl Fn() -> anyhow::Result<Config> + Send + 'static,
+) -> anyhow::Result<bool> {
     let shutdown = CancellationToken::new();
     let server = Server::start(config, shutdown.clone()).await?;
     // One machine-readable line on stdout with the bound addresses (useful
     // with port 0); logs go to stderr.
+    let tls = server
+        .tls_addr
+        .map(|a| format!(" tls={a}"))
+        .unwrap_or_default();
     println!(
-        "listening proxy={} admin={}",
+        "listening proxy={} admin={}{tls}",
         server.proxy_addr, server.admin_addr
     );
     let signals = {
         let shutdown = shutdown.clone();
+        let reloader = server.reloader();
         tokio::spawn(async move {
             use tokio::signal::unix::{signal, SignalKind};
             let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
             let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-                _ = int.recv() => tracing::info!("SIGINT received"),
+            let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+            loop {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received"),
+                    _ = int.recv() => tracing::info!("SIGINT received"),
+                    _ = hup.recv() => {
+                        tracing::info!("SIGHUP received: reloading the config");
+                        match reload() {
+                            Ok(config) => {
+                                let _ = reloader.reload(&config).await;
+                            }
+                            Err(e) => reloader.refused(&format!("{e:#}")),
+                        }
+                        continue;
+                    }
+                }
+                break;
             }
             shutdown.cancel();
         })
@@ -277,9 +356,7 @@ fn main() -> ExitCode {
         Some(Command::CheckConfig { file }) => Some(file),
         _ => cli.opts.config.as_ref(),
     };
-    let config = match raw_config(&cli.opts, file)
-        .and_then(|raw| Config::try_from(raw).map_err(anyhow::Error::from))
-    {
+    let config = match load_config(&cli.opts, file) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("fencegate: {e:#}");
@@ -300,7 +377,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config)) {
+    let file = file.cloned();
+    let opts = cli.opts;
+    let reload = move || load_config(&opts, file.as_ref());
+    match runtime.block_on(run(config, reload)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(3),
         Err(e) => {

@@ -37,6 +37,11 @@ pub struct Metrics {
     pub recovering: IntGauge,
     /// 1 while a shared store is suspected of having lost data.
     pub store_amnesia: IntGauge,
+    /// Reloads by what (config, tls) and result (ok, error).
+    pub reloads: IntCounterVec,
+    /// 1 if the last config or certificate reload worked, 0 if it failed
+    /// (the old one is still in force).
+    pub last_reload_ok: IntGauge,
 }
 
 impl Metrics {
@@ -137,8 +142,24 @@ impl Metrics {
         registry
             .register(Box::new(store_amnesia.clone()))
             .expect("register");
+        let reloads = counter(
+            "fencegate_reloads_total",
+            "Reloads of the config (SIGHUP) or of TLS certificate files, by result.",
+            &["what", "result"],
+        );
+        let last_reload_ok = IntGauge::new(
+            "fencegate_last_reload_successful",
+            "1 if the last reload of the config or the certificates worked; 0 if the old one is still in force.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(last_reload_ok.clone()))
+            .expect("register");
+        last_reload_ok.set(1);
         store_up.set(1);
         Self {
+            reloads,
+            last_reload_ok,
             store_amnesia,
             registry,
             writes,
@@ -181,6 +202,13 @@ pub struct RouteMetrics {
 }
 
 impl Metrics {
+    /// Counts a reload and sets the last-reload gauge.
+    pub fn reloaded(&self, what: &str, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.reloads.with_label_values(&[what, result]).inc();
+        self.last_reload_ok.set(i64::from(ok));
+    }
+
     pub fn route(&self, name: &str) -> RouteMetrics {
         RouteMetrics {
             in_flight: self.in_flight.with_label_values(&[name]),

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri};
@@ -29,6 +30,7 @@ use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::tls::{upstream_connector, TlsError, UpstreamConnector};
 use crate::token::{token_from_headers, FENCE_TOKEN};
 
 /// Headers that name a different method than the request line's.
@@ -52,7 +54,7 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::EXPECT,
 ];
 
-type UpstreamClient = Client<HttpConnector, ProxyBody>;
+type UpstreamClient = Client<UpstreamConnector, ProxyBody>;
 
 /// A route with its upstream connection pool.
 struct RouteRuntime {
@@ -61,16 +63,23 @@ struct RouteRuntime {
     metrics: RouteMetrics,
 }
 
-/// The request handler shared by every connection.
-pub struct Proxy {
+/// What a reload replaces: the routes and their upstream clients.
+struct RouteTable {
     routes: Vec<RouteRuntime>,
     /// Some route names a host: then a request must name one too.
     host_routes: bool,
+    /// One log line per request (target `fencegate::access`).
+    access_log: bool,
+}
+
+/// The request handler shared by every connection.
+pub struct Proxy {
+    /// Swapped whole by a reload; each request holds the table it started
+    /// with.
+    routes: ArcSwap<RouteTable>,
     fence: Arc<Fence>,
     metrics: Arc<Metrics>,
     limits: Limits,
-    /// One log line per request (target `fencegate::access`).
-    access_log: bool,
     request_id_prefix: String,
     request_seq: std::sync::atomic::AtomicU64,
     /// Upstream exchanges of admitted writes run as tasks of their own, so a
@@ -85,29 +94,36 @@ const BODY_TOO_LARGE: u8 = 1;
 const BODY_TIMEOUT: u8 = 2;
 const BODY_MALFORMED: u8 = 3;
 
-impl Proxy {
-    pub fn new(config: &Config, fence: Arc<Fence>, metrics: Arc<Metrics>) -> Self {
-        let mut routes: Vec<RouteRuntime> = config
-            .routes
-            .iter()
-            .map(|route| {
-                let mut connector = HttpConnector::new();
-                connector.set_connect_timeout(Some(route.connect_timeout));
-                connector.set_nodelay(true);
-                let client = Client::builder(TokioExecutor::new())
-                    // A write must never be sent twice.
-                    .retry_canceled_requests(false)
-                    // Host is relayed as the client sent it.
-                    .set_host(false)
-                    .pool_idle_timeout(Duration::from_secs(30))
-                    .build(connector);
-                RouteRuntime {
-                    route: route.clone(),
-                    client,
-                    metrics: metrics.route(&route.name),
-                }
-            })
-            .collect();
+impl RouteTable {
+    /// Builds every route's upstream client. Fails (naming the field) if a
+    /// route's TLS files do not load.
+    fn build(config: &Config, metrics: &Metrics) -> Result<Self, TlsError> {
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for (i, route) in config.routes.iter().enumerate() {
+            let mut http = HttpConnector::new();
+            http.set_connect_timeout(Some(route.connect_timeout));
+            http.set_nodelay(true);
+            // https upstreams go through the TLS layer.
+            http.enforce_http(false);
+            let connector = upstream_connector(
+                &format!("routes[{i}]"),
+                &route.upstream,
+                &route.upstream_tls,
+                http,
+            )?;
+            let client = Client::builder(TokioExecutor::new())
+                // A write must never be sent twice.
+                .retry_canceled_requests(false)
+                // Host is relayed as the client sent it.
+                .set_host(false)
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build(connector);
+            routes.push(RouteRuntime {
+                route: route.clone(),
+                client,
+                metrics: metrics.route(&route.name),
+            });
+        }
         // Most specific first: a host-specific route before a catch-all host,
         // then the longest prefix.
         routes.sort_by_key(|r| {
@@ -116,17 +132,44 @@ impl Proxy {
                 std::cmp::Reverse(r.route.path_prefix.trim_end_matches('/').len()),
             )
         });
-        Self {
+        Ok(Self {
             host_routes: routes.iter().any(|r| r.route.host.is_some()),
             routes,
+            access_log: config.access_log,
+        })
+    }
+
+    fn find_route(&self, host: Option<&str>, path: &str) -> Option<&RouteRuntime> {
+        self.routes.iter().find(|r| {
+            r.route.host.as_deref().is_none_or(|h| Some(h) == host) && r.route.matches_path(path)
+        })
+    }
+}
+
+impl Proxy {
+    pub fn new(
+        config: &Config,
+        fence: Arc<Fence>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, TlsError> {
+        Ok(Self {
+            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics)?),
             fence,
             metrics,
             limits: config.limits.clone(),
-            access_log: config.access_log,
             request_id_prefix: crate::store::shared::unique_id()[..16].to_string(),
             request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
-        }
+        })
+    }
+
+    /// Builds the routes of `config` and swaps them in: requests that
+    /// already picked a route finish on it (with its connection pool); new
+    /// ones use the new table. On error nothing changes.
+    pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
+        let table = RouteTable::build(config, &self.metrics)?;
+        self.routes.store(Arc::new(table));
+        Ok(())
     }
 
     /// A new request id: a per-process random prefix and a counter, so the
@@ -141,21 +184,16 @@ impl Proxy {
         self.exchanges.clone()
     }
 
-    fn find_route(&self, host: Option<&str>, path: &str) -> Option<&RouteRuntime> {
-        self.routes.iter().find(|r| {
-            r.route.host.as_deref().is_none_or(|h| Some(h) == host) && r.route.matches_path(path)
-        })
-    }
-
     /// Serves one request. Never fails: every error becomes an answer.
     pub async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
-        peer: std::net::SocketAddr,
+        client: Peer,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let started = Instant::now();
+        let peer = client.addr;
         let mut ctx = RequestContext {
-            peer: Some(peer),
+            peer: Some(client),
             ..RequestContext::default()
         };
         // Keep a sane client-sent request id, else make one; it goes
@@ -177,7 +215,7 @@ impl Proxy {
             Err(err) => self.refuse(err, &ctx),
         };
         resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
-        if self.access_log {
+        if self.routes.load().access_log {
             tracing::info!(
                 target: "fencegate::access",
                 request_id = request_id.to_str().unwrap_or("-"),
@@ -253,6 +291,9 @@ impl Proxy {
             return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
         }
         check_framing(req.headers())?;
+        // The route (and its pool) a request starts with is the one it ends
+        // with, whatever a reload swaps in meanwhile.
+        let table = self.routes.load_full();
         let host_header = req
             .headers()
             .get(header::HOST)
@@ -277,7 +318,7 @@ impl Proxy {
             .or_else(|| host_header.map(strip_port))
             .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
             .filter(|h| !h.is_empty());
-        if host.is_none() && self.host_routes {
+        if host.is_none() && table.host_routes {
             // Without a host it could only take a catch-all route, which may
             // fence the same backend under another namespace.
             return Err(ProxyError::BadRequest("a Host header is required".into()));
@@ -292,7 +333,7 @@ impl Proxy {
         let canonical = key::canonicalize(&target);
         let (rt, path) = match &canonical {
             Ok(c) => {
-                let rt = self
+                let rt = table
                     .find_route(host.as_deref(), &c.key_path)
                     .ok_or(ProxyError::NoRoute)?;
                 if rt.route.literal_keys {
@@ -307,7 +348,7 @@ impl Proxy {
                 // anyway: `/api//x` must not slip from a canonical `/api`
                 // route to a literal catch-all.
                 let raw_path = target.split('?').next().unwrap_or("/");
-                match self.find_route(host.as_deref(), raw_path) {
+                match table.find_route(host.as_deref(), raw_path) {
                     Some(rt) if rt.route.literal_keys => {
                         (rt, key::literal(&target).map_err(ProxyError::BadTarget)?)
                     }
@@ -337,7 +378,7 @@ impl Proxy {
         if is_copy_or_move(req.method(), req.headers()) {
             if let Some(dest) = req.headers().get("destination") {
                 let (key, rewritten) =
-                    self.destination_key(rt, dest, host.as_deref(), req.headers())?;
+                    self.destination_key(&table, rt, dest, host.as_deref(), req.headers())?;
                 keys.push(key);
                 // The backend gets the destination it was fenced as.
                 req.headers_mut().insert("destination", rewritten);
@@ -465,6 +506,7 @@ impl Proxy {
     /// this proxy could not fence it.
     fn destination_key(
         &self,
+        table: &RouteTable,
         rt: &RouteRuntime,
         dest: &HeaderValue,
         host: Option<&str>,
@@ -485,7 +527,7 @@ impl Proxy {
             key::canonicalize(target)
         }
         .map_err(ProxyError::BadTarget)?;
-        match self.find_route(host, &path.key_path) {
+        match table.find_route(host, &path.key_path) {
             Some(other) if std::ptr::eq(other, rt) => {}
             _ => return Err(bad("is not served by the same route")),
         }
@@ -503,7 +545,7 @@ impl Proxy {
         req: Request<Incoming>,
         path: &CanonicalPath,
         permits: Vec<Arc<Permit>>,
-        peer: Option<std::net::SocketAddr>,
+        peer: Option<Peer>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let route = &rt.route;
         let (parts, body) = req.into_parts();
@@ -528,7 +570,7 @@ impl Proxy {
             if let Some(peer) = peer {
                 // Append the client to X-Forwarded-For, as nginx's
                 // $proxy_add_x_forwarded_for does.
-                let ip = peer.ip().to_string();
+                let ip = peer.addr.ip().to_string();
                 let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
                     Some(prev) => format!("{prev}, {ip}"),
                     None => ip,
@@ -538,7 +580,11 @@ impl Proxy {
                 }
                 headers
                     .entry(&X_FORWARDED_PROTO)
-                    .or_insert(HeaderValue::from_static("http"));
+                    .or_insert(HeaderValue::from_static(if peer.tls {
+                        "https"
+                    } else {
+                        "http"
+                    }));
             }
         }
         if !headers.contains_key(header::HOST) {
@@ -637,7 +683,15 @@ struct RequestContext {
     method: String,
     write: bool,
     token: Option<u64>,
-    peer: Option<std::net::SocketAddr>,
+    peer: Option<Peer>,
+}
+
+/// The client end of a connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    pub addr: std::net::SocketAddr,
+    /// Came in on the TLS listener (X-Forwarded-Proto: https).
+    pub tls: bool,
 }
 
 static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");

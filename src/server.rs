@@ -1,9 +1,12 @@
 //! Listeners, connection serving and graceful shutdown.
 //!
-//! [`Server::start`] opens the store, binds both listeners and spawns their
-//! accept loops; [`Server::wait`] runs until the cancellation token fires,
-//! then stops accepting, drains in-flight requests within the grace period
-//! and, only if the drain completed, records a clean stop in the store.
+//! [`Server::start`] opens the store, binds the listeners (plain proxy,
+//! optional TLS proxy, admin) and spawns their accept loops;
+//! [`Server::wait`] runs until the cancellation token fires, then stops
+//! accepting, drains in-flight requests within the grace period and, only if
+//! the drain completed, records a clean stop in the store. [`Reloader`]
+//! applies a new config to the running server (SIGHUP) without touching
+//! connections in flight.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -26,9 +29,10 @@ use crate::config::{Config, StoreConfig};
 use crate::error::ProxyBody;
 use crate::fence::Fence;
 use crate::metrics::{InstrumentedStore, Metrics};
-use crate::proxy::Proxy;
+use crate::proxy::{Peer, Proxy};
 use crate::store::embedded::{EmbeddedStore, OpenError};
 use crate::store::{FenceStore, StartState};
+use crate::tls::{server_config, TlsError, TlsTerminator};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +41,8 @@ pub enum ServerError {
     Store(#[from] OpenError),
     #[error("invalid `store`: {0}")]
     SharedStore(String),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
     #[error("cannot listen on {addr} (`{field}`): {reason}")]
     Bind {
         field: &'static str,
@@ -45,19 +51,34 @@ pub enum ServerError {
     },
 }
 
+/// Why a reload was refused; the running config stays in force.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("invalid `routes`: upstream_timeout {new:?} is longer than the {started:?} the server started with; the crash-recovery window and shared-store leases were sized from it, so a longer one needs a restart")]
+    LongerUpstreamTimeout { new: Duration, started: Duration },
+}
+
 /// A running fencegate.
 pub struct Server {
     pub proxy_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The TLS listener, if `[tls]` is configured.
+    pub tls_addr: Option<SocketAddr>,
     fence: Arc<Fence>,
     shutdown: CancellationToken,
     draining: CancellationToken,
-    proxy_task: JoinHandle<bool>,
-    admin_task: JoinHandle<bool>,
+    /// Accept loops (plain proxy, TLS proxy, admin): each returns whether
+    /// its connections drained in time.
+    listeners: Vec<JoinHandle<bool>>,
+    /// The certificate file watcher; stops with `draining`.
+    tls_watcher: Option<JoinHandle<()>>,
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
     exchanges: TaskTracker,
     grace: Duration,
+    reloader: Reloader,
 }
 
 async fn bind(field: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -74,6 +95,13 @@ impl Server {
     /// Opens the store and binds the listeners. `shutdown` stops the server.
     pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Self, ServerError> {
         let metrics = Arc::new(Metrics::new());
+        // Certificates before the store: a bad file is a config error, and
+        // should not cost an unclean-stop window.
+        let tls = config
+            .tls
+            .as_ref()
+            .map(|t| TlsTerminator::new(t).map(Arc::new))
+            .transpose()?;
         let store: Arc<dyn FenceStore> = match &config.store {
             StoreConfig::Embedded { path, cache_bytes } => {
                 let (path, cache) = (path.clone(), *cache_bytes);
@@ -114,22 +142,30 @@ impl Server {
             config.max_upstream_timeout(),
             lease_margin,
         );
-        let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone()));
+        let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone())?);
         let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
             fence: fence.clone(),
             metrics: metrics.clone(),
-            admin_token: config.admin_token.clone(),
+            admin_token: arc_swap::ArcSwapOption::from_pointee(config.admin_token.clone()),
             draining: draining.clone(),
         });
 
         let proxy_listener = bind("listen", config.listen).await?;
         let admin_listener = bind("admin_listen", config.admin_listen).await?;
+        let tls_listener = match &config.tls {
+            Some(t) => Some(bind("tls.listen", t.listen).await?),
+            None => None,
+        };
         let proxy_addr = proxy_listener.local_addr().expect("bound address");
         let admin_addr = admin_listener.local_addr().expect("bound address");
+        let tls_addr = tls_listener
+            .as_ref()
+            .map(|l| l.local_addr().expect("bound address"));
 
-        // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) on the same port.
+        // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) or by ALPN, on
+        // the same port: the connection preface tells them apart.
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
@@ -146,32 +182,75 @@ impl Server {
                 u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
             );
         let grace = config.shutdown_grace;
-        let proxy_task = tokio::spawn(accept_loop(
-            proxy_listener,
-            builder.clone(),
-            draining.clone(),
-            grace,
-            move |req, peer| proxy.clone().handle(req, peer),
-        ));
-        let admin_task = tokio::spawn(accept_loop(
+        let serve = |listener, tls: Option<Arc<TlsTerminator>>| {
+            let proxy = proxy.clone();
+            let on_tls = tls.is_some();
+            tokio::spawn(accept_loop(
+                listener,
+                builder.clone(),
+                tls,
+                Gate {
+                    stop: draining.clone(),
+                    grace,
+                    handshake_timeout: config.limits.header_read_timeout,
+                },
+                move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
+            ))
+        };
+        let mut listeners = vec![serve(proxy_listener, None)];
+        if let Some(listener) = tls_listener {
+            listeners.push(serve(listener, tls.clone()));
+        }
+        let admin_handler = admin.clone();
+        listeners.push(tokio::spawn(accept_loop(
             admin_listener,
             builder,
-            draining.clone(),
-            grace,
-            move |req, _peer| admin.clone().handle(req),
-        ));
-        tracing::info!(%proxy_addr, %admin_addr, routes = config.routes.len(), "fencegate started");
+            None,
+            Gate {
+                stop: draining.clone(),
+                grace,
+                handshake_timeout: config.limits.header_read_timeout,
+            },
+            move |req, _peer| admin_handler.clone().handle(req),
+        )));
+        let tls_watcher = match (&tls, &config.tls) {
+            (Some(tls), Some(files)) => {
+                let metrics = metrics.clone();
+                Some(tokio::spawn(tls.clone().watch(
+                    files.watch_interval,
+                    draining.clone(),
+                    move |result| log_tls_reload("certificate files changed", result, &metrics),
+                )))
+            }
+            _ => None,
+        };
+        tracing::info!(%proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
+        let reloader = Reloader(Arc::new(ReloadState {
+            proxy,
+            admin,
+            tls,
+            metrics,
+            started: config,
+            lock: tokio::sync::Mutex::new(()),
+        }));
         Ok(Self {
             proxy_addr,
             admin_addr,
+            tls_addr,
             fence,
             shutdown,
             draining,
-            proxy_task,
-            admin_task,
+            listeners,
+            tls_watcher,
             exchanges,
             grace,
+            reloader,
         })
+    }
+
+    /// A handle that applies a new config to this server (SIGHUP).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
     }
 
     /// Runs until the shutdown token is cancelled, then drains and closes.
@@ -181,8 +260,13 @@ impl Server {
         tracing::info!(grace = ?self.grace, "shutting down: draining in-flight requests");
         let deadline = tokio::time::Instant::now() + self.grace;
         self.draining.cancel();
-        let connections_drained = self.proxy_task.await.unwrap_or(false);
-        let _ = self.admin_task.await;
+        let mut connections_drained = true;
+        for listener in self.listeners {
+            connections_drained &= listener.await.unwrap_or(false);
+        }
+        if let Some(watcher) = self.tls_watcher {
+            let _ = watcher.await;
+        }
         // Writes whose clients went away are still running upstream: they
         // must end before a clean stop can be recorded.
         self.exchanges.close();
@@ -208,13 +292,129 @@ impl Server {
     }
 }
 
-/// Accepts connections until `stop` fires; then drains them within `grace`.
-/// Returns whether every connection finished in time.
+fn log_tls_reload(why: &str, result: &Result<(), TlsError>, metrics: &Metrics) {
+    metrics.reloaded("tls", result.is_ok());
+    match result {
+        Ok(()) => tracing::info!(why, "TLS certificates reloaded"),
+        Err(e) => {
+            tracing::error!(why, error = %e, "TLS certificates not reloaded; the previous ones stay in force")
+        }
+    }
+}
+
+/// Applies a new configuration to a running server.
+#[derive(Clone)]
+pub struct Reloader(Arc<ReloadState>);
+
+struct ReloadState {
+    proxy: Arc<Proxy>,
+    admin: Arc<Admin>,
+    tls: Option<Arc<TlsTerminator>>,
+    metrics: Arc<Metrics>,
+    /// What the server started with: listeners, store and limits cannot
+    /// change without a restart.
+    started: Config,
+    /// One reload at a time.
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl Reloader {
+    /// Swaps in the routes (with their upstream TLS), the access log
+    /// switch, the admin token and the TLS listener's certificate files of
+    /// `new`. Nothing changes unless all of them load. Connections and
+    /// requests in flight are not touched. Returns the changed settings that
+    /// only a restart applies (they are logged and ignored).
+    pub async fn reload(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
+        let _one = self.0.lock.lock().await;
+        let result = self.apply(new);
+        self.0.metrics.reloaded("config", result.is_ok());
+        match &result {
+            Ok(ignored) => tracing::info!(
+                routes = new.routes.len(),
+                needs_restart = ?ignored,
+                "config reloaded"
+            ),
+            Err(e) => {
+                tracing::error!(error = %e, "config not reloaded; the previous one stays in force")
+            }
+        }
+        result
+    }
+
+    /// Records a reload whose config did not even load.
+    pub fn refused(&self, why: &str) {
+        self.0.metrics.reloaded("config", false);
+        tracing::error!(
+            error = why,
+            "config not reloaded; the previous one stays in force"
+        );
+    }
+
+    fn apply(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
+        let started = &self.0.started;
+        if new.max_upstream_timeout() > started.max_upstream_timeout() {
+            return Err(ReloadError::LongerUpstreamTimeout {
+                new: new.max_upstream_timeout(),
+                started: started.max_upstream_timeout(),
+            });
+        }
+        let mut ignored = Vec::new();
+        let mut differs = |field, changed: bool| {
+            if changed {
+                ignored.push(field);
+            }
+        };
+        differs("listen", new.listen != started.listen);
+        differs("admin_listen", new.admin_listen != started.admin_listen);
+        differs("store", new.store != started.store);
+        differs("limits", new.limits != started.limits);
+        differs(
+            "shutdown_grace",
+            new.shutdown_grace != started.shutdown_grace,
+        );
+        differs(
+            "highest_cache_entries",
+            new.highest_cache_entries != started.highest_cache_entries,
+        );
+        let tls_listen = |c: &Config| c.tls.as_ref().map(|t| t.listen);
+        differs("tls.listen", tls_listen(new) != tls_listen(started));
+        // Everything is loaded before anything is swapped.
+        let certs = match (&self.0.tls, &new.tls) {
+            (Some(running), Some(files)) => Some((running, files, server_config(files)?)),
+            _ => None,
+        };
+        self.0.proxy.reload_routes(new)?;
+        if let Some((running, files, loaded)) = certs {
+            running.install(files, loaded);
+            self.0.metrics.reloaded("tls", true);
+        }
+        self.0
+            .admin
+            .admin_token
+            .store(new.admin_token.clone().map(Arc::new));
+        for field in &ignored {
+            tracing::warn!(field, "changed in the config file, but only a restart applies it; keeping the running value");
+        }
+        Ok(ignored)
+    }
+}
+
+/// When an accept loop stops and how long it waits for its connections.
+struct Gate {
+    stop: CancellationToken,
+    grace: Duration,
+    /// A TLS handshake must finish within this (like a request head).
+    handshake_timeout: Duration,
+}
+
+/// Accepts connections (TLS ones if `tls` is set) until the gate closes;
+/// then drains them within the grace period. Returns whether every
+/// connection finished in time.
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
     builder: auto::Builder<TokioExecutor>,
-    stop: CancellationToken,
-    grace: Duration,
+    tls: Option<Arc<TlsTerminator>>,
+    gate: Gate,
     handler: F,
 ) -> bool
 where
@@ -226,7 +426,7 @@ where
     let graceful = GracefulShutdown::new();
     loop {
         tokio::select! {
-            _ = stop.cancelled() => break,
+            _ = gate.stop.cancelled() => break,
             accepted = listener.accept() => {
                 let (stream, peer) = match accepted {
                     Ok(c) => c,
@@ -241,10 +441,35 @@ where
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
                 let service = service_fn(move |req| handler(req, peer));
-                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
+                // Watched from accept on, so the drain waits for a
+                // connection still in its TLS handshake too.
+                let watcher = graceful.watcher();
+                let builder = builder.clone();
+                let acceptor = tls.as_ref().map(|t| t.acceptor());
+                let handshake_timeout = gate.handshake_timeout;
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
+                    let result = match acceptor {
+                        None => {
+                            let conn = builder.serve_connection(TokioIo::new(stream), service);
+                            watcher.watch(conn.into_owned()).await
+                        }
+                        Some(acceptor) => {
+                            let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                                Ok(Ok(s)) => s,
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                    return;
+                                }
+                                Err(_) => {
+                                    tracing::debug!(%peer, "TLS handshake timed out");
+                                    return;
+                                }
+                            };
+                            let conn = builder.serve_connection(TokioIo::new(stream), service);
+                            watcher.watch(conn.into_owned()).await
+                        }
+                    };
+                    if let Err(e) = result {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
                 });
@@ -254,6 +479,6 @@ where
     drop(listener);
     tokio::select! {
         _ = graceful.shutdown() => true,
-        _ = tokio::time::sleep(grace) => false,
+        _ = tokio::time::sleep(gate.grace) => false,
     }
 }

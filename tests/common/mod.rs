@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 pub mod history;
 pub mod servers;
+pub mod tls;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = BoxBody<Bytes, BoxError>;
@@ -67,6 +68,11 @@ pub struct Upstream {
 impl Upstream {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+    /// The https URL (for an upstream behind TLS), by host name so SNI and
+    /// name checks apply.
+    pub fn https_url(&self) -> String {
+        format!("https://localhost:{}", self.addr.port())
     }
     pub fn records(&self) -> Vec<Record> {
         self.records.lock().unwrap().clone()
@@ -180,31 +186,72 @@ pub async fn start_upstream_on(addr: &str) -> Upstream {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
+    serve_upstream(listener, |stream, service| {
+        Box::pin(async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        })
+    })
+}
+
+/// Starts the recording upstream on a free loopback port, serving each
+/// connection with `serve` (TLS, HTTP/2...).
+pub async fn start_upstream_with<F>(serve: F) -> Upstream
+where
+    F: Fn(tokio::net::TcpStream, Recording) -> ConnFuture + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve_upstream(listener, serve)
+}
+
+pub type ConnFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+fn serve_upstream<F>(listener: tokio::net::TcpListener, serve: F) -> Upstream
+where
+    F: Fn(tokio::net::TcpStream, Recording) -> ConnFuture + Send + 'static,
+{
     let addr = listener.local_addr().unwrap();
-    let records = Arc::new(Mutex::new(Vec::new()));
-    let arrivals = Arc::new(Mutex::new(Vec::new()));
-    let (r, a) = (records.clone(), arrivals.clone());
+    let recording = Recording {
+        records: Arc::new(Mutex::new(Vec::new())),
+        arrivals: Arc::new(Mutex::new(Vec::new())),
+    };
+    let service = recording.clone();
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
-            let (r, a) = (r.clone(), a.clone());
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    upstream_handle(req, r.clone(), a.clone())
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
+            tokio::spawn(serve(stream, service.clone()));
         }
     });
     Upstream {
         addr,
-        records,
-        arrivals,
+        records: recording.records,
+        arrivals: recording.arrivals,
         task,
+    }
+}
+
+/// The recording upstream's request handler, as a hyper service.
+#[derive(Clone)]
+pub struct Recording {
+    records: Arc<Mutex<Vec<Record>>>,
+    arrivals: Arrivals,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Recording {
+    type Response = Response<Full<Bytes>>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        Box::pin(upstream_handle(
+            req,
+            self.records.clone(),
+            self.arrivals.clone(),
+        ))
     }
 }
 
@@ -212,6 +259,8 @@ pub async fn start_upstream_on(addr: &str) -> Upstream {
 pub struct Proxy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
+    /// The TLS listener, if one was configured.
+    pub tls: Option<SocketAddr>,
     pub child: Child,
     args: Vec<String>,
     log_dir: PathBuf,
@@ -321,6 +370,7 @@ impl Proxy {
         Proxy {
             addr: p.parse().unwrap(),
             admin: a.parse().unwrap(),
+            tls: fields.get("tls").map(|t| t.parse().unwrap()),
             child,
             args,
             log_dir,

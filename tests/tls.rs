@@ -1,0 +1,504 @@
+//! TLS on both sides: the TLS listener (ALPN h2 and http/1.1, client
+//! certificates, certificate reload) and https upstreams (verification,
+//! private CA, SNI, client certificate, HTTP/2). Certificates are generated
+//! per test.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::tls::*;
+use common::*;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One request with a chosen client; `Err` if the connection or handshake
+/// failed.
+async fn send_via(
+    client: &HttpsClient,
+    method: &str,
+    url: &str,
+    token: Option<&str>,
+) -> Result<(http::Version, Answer), String> {
+    let mut req = http::Request::builder().method(method).uri(url);
+    if let Some(t) = token {
+        req = req.header("x-fence-token", t);
+    }
+    let resp = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.request(req.body(full("tls body")).unwrap()),
+    )
+    .await
+    .map_err(|_| "timed out".to_string())?
+    .map_err(|e| format!("{e:?}"))?;
+    let version = resp.version();
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok((
+        version,
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        },
+    ))
+}
+
+fn tls_args(leaf: &Leaf) -> Vec<String> {
+    vec![
+        "--tls-listen".into(),
+        "127.0.0.1:0".into(),
+        "--tls-cert".into(),
+        leaf.cert.display().to_string(),
+        "--tls-key".into(),
+        leaf.key.display().to_string(),
+    ]
+}
+
+fn https(p: &Proxy, path: &str) -> String {
+    format!("https://{}{}", p.tls.expect("a TLS listener"), path)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_listener_fences_the_same_over_http1_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "ca");
+    let leaf = ca.server("proxy");
+    let up = start_upstream().await;
+    let args = tls_args(&leaf);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir.path()).args(&args).spawn();
+
+    let h1 = https_client(&ca.pem, None, Alpn::Http1);
+    let h2 = https_client(&ca.pem, None, Alpn::H2);
+    let (v, a) = send_via(&h1, "PUT", &https(&p, "/a/obj"), Some("5"))
+        .await
+        .unwrap();
+    assert_eq!((v, a.status.as_u16()), (http::Version::HTTP_11, 200));
+    // The same key spelled differently, over h2: the same refusal.
+    let (v, a) = send_via(&h2, "PUT", &https(&p, "/a/%6Fbj"), Some("4"))
+        .await
+        .unwrap();
+    assert_eq!(v, http::Version::HTTP_2);
+    assert_eq!(a.status, 409, "{}", a.text());
+    assert_eq!(a.header("x-fence-token-highest"), Some("5"));
+    assert_eq!(a.header("content-type"), Some("application/problem+json"));
+    let (_, a) = send_via(&h2, "PUT", &https(&p, "/a/obj"), None)
+        .await
+        .unwrap();
+    assert_eq!(a.status, 428);
+    let (_, a) = send_via(&h2, "PUT", &https(&p, "/a/../obj"), Some("9"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 400);
+    let (_, a) = send_via(&h2, "PUT", &https(&p, "/a/obj"), Some("6"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200);
+    let (_, a) = send_via(&h2, "GET", &https(&p, "/a/obj"), None)
+        .await
+        .unwrap();
+    assert_eq!(a.body, Bytes::from("applied GET /a/obj len=8"));
+
+    let r = up.records();
+    assert_eq!(
+        r.len(),
+        3,
+        "two admitted writes and a read reached the backend"
+    );
+    assert_eq!(r[0].target, "/a/obj");
+    assert_eq!(r[1].target, "/a/obj");
+    assert_eq!(r[0].headers["x-forwarded-proto"], "https");
+    assert_eq!(r[1].headers["x-forwarded-proto"], "https");
+    // The plain listener still serves (and says http).
+    assert_eq!(put(&p.url("/a/obj"), "6").await.status, 200);
+    assert_eq!(up.records()[3].headers["x-forwarded-proto"], "http");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn client_certificates_are_required_when_a_client_ca_is_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "ca");
+    let clients = TestCa::new(dir.path(), "clients");
+    let strangers = TestCa::new(dir.path(), "strangers");
+    let up = start_upstream().await;
+    let mut args = tls_args(&ca.server("proxy"));
+    args.extend(["--tls-client-ca".into(), clients.pem.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir.path()).args(&args).spawn();
+
+    let url = https(&p, "/k");
+    let anonymous = https_client(&ca.pem, None, Alpn::Http1);
+    assert!(send_via(&anonymous, "PUT", &url, Some("1")).await.is_err());
+    let stranger = strangers.client("stranger");
+    let wrong = https_client(&ca.pem, Some(&stranger), Alpn::H2);
+    assert!(send_via(&wrong, "PUT", &url, Some("1")).await.is_err());
+    assert_eq!(up.arrivals(), 0, "nothing from an unauthenticated client");
+
+    let member = clients.client("member");
+    for alpn in [Alpn::Http1, Alpn::H2] {
+        let good = https_client(&ca.pem, Some(&member), alpn);
+        let (_, a) = send_via(&good, "PUT", &url, Some("1")).await.unwrap();
+        assert_eq!(a.status, 200);
+    }
+    // A client that does not trust fencegate's certificate never sends.
+    let distrustful = https_client(&strangers.pem, Some(&member), Alpn::Http1);
+    assert!(send_via(&distrustful, "PUT", &url, Some("2"))
+        .await
+        .is_err());
+    assert_eq!(up.count(), 2);
+}
+
+/// A TLS connection kept open by hand, to show a reload does not drop it.
+struct KeptConnection(tokio_rustls::client::TlsStream<tokio::net::TcpStream>);
+
+impl KeptConnection {
+    async fn open(addr: std::net::SocketAddr, ca: &std::path::Path) -> Self {
+        let mut roots = rustls::RootCertStore::empty();
+        use rustls::pki_types::pem::PemObject;
+        for c in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        Self(tls)
+    }
+
+    /// A keep-alive GET; returns the status line.
+    async fn get(&mut self, path: &str) -> String {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
+        self.0.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The recording upstream's GET answer ends with `len=0`.
+        while !got.ends_with(b"len=0") {
+            let n = tokio::time::timeout(Duration::from_secs(10), self.0.read(&mut buf))
+                .await
+                .expect("answer on the kept connection")
+                .unwrap();
+            assert!(n > 0, "the kept connection was closed");
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap()
+            .to_string()
+    }
+}
+
+fn write_config(path: &std::path::Path, text: &str) {
+    // Write then rename, as config management tools do.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Replaces `to`'s files with `from`'s, each by an atomic rename (key
+/// first, as cert-manager and certbot hooks commonly do).
+fn copy_leaf(from: &Leaf, to: &Leaf) {
+    for (src, dst) in [(&from.key, &to.key), (&from.cert, &to.cert)] {
+        let tmp = dst.with_extension("incoming");
+        std::fs::copy(src, &tmp).unwrap();
+        std::fs::rename(&tmp, dst).unwrap();
+    }
+}
+
+/// A config with a TLS listener serving `leaf` and one route to `up`.
+fn tls_config(leaf: &Leaf, watch_interval: &str, up: &Upstream) -> String {
+    format!(
+        "[tls]\nlisten = \"127.0.0.1:0\"\ncert = \"{}\"\nkey = \"{}\"\nwatch_interval = \"{watch_interval}\"\n\n[[routes]]\nupstream = \"{}\"\n",
+        leaf.cert.display(),
+        leaf.key.display(),
+        up.url()
+    )
+}
+
+async fn metric(p: &Proxy, line_prefix: &str) -> Option<f64> {
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    m.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn certificates_reload_when_the_files_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = TestCa::new(dir.path(), "old-ca");
+    let new_ca = TestCa::new(dir.path(), "new-ca");
+    let live = old_ca.server("live");
+    let up = start_upstream().await;
+    let config = dir.path().join("fencegate.toml");
+    write_config(&config, &tls_config(&live, "100ms", &up));
+    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let url = https(&p, "/r");
+    let trusts_old = https_client(&old_ca.pem, None, Alpn::Http1);
+    let trusts_new = https_client(&new_ca.pem, None, Alpn::Http1);
+    assert!(send_via(&trusts_old, "GET", &url, None).await.is_ok());
+    assert!(send_via(&trusts_new, "GET", &url, None).await.is_err());
+    let mut kept = KeptConnection::open(p.tls.unwrap(), &old_ca.pem).await;
+    assert!(kept.get("/kept").await.contains("200"));
+
+    // The files change: new connections get the new certificate, the open
+    // one goes on.
+    copy_leaf(&new_ca.server("next"), &live);
+    eventually_async("the new certificate served", || async {
+        https_client(&new_ca.pem, None, Alpn::Http1)
+            .request(http::Request::get(&url).body(full("")).unwrap())
+            .await
+            .is_ok()
+    })
+    .await;
+    assert!(kept.get("/kept").await.contains("200"));
+    let fresh_old = https_client(&old_ca.pem, None, Alpn::Http1);
+    assert!(send_via(&fresh_old, "GET", &url, None).await.is_err());
+
+    // A broken file is refused and the running certificate stays. (The
+    // watcher may also have caught the key renamed before the cert: count
+    // from here.)
+    let tls_errors = "fencegate_reloads_total{result=\"error\",what=\"tls\"}";
+    let before = metric(&p, tls_errors).await.unwrap_or(0.0);
+    std::fs::write(&live.cert, "not a certificate").unwrap();
+    eventually_async("the failed reload counted", || async {
+        metric(&p, tls_errors).await.unwrap_or(0.0) > before
+    })
+    .await;
+    assert_eq!(
+        metric(&p, "fencegate_last_reload_successful").await,
+        Some(0.0)
+    );
+    let fresh_new = https_client(&new_ca.pem, None, Alpn::H2);
+    assert_eq!(
+        send_via(&fresh_new, "GET", &url, None)
+            .await
+            .unwrap()
+            .1
+            .status,
+        200
+    );
+    assert!(p.stderr().contains("TLS certificates not reloaded"));
+
+    assert!(p.sigterm().success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_reloads_certificates_without_dropping_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = TestCa::new(dir.path(), "old-ca");
+    let new_ca = TestCa::new(dir.path(), "new-ca");
+    let first = old_ca.server("first");
+    let up = start_upstream().await;
+    let config = dir.path().join("fencegate.toml");
+    // Checked hourly: only SIGHUP reloads within this test.
+    let with_leaf = |leaf: &Leaf| tls_config(leaf, "1h", &up);
+    write_config(&config, &with_leaf(&first));
+    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let url = https(&p, "/r");
+    let mut kept = KeptConnection::open(p.tls.unwrap(), &old_ca.pem).await;
+    assert!(kept.get("/kept").await.contains("200"));
+    let config_ok = "fencegate_reloads_total{result=\"ok\",what=\"config\"}";
+
+    // New contents under the same paths: served after SIGHUP, not before.
+    copy_leaf(&new_ca.server("second"), &first);
+    let trusts = |ca: &TestCa| https_client(&ca.pem, None, Alpn::H2);
+    assert!(send_via(&trusts(&old_ca), "GET", &url, None).await.is_ok());
+    signal(p.child.id(), "HUP");
+    eventually_async("SIGHUP reload", || async {
+        metric(&p, config_ok).await == Some(1.0)
+    })
+    .await;
+    assert!(send_via(&trusts(&new_ca), "GET", &url, None).await.is_ok());
+    assert!(send_via(&trusts(&old_ca), "GET", &url, None).await.is_err());
+
+    // The config names other files: they are loaded and served.
+    write_config(&config, &with_leaf(&old_ca.server("third")));
+    signal(p.child.id(), "HUP");
+    eventually_async("second SIGHUP reload", || async {
+        metric(&p, config_ok).await == Some(2.0)
+    })
+    .await;
+    assert!(send_via(&trusts(&old_ca), "GET", &url, None).await.is_ok());
+    assert!(
+        kept.get("/kept").await.contains("200"),
+        "the open connection survived both reloads"
+    );
+    assert_eq!(
+        metric(&p, "fencegate_last_reload_successful").await,
+        Some(1.0)
+    );
+    assert!(p.sigterm().success());
+}
+
+/// Polls an async condition for up to 15 s.
+async fn eventually_async<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !f().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = start_upstream().await;
+    let second = start_upstream().await;
+    let config = dir.path().join("fencegate.toml");
+    let routes = |upstream: &str, timeout: &str| {
+        format!("[[routes]]\nname = \"objects\"\nupstream = \"{upstream}\"\nupstream_timeout = \"{timeout}\"\n")
+    };
+    write_config(&config, &routes(&first.url(), "30s"));
+    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    assert_eq!(put(&p.url("/x"), "3").await.status, 200);
+    assert_eq!(first.count(), 1);
+
+    write_config(&config, &routes(&second.url(), "10s"));
+    signal(p.child.id(), "HUP");
+    eventually_async("the reload", || async {
+        metric(&p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(1.0)
+    })
+    .await;
+    // Fences survive a reload: the key's highest is still 3.
+    assert_eq!(put(&p.url("/x"), "2").await.status, 409);
+    assert_eq!(put(&p.url("/x"), "3").await.status, 200);
+    assert_eq!((first.count(), second.count()), (1, 1));
+
+    // Bad configs: a syntax error, an invalid value, a longer upstream
+    // timeout (the recovery window was sized at start). Each is refused and
+    // the running routes stay.
+    for (n, bad) in [
+        "[[routes]\nupstream = 1".to_string(),
+        routes("ftp://127.0.0.1:1", "10s"),
+        routes(&first.url(), "5m"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        write_config(&config, &bad);
+        signal(p.child.id(), "HUP");
+        let want = (n + 1) as f64;
+        eventually_async("the refused reload", || async {
+            metric(
+                &p,
+                "fencegate_reloads_total{result=\"error\",what=\"config\"}",
+            )
+            .await
+                == Some(want)
+        })
+        .await;
+        assert_eq!(
+            metric(&p, "fencegate_last_reload_successful").await,
+            Some(0.0)
+        );
+        assert_eq!(put(&p.url("/x"), "4").await.status, 200);
+        assert_eq!(first.count(), 1, "still on the second upstream");
+    }
+    let log = p.stderr();
+    assert!(log.contains("config not reloaded"), "{log}");
+    assert!(
+        log.contains("routes[0].upstream"),
+        "the bad field is named: {log}"
+    );
+    assert!(log.contains("needs a restart"), "{log}");
+    assert!(p.sigterm().success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn https_upstream_with_a_private_ca_gets_sni_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "upstream-ca");
+    let (up, conns) = start_tls_upstream(&ca.server("upstream"), None, true).await;
+    let ca_path = ca.pem.display().to_string();
+    let p = ProxyBuilder::new(&up.https_url(), dir.path())
+        .args(&["--upstream-ca", &ca_path])
+        .spawn();
+    assert_eq!(put(&p.url("/o"), "7").await.status, 200);
+    let stale = put(&p.url("/o"), "6").await;
+    assert_eq!(stale.status, 409);
+    let read = send("GET", &p.url("/o"), &[], "").await;
+    assert_eq!(read.status, 200);
+    assert_eq!(read.text(), "applied GET /o len=0");
+    assert_eq!(up.count(), 2, "the stale write never reached the upstream");
+    let conns = conns.lock().unwrap().clone();
+    assert!(!conns.is_empty());
+    for c in &conns {
+        assert_eq!(c.sni.as_deref(), Some("localhost"));
+        assert_eq!(
+            c.alpn.as_deref(),
+            Some("h2"),
+            "HTTP/2 when the upstream offers it"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn untrusted_upstream_certificate_is_a_502_with_a_clear_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "self-signed");
+    let (up, _) = start_tls_upstream(&ca.server("upstream"), None, true).await;
+    // Verified against the system's roots, which do not know this CA.
+    let p = ProxyBuilder::new(&up.https_url(), dir.path()).spawn();
+    let a = put(&p.url("/o"), "1").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.header("content-type"), Some("application/problem+json"));
+    assert_eq!(up.arrivals(), 0);
+    let log = p.stderr();
+    assert!(
+        log.contains("invalid peer certificate") && log.contains("UnknownIssuer"),
+        "the log says why: {log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_client_certificate_and_http1_only_upstreams() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "upstream-ca");
+    let clients = TestCa::new(dir.path(), "clients");
+    let (up, conns) = start_tls_upstream(&ca.server("upstream"), Some(&clients.pem), false).await;
+    let ca_path = ca.pem.display().to_string();
+    let without = ProxyBuilder::new(&up.https_url(), dir.path())
+        .args(&["--upstream-ca", &ca_path])
+        .spawn();
+    assert_eq!(put(&without.url("/o"), "1").await.status, 502);
+    assert_eq!(up.arrivals(), 0);
+
+    let leaf = clients.client("fencegate");
+    let dir2 = tempfile::tempdir().unwrap();
+    let with = ProxyBuilder::new(&up.https_url(), dir2.path())
+        .args(&[
+            "--upstream-ca",
+            &ca_path,
+            "--upstream-client-cert",
+            &leaf.cert.display().to_string(),
+            "--upstream-client-key",
+            &leaf.key.display().to_string(),
+        ])
+        .spawn();
+    assert_eq!(put(&with.url("/o"), "1").await.status, 200);
+    let conns = conns.lock().unwrap().clone();
+    let used = conns.last().unwrap();
+    assert!(used.client_cert);
+    assert_eq!(used.alpn.as_deref(), Some("http/1.1"));
+    assert_eq!(up.count(), 1);
+}

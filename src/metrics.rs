@@ -42,6 +42,8 @@ pub struct Metrics {
     /// 1 if the last config or certificate reload worked, 0 if it failed
     /// (the old one is still in force).
     pub last_reload_ok: IntGauge,
+    /// notAfter of the TLS listener's certificate, Unix seconds.
+    pub tls_not_after: IntGauge,
 }
 
 impl Metrics {
@@ -156,8 +158,14 @@ impl Metrics {
             .register(Box::new(last_reload_ok.clone()))
             .expect("register");
         last_reload_ok.set(1);
+        let tls_not_after = IntGauge::new(
+            "fencegate_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS listener's certificate expires (notAfter), Unix seconds.",
+        )
+        .expect("metric");
         store_up.set(1);
         Self {
+            tls_not_after,
             reloads,
             last_reload_ok,
             store_amnesia,
@@ -202,6 +210,12 @@ pub struct RouteMetrics {
 }
 
 impl Metrics {
+    /// Exports the certificate expiry (only servers with a TLS listener
+    /// have one: a 0 would look like an expired certificate).
+    pub fn track_tls_expiry(&self) {
+        let _ = self.registry.register(Box::new(self.tls_not_after.clone()));
+    }
+
     /// Counts a reload and sets the last-reload gauge.
     pub fn reloaded(&self, what: &str, ok: bool) {
         let result = if ok { "ok" } else { "error" };

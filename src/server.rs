@@ -102,6 +102,10 @@ impl Server {
             .as_ref()
             .map(|t| TlsTerminator::new(t).map(Arc::new))
             .transpose()?;
+        if let Some(tls) = &tls {
+            metrics.track_tls_expiry();
+            metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
+        }
         let store: Arc<dyn FenceStore> = match &config.store {
             StoreConfig::Embedded { path, cache_bytes } => {
                 let (path, cache) = (path.clone(), *cache_bytes);
@@ -216,10 +220,13 @@ impl Server {
         let tls_watcher = match (&tls, &config.tls) {
             (Some(tls), Some(files)) => {
                 let metrics = metrics.clone();
+                let terminator = tls.clone();
                 Some(tokio::spawn(tls.clone().watch(
                     files.watch_interval,
                     draining.clone(),
-                    move |result| log_tls_reload("certificate files changed", result, &metrics),
+                    move |result| {
+                        log_tls_reload("certificate files changed", result, &metrics, &terminator)
+                    },
                 )))
             }
             _ => None,
@@ -292,8 +299,14 @@ impl Server {
     }
 }
 
-fn log_tls_reload(why: &str, result: &Result<(), TlsError>, metrics: &Metrics) {
+fn log_tls_reload(
+    why: &str,
+    result: &Result<(), TlsError>,
+    metrics: &Metrics,
+    tls: &TlsTerminator,
+) {
     metrics.reloaded("tls", result.is_ok());
+    metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
     match result {
         Ok(()) => tracing::info!(why, "TLS certificates reloaded"),
         Err(e) => {
@@ -386,7 +399,7 @@ impl Reloader {
         self.0.proxy.reload_routes(new)?;
         if let Some((running, files, loaded)) = certs {
             running.install(files, loaded);
-            self.0.metrics.reloaded("tls", true);
+            log_tls_reload("config reloaded", &Ok(()), &self.0.metrics, running);
         }
         self.0
             .admin

@@ -14,6 +14,7 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
@@ -117,9 +118,18 @@ fn system_roots() -> Result<Arc<RootCertStore>, String> {
         .clone()
 }
 
+/// A listener config loaded from its files.
+pub struct Loaded {
+    pub config: Arc<ServerConfig>,
+    /// The leaf certificate's notAfter, Unix seconds (for the expiry
+    /// metric and alert).
+    pub not_after: Option<i64>,
+}
+
 /// Builds the listener's rustls config from the files.
-pub fn server_config(tls: &TlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
+pub fn server_config(tls: &TlsConfig) -> Result<Loaded, TlsError> {
     let certs = certificates("tls.cert", &tls.cert)?;
+    let not_after = not_after(&certs[0]);
     let key = private_key("tls.key", &tls.key)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -141,7 +151,89 @@ pub fn server_config(tls: &TlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
         )
     })?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+    Ok(Loaded {
+        config: Arc::new(config),
+        not_after,
+    })
+}
+
+/// One DER element: (tag, contents, rest).
+fn der(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, &b| (acc << 8) | usize::from(b));
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// The notAfter of an X.509 certificate, Unix seconds. rustls does not
+/// expose it and a full X.509 parser is a large dependency for one field:
+/// this walks Certificate -> TBSCertificate -> Validity (RFC 5280 4.1).
+pub fn not_after(cert: &[u8]) -> Option<i64> {
+    const SEQUENCE: u8 = 0x30;
+    let (SEQUENCE, certificate, _) = der(cert)? else {
+        return None;
+    };
+    let (SEQUENCE, tbs, _) = der(certificate)? else {
+        return None;
+    };
+    let mut fields = tbs;
+    // [0] version, present from v2 on.
+    if fields.first() == Some(&0xa0) {
+        fields = der(fields)?.2;
+    }
+    // serialNumber, signature, issuer.
+    for _ in 0..3 {
+        fields = der(fields)?.2;
+    }
+    let (SEQUENCE, validity, _) = der(fields)? else {
+        return None;
+    };
+    let after = der(validity)?.2;
+    let (tag, time, _) = der(after)?;
+    let text = std::str::from_utf8(time).ok()?;
+    let digits = |r: std::ops::Range<usize>| text.get(r)?.parse::<i64>().ok();
+    // UTCTime YYMMDDHHMMSSZ (years 1950-2049), GeneralizedTime YYYYMMDDHHMMSSZ.
+    let (year, at) = match tag {
+        0x17 => {
+            let yy = digits(0..2)?;
+            (if yy >= 50 { 1900 + yy } else { 2000 + yy }, 2)
+        }
+        0x18 => (digits(0..4)?, 4),
+        _ => return None,
+    };
+    let (month, day) = (digits(at..at + 2)?, digits(at + 2..at + 4)?);
+    let (h, m, sec) = (
+        digits(at + 4..at + 6)?,
+        digits(at + 6..at + 8)?,
+        digits(at + 8..at + 10)?,
+    );
+    if text.get(at + 10..)? != "Z" {
+        return None;
+    }
+    Some(days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + sec)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's
+/// algorithm).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// What the files looked like when last loaded: a change of size, mtime or
@@ -170,15 +262,30 @@ impl FileStamp {
 pub struct TlsTerminator {
     current: ArcSwap<ServerConfig>,
     files: Mutex<(TlsConfig, FileStamp)>,
+    /// notAfter of the certificate in force (0: unknown).
+    not_after: AtomicI64,
 }
 
 impl TlsTerminator {
     pub fn new(tls: &TlsConfig) -> Result<Self, TlsError> {
         let stamp = FileStamp::of(tls);
+        let loaded = server_config(tls)?;
         Ok(Self {
-            current: ArcSwap::new(server_config(tls)?),
+            current: ArcSwap::new(loaded.config),
             files: Mutex::new((tls.clone(), stamp)),
+            not_after: AtomicI64::new(loaded.not_after.unwrap_or(0)),
         })
+    }
+
+    /// notAfter of the certificate served now, Unix seconds.
+    pub fn not_after(&self) -> Option<i64> {
+        Some(self.not_after.load(Ordering::Relaxed)).filter(|&t| t != 0)
+    }
+
+    fn swap(&self, loaded: Loaded) {
+        self.current.store(loaded.config);
+        self.not_after
+            .store(loaded.not_after.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// An acceptor with the config in force now.
@@ -197,16 +304,16 @@ impl TlsTerminator {
         // A failed load is not retried until the files change again, so a
         // bad certificate is logged once, not on every check.
         files.1 = stamp;
-        self.current.store(loaded?);
+        self.swap(loaded?);
         Ok(())
     }
 
     /// Swaps in a config already loaded from `tls` (a config reload, which
     /// may name other files).
-    pub fn install(&self, tls: &TlsConfig, loaded: Arc<ServerConfig>) {
+    pub fn install(&self, tls: &TlsConfig, loaded: Loaded) {
         let mut files = self.files.lock().expect("tls files lock");
         *files = (tls.clone(), FileStamp::of(tls));
-        self.current.store(loaded);
+        self.swap(loaded);
     }
 
     fn files_changed(&self) -> bool {
@@ -283,4 +390,35 @@ pub fn upstream_connector(
     } else {
         builder.wrap_connector(http)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cert_until(year: i32, month: u8, day: u8) -> Vec<u8> {
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        params.not_after = rcgen::date_time_ymd(year, month, day);
+        let key = rcgen::KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn not_after_reads_utc_and_generalized_times() {
+        // UTCTime (before 2050) and GeneralizedTime (from 2050 on).
+        assert_eq!(not_after(&cert_until(2031, 5, 17)), Some(1_936_742_400));
+        assert_eq!(not_after(&cert_until(2061, 2, 3)), Some(2_874_614_400));
+        assert_eq!(not_after(&cert_until(2000, 2, 29)), Some(951_782_400));
+    }
+
+    #[test]
+    fn not_after_refuses_what_is_not_a_certificate() {
+        let good = cert_until(2031, 5, 17);
+        assert_eq!(not_after(b""), None);
+        assert_eq!(not_after(b"not a certificate at all"), None);
+        for cut in [1, 2, 10, good.len() / 3, good.len() / 2] {
+            // Truncated: the outer length no longer fits.
+            assert_eq!(not_after(&good[..cut]), None, "cut at {cut}");
+        }
+    }
 }

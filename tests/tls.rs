@@ -115,6 +115,12 @@ async fn tls_listener_fences_the_same_over_http1_and_h2() {
     // The plain listener still serves (and says http).
     assert_eq!(put(&p.url("/a/obj"), "6").await.status, 200);
     assert_eq!(up.records()[3].headers["x-forwarded-proto"], "http");
+    // The certificate's notAfter (rcgen's default, 4096-01-01) is exported
+    // for expiry alerts.
+    assert_eq!(
+        metric(&p, "fencegate_tls_certificate_expiry_timestamp_seconds ").await,
+        Some(67_090_118_400.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -372,6 +378,11 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad(
     let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
     assert_eq!(put(&p.url("/x"), "3").await.status, 200);
     assert_eq!(first.count(), 1);
+    // No TLS listener, no certificate expiry series (a 0 would alert).
+    assert_eq!(
+        metric(&p, "fencegate_tls_certificate_expiry_timestamp_seconds").await,
+        None
+    );
 
     write_config(&config, &routes(&second.url(), "10s"));
     signal(p.child.id(), "HUP");

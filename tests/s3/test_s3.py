@@ -1,5 +1,7 @@
 """Real S3 clients (boto3, the aws CLI) through fencegate to a real
-S3-compatible server (moto, with signature checking on), with literal keys.
+S3-compatible server (moto, with signature checking on), with literal keys,
+over plain http and over https to fencegate's TLS listener (fencegate to moto
+is plain http either way).
 
 Run by .ci/run: `python3 -m pytest -q tests/s3` after `cargo build --release`.
 FENCEGATE_BIN overrides the binary.
@@ -10,6 +12,7 @@ import datetime
 import hashlib
 import hmac
 import http.server
+import ipaddress
 import json
 import os
 import pathlib
@@ -25,6 +28,10 @@ import boto3
 import botocore
 import pytest
 from botocore.config import Config
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "s3"))
@@ -71,16 +78,58 @@ def moto():
     proc.wait()
 
 
-def start_fencegate(upstream, d):
+def start_fencegate(upstream, d, tls=None):
+    """Starts fencegate in front of `upstream`, its files in `d`. With `tls`
+    (the files of the `tls` fixture) it also listens for https, at
+    `https`: https://localhost:PORT, so that clients check the name in the
+    certificate too."""
     assert os.path.exists(BIN), f"{BIN} missing: run cargo build --release first"
+    tls_args = ["--tls-listen", "127.0.0.1:0", "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])] if tls else []
     proc = subprocess.Popen(
         [BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--upstream", upstream,
-         "--store", str(d / "fences.redb"), "--literal-keys", "--key", "path", "--namespace", "s3"],
+         "--store", str(d / "fences.redb"), "--literal-keys", "--key", "path", "--namespace", "s3", *tls_args],
         stdout=subprocess.PIPE, stderr=open(d / "fencegate.log", "w"),
     )
     line = proc.stdout.readline().decode()
     fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-    return proc, {"url": "http://" + fields["proxy"], "admin": "http://" + fields["admin"]}
+    fg = {"url": "http://" + fields["proxy"], "admin": "http://" + fields["admin"]}
+    if tls:
+        fg["https"] = "https://localhost:" + fields["tls"].rsplit(":", 1)[1]
+    return proc, fg
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A throwaway CA and a server certificate it signed for localhost and
+    127.0.0.1, in PEM files: `ca` (the CA certificate, for clients to
+    trust), `cert` (the server certificate then the CA's: the chain
+    fencegate serves) and `key` (the server's private key)."""
+    d = tmp_path_factory.mktemp("tls")
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fencegate test CA")])
+    ca = certificate(ca_name, ca_key, ca_name, ca_key)
+    server = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), server_key, ca_name, ca_key,
+                         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    pem = serialization.Encoding.PEM
+    files = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
+    files["ca"].write_bytes(ca.public_bytes(pem))
+    files["cert"].write_bytes(server.public_bytes(pem) + ca.public_bytes(pem))
+    files["key"].write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    return files
+
+
+def certificate(subject, key, issuer, issuer_key, names=None):
+    """`subject`'s certificate for `key`, signed by `issuer_key`, valid for a
+    day: a CA's without `names`, else a server's for those names."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=names is None, path_length=None), critical=True))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
 
 
 def start_moto(auth):
@@ -97,16 +146,19 @@ def start_moto(auth):
 
 
 @pytest.fixture(scope="module")
-def fencegate(moto, tmp_path_factory):
-    proc, fg = start_fencegate(moto["url"], tmp_path_factory.mktemp("fencegate"))
+def fencegate(moto, tmp_path_factory, tls):
+    proc, fg = start_fencegate(moto["url"], tmp_path_factory.mktemp("fencegate"), tls)
     yield fg
     proc.kill()
     proc.wait()
 
 
-def client(fencegate, moto, secret=None):
+def client(fencegate, moto, secret=None, url=None, verify=None):
+    """A boto3 S3 client of fencegate (at `url` if given, else its plain
+    http listener) and the token holder attached to it. `verify`: the CA
+    bundle that checks an https server (None: botocore's default)."""
     c = boto3.client(
-        "s3", endpoint_url=fencegate["url"], region_name="us-east-1",
+        "s3", endpoint_url=url or fencegate["url"], region_name="us-east-1", verify=verify,
         aws_access_key_id=moto["key"], aws_secret_access_key=secret or moto["secret"],
         config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
     )
@@ -243,20 +295,26 @@ def presigned_case(fg):
     assert c.get_object(Bucket=BUCKET, Key="presigned")["Body"].read() == b"presigned v60"
 
 
-def test_aws_cli_with_the_plugin(s3, fencegate, moto, tmp_path):
+def aws_cli(moto, tmp_path, *options):
+    """Returns aws(token, *args), which runs the aws CLI with `options`
+    and the plugin of examples/s3, the token in $FENCEGATE_TOKEN."""
     config = tmp_path / "config"
     config.write_text("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n[plugins]\nfencegate = fencegate_token\n")
-    src = tmp_path / "file.txt"
-    src.write_text("from the cli")
     env = dict(os.environ, AWS_CONFIG_FILE=str(config), AWS_ACCESS_KEY_ID=moto["key"],
                AWS_SECRET_ACCESS_KEY=moto["secret"], PYTHONPATH=str(ROOT / "examples" / "s3"),
                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
 
     def aws(token, *args):
         e = dict(env, FENCEGATE_TOKEN=str(token))
-        return subprocess.run(["aws", "--endpoint-url", fencegate["url"], *args], env=e,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(["aws", *options, *args], env=e, capture_output=True, text=True, timeout=60)
 
+    return aws
+
+
+def test_aws_cli_with_the_plugin(s3, fencegate, moto, tmp_path):
+    aws = aws_cli(moto, tmp_path, "--endpoint-url", fencegate["url"])
+    src = tmp_path / "file.txt"
+    src.write_text("from the cli")
     r = aws(70, "s3", "cp", str(src), f"s3://{BUCKET}/cli.txt")
     assert r.returncode == 0, r.stderr
     r = aws(69, "s3api", "put-object", "--bucket", BUCKET, "--key", "cli.txt", "--body", str(src))

@@ -84,7 +84,8 @@ def start_fencegate(upstream, d, tls=None):
     `https`: https://localhost:PORT, so that clients check the name in the
     certificate too."""
     assert os.path.exists(BIN), f"{BIN} missing: run cargo build --release first"
-    tls_args = ["--tls-listen", "127.0.0.1:0", "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])] if tls else []
+    tls_args = (["--tls-listen", "127.0.0.1:0", "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])]
+                if tls else [])
     proc = subprocess.Popen(
         [BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--upstream", upstream,
          "--store", str(d / "fences.redb"), "--literal-keys", "--key", "path", "--namespace", "s3", *tls_args],
@@ -121,14 +122,24 @@ def tls(tmp_path_factory):
 
 def certificate(subject, key, issuer, issuer_key, names=None):
     """`subject`'s certificate for `key`, signed by `issuer_key`, valid for a
-    day: a CA's without `names`, else a server's for those names."""
+    day: a CA's without `names`, else a server's for those names. It has the
+    key identifiers and the CA's key usage that strict verification (as in
+    Python 3.13's default SSL context) requires."""
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
                .serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=names is None, path_length=None), critical=True))
+               .add_extension(x509.BasicConstraints(ca=names is None, path_length=None), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+                              critical=False))
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    else:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+            key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+            critical=True)
     return builder.sign(issuer_key, hashes.SHA256())
 
 
@@ -333,6 +344,11 @@ REGION = "us-east-1"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 AWS_CHUNK = 64 * 1024
 FRAMINGS = ["content-length", "transfer-encoding-chunked"]
+
+
+def crc32_of(data):
+    """The CRC32 of `data` as S3 writes it in x-amz-checksum-crc32."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
 
 
 def hmac_sha256(key, msg):
@@ -546,7 +562,7 @@ def test_aws_chunked_unsigned_payload_with_a_trailing_checksum(s3, fencegate, mo
     c, holder = s3
     key = f"chunked/trailer-{framing}"
     data = os.urandom(4 * AWS_CHUNK + 99)
-    crc32 = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    crc32 = crc32_of(data)
 
     def put(token, payload, checksum):
         return streaming_put(moto, fencegate["url"], f"/{BUCKET}/{key}", token,
@@ -565,6 +581,112 @@ def test_aws_chunked_unsigned_payload_with_a_trailing_checksum(s3, fencegate, mo
     assert got["Body"].read() == data
     assert got["ChecksumCRC32"] == crc32
     other = os.urandom(len(data))
-    status, _, _ = put(89, other, base64.b64encode(zlib.crc32(other).to_bytes(4, "big")).decode())
+    status, _, _ = put(89, other, crc32_of(other))
     assert status == 409
     assert c.get_object(Bucket=BUCKET, Key=key)["Body"].read() == data, "stale write applied"
+
+
+# boto3 and the aws CLI over https to fencegate's TLS listener, with their
+# default checksum settings.
+
+# What botocore 1.43 sends for PutObject and UploadPart to an https endpoint:
+# an aws-chunked body, unsigned, with the CRC32 of the data in a trailer after
+# the last chunk, framed with HTTP chunked encoding (and Expect: 100-continue).
+AWS_CHUNKED_WITH_TRAILER = {
+    "content-encoding": "aws-chunked",
+    "x-amz-content-sha256": "STREAMING-UNSIGNED-PAYLOAD-TRAILER",
+    "x-amz-trailer": "x-amz-checksum-crc32",
+    "transfer-encoding": "chunked",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_https(s3, fencegate, moto, tls):
+    """A boto3 client of the bucket at fencegate's https address, trusting
+    the test CA; `sent` maps each operation to the headers (lower-cased
+    names, str values) of its last request as botocore sent it."""
+    c, holder = client(fencegate, moto, url=fencegate["https"], verify=str(tls["ca"]))
+    sent = {}
+
+    def record(request, event_name, **kwargs):
+        sent[event_name.rsplit(".", 1)[1]] = {
+            k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+
+    c.meta.events.register("before-send.s3.*", record)
+    return c, holder, sent
+
+
+def test_boto3_over_https_put_get_and_a_stale_put_refused(s3_https):
+    c, holder, sent = s3_https
+    data = os.urandom(3 * AWS_CHUNK + 7)
+    holder.token = 100
+    c.put_object(Bucket=BUCKET, Key="https/obj", Body=data)
+    assert AWS_CHUNKED_WITH_TRAILER.items() <= sent.pop("PutObject").items()
+    holder.token = None
+    got = c.get_object(Bucket=BUCKET, Key="https/obj", ChecksumMode="ENABLED")
+    assert got["Body"].read() == data
+    # moto kept the checksum it read from the trailer: the trailer got through.
+    assert got["ChecksumCRC32"] == crc32_of(data)
+    holder.token = 99
+    assert status_of(lambda: c.put_object(Bucket=BUCKET, Key="https/obj", Body=b"stale")) == 409
+    assert AWS_CHUNKED_WITH_TRAILER.items() <= sent.pop("PutObject").items()
+    holder.token = None
+    assert c.get_object(Bucket=BUCKET, Key="https/obj")["Body"].read() == data, "stale write applied"
+
+
+def test_boto3_over_https_multipart_upload_with_a_stale_part_refused(s3_https):
+    c, holder, sent = s3_https
+    part = os.urandom(2 * AWS_CHUNK + 11)
+    holder.token = 110
+    up = c.create_multipart_upload(Bucket=BUCKET, Key="https/multipart")["UploadId"]
+    etag = c.upload_part(Bucket=BUCKET, Key="https/multipart", UploadId=up, PartNumber=1, Body=part)["ETag"]
+    assert AWS_CHUNKED_WITH_TRAILER.items() <= sent.pop("UploadPart").items()
+    holder.token = 109
+    assert status_of(lambda: c.upload_part(Bucket=BUCKET, Key="https/multipart", UploadId=up,
+                                           PartNumber=1, Body=b"stale")) == 409
+    holder.token = 110
+    c.complete_multipart_upload(Bucket=BUCKET, Key="https/multipart", UploadId=up,
+                                MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": 1}]})
+    assert c.get_object(Bucket=BUCKET, Key="https/multipart")["Body"].read() == part
+
+
+def test_boto3_over_https_delete_is_fenced(s3_https):
+    c, holder, _ = s3_https
+    holder.token = 120
+    c.put_object(Bucket=BUCKET, Key="https/delete", Body=b"v120")
+    holder.token = 119
+    assert status_of(lambda: c.delete_object(Bucket=BUCKET, Key="https/delete")) == 409
+    holder.token = None
+    assert c.get_object(Bucket=BUCKET, Key="https/delete")["Body"].read() == b"v120"
+    holder.token = 121
+    c.delete_object(Bucket=BUCKET, Key="https/delete")
+    holder.token = None
+    assert status_of(lambda: c.get_object(Bucket=BUCKET, Key="https/delete")) == 404
+
+
+def test_a_client_that_does_not_trust_the_ca_is_refused(s3_https, fencegate, moto):
+    c, holder, _ = s3_https
+    holder.token = 130
+    c.put_object(Bucket=BUCKET, Key="https/untrusted", Body=b"v130")
+    untrusting, untrusting_holder = client(fencegate, moto, url=fencegate["https"])
+    untrusting_holder.token = 131  # newer: fencegate would let this write through
+    with pytest.raises(botocore.exceptions.SSLError, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusting.put_object(Bucket=BUCKET, Key="https/untrusted", Body=b"v131")
+    holder.token = None
+    assert c.get_object(Bucket=BUCKET, Key="https/untrusted")["Body"].read() == b"v130"
+
+
+def test_aws_cli_over_https(s3, fencegate, moto, tls, tmp_path):
+    aws = aws_cli(moto, tmp_path, "--endpoint-url", fencegate["https"], "--ca-bundle", str(tls["ca"]))
+    src, stale, out = tmp_path / "file.txt", tmp_path / "stale.txt", tmp_path / "out.txt"
+    src.write_text("from the cli over https")
+    stale.write_text("stale")
+    r = aws(140, "--debug", "s3", "cp", str(src), f"s3://{BUCKET}/https/cli.txt")
+    assert r.returncode == 0, r.stderr
+    # --debug logs each request's headers: the CLI's upload was aws-chunked too.
+    assert "'X-Amz-Content-SHA256': b'STREAMING-UNSIGNED-PAYLOAD-TRAILER'" in r.stderr
+    r = aws(139, "s3", "cp", str(stale), f"s3://{BUCKET}/https/cli.txt")
+    assert r.returncode != 0 and "409" in r.stderr, r.stderr
+    r = aws(140, "s3", "cp", f"s3://{BUCKET}/https/cli.txt", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "from the cli over https"

@@ -210,9 +210,15 @@ impl Proxy {
             .cloned()
             .unwrap_or_else(|| self.next_request_id());
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        let version = req.version();
         let mut resp = match self.serve(req, &mut ctx).await {
             Ok(resp) => resp,
-            Err(err) => self.refuse(err, &ctx),
+            Err(err) => {
+                if ctx.write {
+                    ctx.decision = refusal_decision(&err);
+                }
+                self.refuse(err, &ctx)
+            }
         };
         resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
         if self.routes.load().access_log {
@@ -225,8 +231,12 @@ impl Proxy {
                 key = ctx.key.as_deref().unwrap_or("-"),
                 token = ctx.token,
                 class = if ctx.write { "write" } else { "read" },
+                decision = ctx.decision.unwrap_or("-"),
                 status = resp.status().as_u16(),
+                version = ?version,
+                tls = client.tls,
                 latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+                upstream_ms = ctx.upstream_ms,
                 "request"
             );
         }
@@ -245,17 +255,7 @@ impl Proxy {
     fn refuse(&self, err: ProxyError, ctx: &RequestContext) -> Response<ProxyBody> {
         let route = ctx.route.as_deref().unwrap_or("-");
         if ctx.write {
-            let decision = match &err {
-                ProxyError::Token(crate::token::TokenError::Missing) => Some("missing_token"),
-                ProxyError::Token(_) => Some("malformed_token"),
-                ProxyError::Stale { .. } => Some("stale"),
-                ProxyError::TokenTooFarAhead { .. } => Some("too_far_ahead"),
-                ProxyError::BadTarget(_) => Some("bad_key"),
-                ProxyError::Recovering { .. } => Some("recovering"),
-                ProxyError::StoreUnavailable(_) => Some("store_error"),
-                _ => None,
-            };
-            if let Some(d) = decision {
+            if let Some(d) = ctx.decision {
                 self.metrics.writes.with_label_values(&[route, d]).inc();
             }
             if matches!(err, ProxyError::StoreUnavailable(_)) {
@@ -368,7 +368,7 @@ impl Proxy {
             if req.headers().contains_key(&FENCE_TOKEN) {
                 rt.metrics.read_tokens_ignored.inc();
             }
-            return self.forward(rt, req, &path, Vec::new(), ctx.peer).await;
+            return self.forward(rt, req, &path, Vec::new(), ctx).await;
         }
 
         // Writes: everything that can be refused is checked before anything
@@ -459,8 +459,9 @@ impl Proxy {
             .admission_wait
             .observe(started.elapsed().as_secs_f64());
         rt.metrics.admitted.inc();
+        ctx.decision = Some("admitted");
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
-        self.forward(rt, req, &path, permits, ctx.peer).await
+        self.forward(rt, req, &path, permits, ctx).await
     }
 
     /// A request is a write if its method is, or if a method-override header
@@ -545,8 +546,9 @@ impl Proxy {
         req: Request<Incoming>,
         path: &CanonicalPath,
         permits: Vec<Arc<Permit>>,
-        peer: Option<Peer>,
+        ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        let peer = ctx.peer;
         let route = &rt.route;
         let (parts, body) = req.into_parts();
         let uri = Uri::builder()
@@ -568,23 +570,7 @@ impl Proxy {
         }
         if route.forwarded_headers {
             if let Some(peer) = peer {
-                // Append the client to X-Forwarded-For, as nginx's
-                // $proxy_add_x_forwarded_for does.
-                let ip = peer.addr.ip().to_string();
-                let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-                    Some(prev) => format!("{prev}, {ip}"),
-                    None => ip,
-                };
-                if let Ok(v) = HeaderValue::from_str(&value) {
-                    headers.insert(&X_FORWARDED_FOR, v);
-                }
-                headers
-                    .entry(&X_FORWARDED_PROTO)
-                    .or_insert(HeaderValue::from_static(if peer.tls {
-                        "https"
-                    } else {
-                        "http"
-                    }));
+                add_forwarded(&mut headers, peer);
             }
         }
         if !headers.contains_key(header::HOST) {
@@ -628,9 +614,9 @@ impl Proxy {
                 Err(e) => return Err(ProxyError::Upstream(format!("exchange task failed: {e}"))),
             }
         };
-        rt.metrics
-            .upstream_latency
-            .observe(started.elapsed().as_secs_f64());
+        let upstream = started.elapsed().as_secs_f64();
+        rt.metrics.upstream_latency.observe(upstream);
+        ctx.upstream_ms = Some(upstream * 1000.0);
         let resp = match result {
             Err(_) => {
                 self.metrics
@@ -684,6 +670,57 @@ struct RequestContext {
     write: bool,
     token: Option<u64>,
     peer: Option<Peer>,
+    /// The fencing decision of a write (`admitted`, `stale`...), for the
+    /// access log.
+    decision: Option<&'static str>,
+    /// Forwarding to the upstream's response head.
+    upstream_ms: Option<f64>,
+}
+
+/// Appends the client to `X-Forwarded-For` (as nginx's
+/// `$proxy_add_x_forwarded_for` does) and to `Forwarded` (RFC 7239), and
+/// sets `X-Forwarded-Proto` unless a proxy in front already did.
+fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
+    let ip = peer.addr.ip();
+    let proto = if peer.tls { "https" } else { "http" };
+    let append = |headers: &mut HeaderMap, name: &HeaderName, item: String| {
+        let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
+            Some(prev) => format!("{prev}, {item}"),
+            None => item,
+        };
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    };
+    append(headers, &X_FORWARDED_FOR, ip.to_string());
+    // An IPv6 node is quoted and bracketed (RFC 7239 section 6).
+    let node = match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("\"[{v6}]\""),
+    };
+    append(
+        headers,
+        &header::FORWARDED,
+        format!("for={node};proto={proto}"),
+    );
+    headers
+        .entry(&X_FORWARDED_PROTO)
+        .or_insert(HeaderValue::from_static(proto));
+}
+
+/// The `decision` label of a refused write, if the refusal is a fencing
+/// decision (upstream failures are not).
+fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
+    Some(match err {
+        ProxyError::Token(crate::token::TokenError::Missing) => "missing_token",
+        ProxyError::Token(_) => "malformed_token",
+        ProxyError::Stale { .. } => "stale",
+        ProxyError::TokenTooFarAhead { .. } => "too_far_ahead",
+        ProxyError::BadTarget(_) => "bad_key",
+        ProxyError::Recovering { .. } => "recovering",
+        ProxyError::StoreUnavailable(_) => "store_error",
+        _ => return None,
+    })
 }
 
 /// The client end of a connection.

@@ -850,6 +850,7 @@ async fn request_ids_forwarded_for_and_the_access_log() {
     );
     assert_eq!(r.headers["x-forwarded-for"], "127.0.0.1");
     assert_eq!(r.headers["x-forwarded-proto"], "http");
+    assert_eq!(r.headers["forwarded"], "for=127.0.0.1;proto=http");
     let a = send(
         "PUT",
         &p.url("/r"),
@@ -867,12 +868,30 @@ async fn request_ids_forwarded_for_and_the_access_log() {
         Some("client-id-42"),
         "a client id is kept"
     );
-    let a = send("GET", &p.url("/r"), &[("x-forwarded-for", "10.9.8.7")], "").await;
+    let a = send(
+        "GET",
+        &p.url("/r"),
+        &[
+            ("x-forwarded-for", "10.9.8.7"),
+            ("forwarded", "for=10.9.8.7;proto=https"),
+            ("x-forwarded-proto", "https"),
+        ],
+        "",
+    )
+    .await;
     assert_eq!(a.status, 200);
+    let r = &up.records()[1];
     assert_eq!(
-        up.records()[1].headers["x-forwarded-for"],
-        "10.9.8.7, 127.0.0.1",
+        r.headers["x-forwarded-for"], "10.9.8.7, 127.0.0.1",
         "appended, not replaced"
+    );
+    assert_eq!(
+        r.headers["forwarded"],
+        "for=10.9.8.7;proto=https, for=127.0.0.1;proto=http"
+    );
+    assert_eq!(
+        r.headers["x-forwarded-proto"], "https",
+        "the first proxy's scheme is kept"
     );
     let log = p.stderr();
     let line = log
@@ -885,4 +904,23 @@ async fn request_ids_forwarded_for_and_the_access_log() {
     assert_eq!(v["fields"]["key"], "default:/r");
     assert_eq!(v["fields"]["token"], 2);
     assert_eq!(v["fields"]["method"], "PUT");
+    assert_eq!(v["fields"]["decision"], "stale");
+    assert_eq!(v["fields"]["version"], "HTTP/1.1");
+    assert_eq!(v["fields"]["tls"], false);
+    assert!(
+        v["fields"].get("upstream_ms").is_none(),
+        "never went upstream"
+    );
+    let admitted = log
+        .lines()
+        .filter(|l| l.contains("fencegate::access"))
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["fields"]["decision"] == "admitted")
+        .expect("an access line for the admitted write");
+    assert_eq!(admitted["fields"]["status"], 200);
+    assert!(admitted["fields"]["upstream_ms"].as_f64().unwrap() > 0.0);
+    assert!(
+        admitted["fields"]["latency_ms"].as_f64().unwrap()
+            >= admitted["fields"]["upstream_ms"].as_f64().unwrap()
+    );
 }

@@ -7,6 +7,10 @@ COPY src ./src
 RUN cargo build --release --locked && strip target/release/fencegate
 
 FROM debian:bookworm-slim
+# CA roots: https upstreams are verified against the system's by default.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates=20250419~deb12u2 \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --home-dir /var/lib/fencegate --create-home fencegate
 COPY --from=build /src/target/release/fencegate /usr/local/bin/fencegate
 USER 10001:10001
@@ -14,7 +18,8 @@ VOLUME ["/var/lib/fencegate"]
 ENV FENCEGATE_LISTEN=0.0.0.0:8080 \
     FENCEGATE_ADMIN_LISTEN=0.0.0.0:9090 \
     FENCEGATE_STORE=/var/lib/fencegate/fences.redb
-EXPOSE 8080 9090
+# 8443: the TLS listener, when --tls-listen/[tls] is configured.
+EXPOSE 8080 8443 9090
 # The image has no curl: the binary probes its own readiness endpoint.
 HEALTHCHECK --interval=10s --timeout=6s --start-period=5s --retries=3 \
     CMD ["/usr/local/bin/fencegate", "probe", "http://127.0.0.1:9090/readyz"]

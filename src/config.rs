@@ -107,7 +107,7 @@ pub struct RawRoute {
     /// Client certificate (PEM chain) and key presented to the upstream.
     pub upstream_client_cert: Option<PathBuf>,
     pub upstream_client_key: Option<PathBuf>,
-    /// Offer HTTP/2 to an https upstream (ALPN); default true.
+    /// Offer HTTP/2 to an https upstream (ALPN); default false.
     pub upstream_http2: Option<bool>,
 }
 
@@ -198,7 +198,7 @@ pub struct UpstreamTls {
 }
 
 /// A validated route.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub name: String,
     /// Lower-case host without port; `None` matches any host.
@@ -520,7 +520,10 @@ fn upstream_tls(i: usize, r: &RawRoute, upstream: &Upstream) -> Result<UpstreamT
         ca: r.upstream_ca.clone(),
         client_cert: r.upstream_client_cert.clone(),
         client_key: r.upstream_client_key.clone(),
-        http2: r.upstream_http2.unwrap_or(true),
+        // Off by default: over HTTP/2 the `:authority` is the upstream's
+        // address while `Host` is the client's (SigV4 signs Host), and a
+        // route would share one multiplexed connection.
+        http2: r.upstream_http2.unwrap_or(false),
     };
     if upstream.scheme != http::uri::Scheme::HTTPS {
         let set = [
@@ -555,7 +558,7 @@ fn upstream_tls(i: usize, r: &RawRoute, upstream: &Upstream) -> Result<UpstreamT
     }
 }
 
-fn tls(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> {
+fn tls_listener(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> {
     let Some(t) = raw else { return Ok(None) };
     let tls = TlsConfig {
         listen: socket("tls.listen", &t.listen, "127.0.0.1:8443")?,
@@ -594,7 +597,7 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid("admin_listen", "must differ from `listen`"));
         }
         let store = store(&raw)?;
-        let tls = tls(&raw.tls)?;
+        let tls = tls_listener(&raw.tls)?;
         if let Some(t) = &tls {
             if (t.listen == listen || t.listen == admin_listen) && t.listen.port() != 0 {
                 return Err(invalid(

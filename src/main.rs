@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use fencegate::config::{Config, RawConfig, RawRoute};
@@ -210,9 +211,10 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     ];
     if let Some((_, flag)) = upstream_tls.iter().find(|(v, _)| v.is_some()) {
         let https = |r: &RawRoute| {
-            r.upstream
-                .as_deref()
-                .is_some_and(|u| u.starts_with("https://"))
+            r.upstream.as_deref().is_some_and(|u| {
+                u.get(..8)
+                    .is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+            })
         };
         if !raw.routes.iter().any(https) {
             anyhow::bail!("{flag} applies to https:// upstreams, and no route has one");
@@ -263,8 +265,15 @@ fn load_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<Config> {
 
 async fn run(
     config: Config,
-    reload: impl Fn() -> anyhow::Result<Config> + Send + 'static,
+    reload: Arc<dyn Fn() -> anyhow::Result<Config> + Send + Sync>,
 ) -> anyhow::Result<bool> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Handlers first: until a signal has one, its default action kills the
+    // process, and a SIGHUP (systemd ExecReload, logrotate) during a slow
+    // store open would be an unclean stop.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
     let shutdown = CancellationToken::new();
     let server = Server::start(config, shutdown.clone()).await?;
     // One machine-readable line on stdout with the bound addresses (useful
@@ -281,21 +290,21 @@ async fn run(
         let shutdown = shutdown.clone();
         let reloader = server.reloader();
         tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-            let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-            let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
             loop {
                 tokio::select! {
                     _ = term.recv() => tracing::info!("SIGTERM received"),
                     _ = int.recv() => tracing::info!("SIGINT received"),
                     _ = hup.recv() => {
                         tracing::info!("SIGHUP received: reloading the config");
-                        match reload() {
-                            Ok(config) => {
+                        // Reading and checking files (certificates, CA
+                        // bundles) blocks: keep it off the runtime threads.
+                        let reload = reload.clone();
+                        match tokio::task::spawn_blocking(move || reload()).await {
+                            Ok(Ok(config)) => {
                                 let _ = reloader.reload(&config).await;
                             }
-                            Err(e) => reloader.refused(&format!("{e:#}")),
+                            Ok(Err(e)) => reloader.refused(&format!("{e:#}")),
+                            Err(e) => reloader.refused(&format!("reload task failed: {e}")),
                         }
                         continue;
                     }
@@ -379,7 +388,7 @@ fn main() -> ExitCode {
     };
     let file = file.cloned();
     let opts = cli.opts;
-    let reload = move || load_config(&opts, file.as_ref());
+    let reload = Arc::new(move || load_config(&opts, file.as_ref()));
     match runtime.block_on(run(config, reload)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(3),

@@ -39,9 +39,12 @@ pub struct Metrics {
     pub store_amnesia: IntGauge,
     /// Reloads by what (config, tls) and result (ok, error).
     pub reloads: IntCounterVec,
-    /// 1 if the last config or certificate reload worked, 0 if it failed
+    /// By what (config, tls): 1 if the last reload worked, 0 if it failed
     /// (the old one is still in force).
-    pub last_reload_ok: IntGauge,
+    pub last_reload_ok: IntGaugeVec,
+    /// TLS handshakes that failed, by reason (error, timeout): untrusted or
+    /// missing client certificates, scanners, plain HTTP on the TLS port.
+    pub tls_handshake_failures: IntCounterVec,
     /// notAfter of the TLS listener's certificate, Unix seconds.
     pub tls_not_after: IntGauge,
 }
@@ -149,15 +152,23 @@ impl Metrics {
             "Reloads of the config (SIGHUP) or of TLS certificate files, by result.",
             &["what", "result"],
         );
-        let last_reload_ok = IntGauge::new(
-            "fencegate_last_reload_successful",
-            "1 if the last reload of the config or the certificates worked; 0 if the old one is still in force.",
+        let last_reload_ok = IntGaugeVec::new(
+            Opts::new(
+                "fencegate_last_reload_successful",
+                "1 if the last reload of the config or of the certificates worked; 0 if the old one is still in force.",
+            ),
+            &["what"],
         )
         .expect("metric");
         registry
             .register(Box::new(last_reload_ok.clone()))
             .expect("register");
-        last_reload_ok.set(1);
+        last_reload_ok.with_label_values(&["config"]).set(1);
+        let tls_handshake_failures = counter(
+            "fencegate_tls_handshake_failures_total",
+            "TLS handshakes on the TLS listener that failed or timed out.",
+            &["reason"],
+        );
         let tls_not_after = IntGauge::new(
             "fencegate_tls_certificate_expiry_timestamp_seconds",
             "When the TLS listener's certificate expires (notAfter), Unix seconds.",
@@ -166,6 +177,7 @@ impl Metrics {
         store_up.set(1);
         Self {
             tls_not_after,
+            tls_handshake_failures,
             reloads,
             last_reload_ok,
             store_amnesia,
@@ -210,17 +222,21 @@ pub struct RouteMetrics {
 }
 
 impl Metrics {
-    /// Exports the certificate expiry (only servers with a TLS listener
-    /// have one: a 0 would look like an expired certificate).
-    pub fn track_tls_expiry(&self) {
+    /// Exports the certificate expiry and the TLS reload gauge (only
+    /// servers with a TLS listener have them: a 0 would look like an
+    /// expired certificate).
+    pub fn track_tls(&self) {
         let _ = self.registry.register(Box::new(self.tls_not_after.clone()));
+        self.last_reload_ok.with_label_values(&["tls"]).set(1);
     }
 
     /// Counts a reload and sets the last-reload gauge.
     pub fn reloaded(&self, what: &str, ok: bool) {
         let result = if ok { "ok" } else { "error" };
         self.reloads.with_label_values(&[what, result]).inc();
-        self.last_reload_ok.set(i64::from(ok));
+        self.last_reload_ok
+            .with_label_values(&[what])
+            .set(i64::from(ok));
     }
 
     pub fn route(&self, name: &str) -> RouteMetrics {

@@ -97,9 +97,29 @@ const BODY_MALFORMED: u8 = 3;
 impl RouteTable {
     /// Builds every route's upstream client. Fails (naming the field) if a
     /// route's TLS files do not load.
-    fn build(config: &Config, metrics: &Metrics) -> Result<Self, TlsError> {
+    fn build(
+        config: &Config,
+        metrics: &Metrics,
+        previous: Option<&RouteTable>,
+    ) -> Result<Self, TlsError> {
         let mut routes = Vec::with_capacity(config.routes.len());
         for (i, route) in config.routes.iter().enumerate() {
+            // An unchanged plain-HTTP route keeps its client and so its pool
+            // of upstream connections. An https one is rebuilt: a reload is
+            // how a changed CA bundle or client certificate is picked up.
+            let unchanged = previous.and_then(|t| {
+                t.routes.iter().find(|r| {
+                    r.route == *route && route.upstream.scheme != http::uri::Scheme::HTTPS
+                })
+            });
+            if let Some(rt) = unchanged {
+                routes.push(RouteRuntime {
+                    route: rt.route.clone(),
+                    client: rt.client.clone(),
+                    metrics: rt.metrics.clone(),
+                });
+                continue;
+            }
             let mut http = HttpConnector::new();
             http.set_connect_timeout(Some(route.connect_timeout));
             http.set_nodelay(true);
@@ -153,7 +173,7 @@ impl Proxy {
         metrics: Arc<Metrics>,
     ) -> Result<Self, TlsError> {
         Ok(Self {
-            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics)?),
+            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics, None)?),
             fence,
             metrics,
             limits: config.limits.clone(),
@@ -167,7 +187,7 @@ impl Proxy {
     /// already picked a route finish on it (with its connection pool); new
     /// ones use the new table. On error nothing changes.
     pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
-        let table = RouteTable::build(config, &self.metrics)?;
+        let table = RouteTable::build(config, &self.metrics, Some(&self.routes.load()))?;
         self.routes.store(Arc::new(table));
         Ok(())
     }
@@ -188,12 +208,15 @@ impl Proxy {
     pub async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
-        client: Peer,
+        peer: Peer,
     ) -> Result<Response<ProxyBody>, Infallible> {
         let started = Instant::now();
-        let peer = client.addr;
+        // The routes this request lives with, whatever a reload swaps in
+        // meanwhile: the route (and its pool) it starts with is the one it
+        // ends with.
+        let table = self.routes.load_full();
         let mut ctx = RequestContext {
-            peer: Some(client),
+            peer: Some(peer),
             ..RequestContext::default()
         };
         // Keep a sane client-sent request id, else make one; it goes
@@ -211,7 +234,7 @@ impl Proxy {
             .unwrap_or_else(|| self.next_request_id());
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
         let version = req.version();
-        let mut resp = match self.serve(req, &mut ctx).await {
+        let mut resp = match self.serve(&table, req, &mut ctx).await {
             Ok(resp) => resp,
             Err(err) => {
                 if ctx.write {
@@ -221,11 +244,11 @@ impl Proxy {
             }
         };
         resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
-        if self.routes.load().access_log {
+        if table.access_log {
             tracing::info!(
                 target: "fencegate::access",
                 request_id = request_id.to_str().unwrap_or("-"),
-                client = %peer,
+                client = %peer.addr,
                 method = %ctx.method,
                 route = ctx.route.as_deref().unwrap_or("-"),
                 key = ctx.key.as_deref().unwrap_or("-"),
@@ -234,7 +257,7 @@ impl Proxy {
                 decision = ctx.decision.unwrap_or("-"),
                 status = resp.status().as_u16(),
                 version = ?version,
-                tls = client.tls,
+                tls = peer.tls,
                 latency_ms = started.elapsed().as_secs_f64() * 1000.0,
                 upstream_ms = ctx.upstream_ms,
                 "request"
@@ -283,6 +306,7 @@ impl Proxy {
 
     async fn serve(
         &self,
+        table: &RouteTable,
         mut req: Request<Incoming>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -291,9 +315,6 @@ impl Proxy {
             return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
         }
         check_framing(req.headers())?;
-        // The route (and its pool) a request starts with is the one it ends
-        // with, whatever a reload swaps in meanwhile.
-        let table = self.routes.load_full();
         let host_header = req
             .headers()
             .get(header::HOST)
@@ -378,7 +399,7 @@ impl Proxy {
         if is_copy_or_move(req.method(), req.headers()) {
             if let Some(dest) = req.headers().get("destination") {
                 let (key, rewritten) =
-                    self.destination_key(&table, rt, dest, host.as_deref(), req.headers())?;
+                    self.destination_key(table, rt, dest, host.as_deref(), req.headers())?;
                 keys.push(key);
                 // The backend gets the destination it was fenced as.
                 req.headers_mut().insert("destination", rewritten);
@@ -679,7 +700,8 @@ struct RequestContext {
 
 /// Appends the client to `X-Forwarded-For` (as nginx's
 /// `$proxy_add_x_forwarded_for` does) and to `Forwarded` (RFC 7239), and
-/// sets `X-Forwarded-Proto` unless a proxy in front already did.
+/// sets `X-Forwarded-Proto` to this hop's scheme: a client's own value is
+/// replaced, since a client on the plain port could claim `https`.
 fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
     let ip = peer.addr.ip();
     let proto = if peer.tls { "https" } else { "http" };
@@ -703,9 +725,7 @@ fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
         &header::FORWARDED,
         format!("for={node};proto={proto}"),
     );
-    headers
-        .entry(&X_FORWARDED_PROTO)
-        .or_insert(HeaderValue::from_static(proto));
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
 }
 
 /// The `decision` label of a refused write, if the refusal is a fencing

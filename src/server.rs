@@ -19,7 +19,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -32,7 +32,7 @@ use crate::metrics::{InstrumentedStore, Metrics};
 use crate::proxy::{Peer, Proxy};
 use crate::store::embedded::{EmbeddedStore, OpenError};
 use crate::store::{FenceStore, StartState};
-use crate::tls::{server_config, TlsError, TlsTerminator};
+use crate::tls::{TlsError, TlsTerminator};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +103,7 @@ impl Server {
             .map(|t| TlsTerminator::new(t).map(Arc::new))
             .transpose()?;
         if let Some(tls) = &tls {
-            metrics.track_tls_expiry();
+            metrics.track_tls();
             metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
         }
         let store: Arc<dyn FenceStore> = match &config.store {
@@ -186,35 +186,36 @@ impl Server {
                 u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
             );
         let grace = config.shutdown_grace;
-        let serve = |listener, tls: Option<Arc<TlsTerminator>>| {
+        let gate = Gate {
+            stop: draining.clone(),
+            grace,
+        };
+        let serve = |listener, tls: Option<TlsSide>| {
             let proxy = proxy.clone();
             let on_tls = tls.is_some();
             tokio::spawn(accept_loop(
                 listener,
                 builder.clone(),
                 tls,
-                Gate {
-                    stop: draining.clone(),
-                    grace,
-                    handshake_timeout: config.limits.header_read_timeout,
-                },
+                gate.clone(),
                 move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
             ))
         };
         let mut listeners = vec![serve(proxy_listener, None)];
-        if let Some(listener) = tls_listener {
-            listeners.push(serve(listener, tls.clone()));
+        if let (Some(listener), Some(terminator)) = (tls_listener, &tls) {
+            let side = TlsSide {
+                terminator: terminator.clone(),
+                timeout: config.limits.header_read_timeout,
+                failures: metrics.tls_handshake_failures.clone(),
+            };
+            listeners.push(serve(listener, Some(side)));
         }
         let admin_handler = admin.clone();
         listeners.push(tokio::spawn(accept_loop(
             admin_listener,
             builder,
             None,
-            Gate {
-                stop: draining.clone(),
-                grace,
-                handshake_timeout: config.limits.header_read_timeout,
-            },
+            gate,
             move |req, _peer| admin_handler.clone().handle(req),
         )));
         let tls_watcher = match (&tls, &config.tls) {
@@ -305,14 +306,15 @@ fn log_tls_reload(
     metrics: &Metrics,
     tls: &TlsTerminator,
 ) {
-    metrics.reloaded("tls", result.is_ok());
-    metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
+    // Logged before counted: whoever sees the count finds the log line.
     match result {
         Ok(()) => tracing::info!(why, "TLS certificates reloaded"),
         Err(e) => {
             tracing::error!(why, error = %e, "TLS certificates not reloaded; the previous ones stay in force")
         }
     }
+    metrics.reloaded("tls", result.is_ok());
+    metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
 }
 
 /// Applies a new configuration to a running server.
@@ -340,7 +342,6 @@ impl Reloader {
     pub async fn reload(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
         let _one = self.0.lock.lock().await;
         let result = self.apply(new);
-        self.0.metrics.reloaded("config", result.is_ok());
         match &result {
             Ok(ignored) => tracing::info!(
                 routes = new.routes.len(),
@@ -351,16 +352,17 @@ impl Reloader {
                 tracing::error!(error = %e, "config not reloaded; the previous one stays in force")
             }
         }
+        self.0.metrics.reloaded("config", result.is_ok());
         result
     }
 
     /// Records a reload whose config did not even load.
     pub fn refused(&self, why: &str) {
-        self.0.metrics.reloaded("config", false);
         tracing::error!(
             error = why,
             "config not reloaded; the previous one stays in force"
         );
+        self.0.metrics.reloaded("config", false);
     }
 
     fn apply(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
@@ -391,14 +393,16 @@ impl Reloader {
         );
         let tls_listen = |c: &Config| c.tls.as_ref().map(|t| t.listen);
         differs("tls.listen", tls_listen(new) != tls_listen(started));
+        let watch = |c: &Config| c.tls.as_ref().map(|t| t.watch_interval);
+        differs("tls.watch_interval", watch(new) != watch(started));
         // Everything is loaded before anything is swapped.
         let certs = match (&self.0.tls, &new.tls) {
-            (Some(running), Some(files)) => Some((running, files, server_config(files)?)),
+            (Some(running), Some(files)) => Some((running, TlsTerminator::prepare(files)?)),
             _ => None,
         };
         self.0.proxy.reload_routes(new)?;
-        if let Some((running, files, loaded)) = certs {
-            running.install(files, loaded);
+        if let Some((running, prepared)) = certs {
+            running.install(prepared);
             log_tls_reload("config reloaded", &Ok(()), &self.0.metrics, running);
         }
         self.0
@@ -413,11 +417,70 @@ impl Reloader {
 }
 
 /// When an accept loop stops and how long it waits for its connections.
+#[derive(Clone)]
 struct Gate {
     stop: CancellationToken,
     grace: Duration,
-    /// A TLS handshake must finish within this (like a request head).
-    handshake_timeout: Duration,
+}
+
+/// The TLS side of a listener.
+#[derive(Clone)]
+struct TlsSide {
+    terminator: Arc<TlsTerminator>,
+    /// A handshake must finish within this, like a request head.
+    timeout: Duration,
+    failures: prometheus::IntCounterVec,
+}
+
+impl TlsSide {
+    /// Runs the handshake; `None` if it failed, timed out or the drain
+    /// started meanwhile (a half-open handshake must not hold the drain).
+    async fn handshake(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        stop: &CancellationToken,
+    ) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+        let accept = self.terminator.acceptor().accept(stream);
+        let reason = tokio::select! {
+            _ = stop.cancelled() => return None,
+            done = tokio::time::timeout(self.timeout, accept) => match done {
+                Ok(Ok(stream)) => return Some(stream),
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    "error"
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    "timeout"
+                }
+            },
+        };
+        self.failures.with_label_values(&[reason]).inc();
+        None
+    }
+}
+
+/// Serves one connection (plain or TLS) under the drain's watch.
+async fn serve_connection<I, S>(
+    builder: auto::Builder<TokioExecutor>,
+    io: I,
+    service: S,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = http::Response<ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let conn = builder.serve_connection(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
 }
 
 /// Accepts connections (TLS ones if `tls` is set) until the gate closes;
@@ -426,7 +489,7 @@ struct Gate {
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
     builder: auto::Builder<TokioExecutor>,
-    tls: Option<Arc<TlsTerminator>>,
+    tls: Option<TlsSide>,
     gate: Gate,
     handler: F,
 ) -> bool
@@ -454,36 +517,20 @@ where
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
                 let service = service_fn(move |req| handler(req, peer));
-                // Watched from accept on, so the drain waits for a
-                // connection still in its TLS handshake too.
+                // Watched from accept on, so the drain also waits for a
+                // connection still in its TLS handshake (which the drain
+                // cuts short).
                 let watcher = graceful.watcher();
                 let builder = builder.clone();
-                let acceptor = tls.as_ref().map(|t| t.acceptor());
-                let handshake_timeout = gate.handshake_timeout;
+                let (tls, stop) = (tls.clone(), gate.stop.clone());
                 tokio::spawn(async move {
-                    let result = match acceptor {
-                        None => {
-                            let conn = builder.serve_connection(TokioIo::new(stream), service);
-                            watcher.watch(conn.into_owned()).await
+                    match tls {
+                        None => serve_connection(builder, stream, service, watcher).await,
+                        Some(tls) => {
+                            if let Some(stream) = tls.handshake(stream, peer, &stop).await {
+                                serve_connection(builder, stream, service, watcher).await;
+                            }
                         }
-                        Some(acceptor) => {
-                            let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(s)) => s,
-                                Ok(Err(e)) => {
-                                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                    return;
-                                }
-                                Err(_) => {
-                                    tracing::debug!(%peer, "TLS handshake timed out");
-                                    return;
-                                }
-                            };
-                            let conn = builder.serve_connection(TokioIo::new(stream), service);
-                            watcher.watch(conn.into_owned()).await
-                        }
-                    };
-                    if let Err(e) = result {
-                        tracing::debug!(error = %e, "connection ended with an error");
                     }
                 });
             }

@@ -95,27 +95,28 @@ fn roots_from(field: &str, path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
-/// The system's CA certificates, read once (they are a few hundred files).
+/// The system's CA certificates, read once they are found (a few hundred
+/// files). A failure is not cached: a reload after installing
+/// ca-certificates finds them.
 fn system_roots() -> Result<Arc<RootCertStore>, String> {
-    static ROOTS: OnceLock<Result<Arc<RootCertStore>, String>> = OnceLock::new();
-    ROOTS
-        .get_or_init(|| {
-            let found = rustls_native_certs::load_native_certs();
-            let mut roots = RootCertStore::empty();
-            let (added, _ignored) = roots.add_parsable_certificates(found.certs);
-            if added == 0 {
-                let why = found
-                    .errors
-                    .first()
-                    .map(|e| format!(" ({e})"))
-                    .unwrap_or_default();
-                return Err(format!(
-                    "no system CA certificates found{why}: install ca-certificates or set upstream_ca"
-                ));
-            }
-            Ok(Arc::new(roots))
-        })
-        .clone()
+    static ROOTS: OnceLock<Arc<RootCertStore>> = OnceLock::new();
+    if let Some(roots) = ROOTS.get() {
+        return Ok(roots.clone());
+    }
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = RootCertStore::empty();
+    let (added, _ignored) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why = found
+            .errors
+            .first()
+            .map(|e| format!(" ({e})"))
+            .unwrap_or_default();
+        return Err(format!(
+            "no system CA certificates found{why}: install ca-certificates or set upstream_ca"
+        ));
+    }
+    Ok(ROOTS.get_or_init(|| Arc::new(roots)).clone())
 }
 
 /// A listener config loaded from its files.
@@ -258,6 +259,13 @@ impl FileStamp {
     }
 }
 
+/// Certificate files loaded for a config reload, not yet in force.
+pub struct Prepared {
+    tls: TlsConfig,
+    loaded: Loaded,
+    stamp: FileStamp,
+}
+
 /// The TLS listener's current config and the files it came from.
 pub struct TlsTerminator {
     current: ArcSwap<ServerConfig>,
@@ -308,12 +316,24 @@ impl TlsTerminator {
         Ok(())
     }
 
-    /// Swaps in a config already loaded from `tls` (a config reload, which
-    /// may name other files).
-    pub fn install(&self, tls: &TlsConfig, loaded: Loaded) {
+    /// Loads `tls` for a config reload, which may name other files; the
+    /// result is swapped in by [`TlsTerminator::install`] once everything
+    /// else of the reload has loaded too.
+    pub fn prepare(tls: &TlsConfig) -> Result<Prepared, TlsError> {
+        let stamp = FileStamp::of(tls);
+        Ok(Prepared {
+            tls: tls.clone(),
+            loaded: server_config(tls)?,
+            stamp,
+        })
+    }
+
+    pub fn install(&self, prepared: Prepared) {
         let mut files = self.files.lock().expect("tls files lock");
-        *files = (tls.clone(), FileStamp::of(tls));
-        self.swap(loaded);
+        // The stamp is the one taken before loading: if the files changed
+        // since, the watcher loads them again.
+        *files = (prepared.tls, prepared.stamp);
+        self.swap(prepared.loaded);
     }
 
     fn files_changed(&self) -> bool {
@@ -365,7 +385,7 @@ pub fn upstream_connector(
         .with_safe_default_protocol_versions()
         .map_err(|e| error(field, e.to_string()))?
         .with_root_certificates(roots);
-    let config = match (&tls.client_cert, &tls.client_key) {
+    let mut config = match (&tls.client_cert, &tls.client_key) {
         (Some(cert), Some(key)) => builder
             .with_client_auth_cert(
                 certificates(&f("upstream_client_cert"), cert)?,
@@ -379,17 +399,16 @@ pub fn upstream_connector(
             })?,
         _ => builder.with_no_client_auth(),
     };
-    let builder = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config)
-        .https_or_http()
-        .enable_http1();
-    Ok(if tls.http2 {
-        // ALPN offers h2 first; the client speaks HTTP/2 only if the
-        // upstream picks it.
-        builder.enable_http2().wrap_connector(http)
+    // ALPN names http/1.1 even alone (servers that require ALPN refuse a
+    // hello without it); h2 is offered first only when asked for, and used
+    // only if the upstream picks it.
+    config.alpn_protocols = if tls.http2 {
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
     } else {
-        builder.wrap_connector(http)
-    })
+        vec![b"http/1.1".to_vec()]
+    };
+    // Plain HTTP for http:// upstreams, TLS for https:// ones.
+    Ok(HttpsConnector::from((http, config)))
 }
 
 #[cfg(test)]

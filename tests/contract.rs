@@ -890,8 +890,8 @@ async fn request_ids_forwarded_for_and_the_access_log() {
         "for=10.9.8.7;proto=https, for=127.0.0.1;proto=http"
     );
     assert_eq!(
-        r.headers["x-forwarded-proto"], "https",
-        "the first proxy's scheme is kept"
+        r.headers["x-forwarded-proto"], "http",
+        "the scheme of this hop, not the client's claim"
     );
     let log = p.stderr();
     let line = log

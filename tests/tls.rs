@@ -142,6 +142,15 @@ async fn client_certificates_are_required_when_a_client_ca_is_set() {
     let wrong = https_client(&ca.pem, Some(&stranger), Alpn::H2);
     assert!(send_via(&wrong, "PUT", &url, Some("1")).await.is_err());
     assert_eq!(up.arrivals(), 0, "nothing from an unauthenticated client");
+    let failures = metric(
+        &p,
+        "fencegate_tls_handshake_failures_total{reason=\"error\"}",
+    )
+    .await;
+    assert!(
+        failures >= Some(2.0),
+        "refused handshakes are counted: {failures:?}"
+    );
 
     let member = clients.client("member");
     for alpn in [Alpn::Http1, Alpn::H2] {
@@ -284,7 +293,7 @@ async fn certificates_reload_when_the_files_change() {
     })
     .await;
     assert_eq!(
-        metric(&p, "fencegate_last_reload_successful").await,
+        metric(&p, "fencegate_last_reload_successful{what=\"tls\"}").await,
         Some(0.0)
     );
     let fresh_new = https_client(&new_ca.pem, None, Alpn::H2);
@@ -296,7 +305,11 @@ async fn certificates_reload_when_the_files_change() {
             .status,
         200
     );
-    assert!(p.stderr().contains("TLS certificates not reloaded"));
+    let log = p.stderr();
+    assert!(
+        log.contains("TLS certificates not reloaded") && log.contains("holds no PEM certificate"),
+        "the broken file is named in the log: {log}"
+    );
 
     assert!(p.sigterm().success());
 }
@@ -343,7 +356,7 @@ async fn sighup_reloads_certificates_without_dropping_connections() {
         "the open connection survived both reloads"
     );
     assert_eq!(
-        metric(&p, "fencegate_last_reload_successful").await,
+        metric(&p, "fencegate_last_reload_successful{what=\"config\"}").await,
         Some(1.0)
     );
     assert!(p.sigterm().success());
@@ -371,11 +384,31 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad(
     let first = start_upstream().await;
     let second = start_upstream().await;
     let config = dir.path().join("fencegate.toml");
+    let token_file = dir.path().join("admin-token");
     let routes = |upstream: &str, timeout: &str| {
-        format!("[[routes]]\nname = \"objects\"\nupstream = \"{upstream}\"\nupstream_timeout = \"{timeout}\"\n")
+        format!(
+            "admin_token_file = \"{}\"\n[[routes]]\nname = \"objects\"\nupstream = \"{upstream}\"\nupstream_timeout = \"{timeout}\"\n",
+            token_file.display()
+        )
     };
+    std::fs::write(&token_file, "first-admin-token-0001").unwrap();
     write_config(&config, &routes(&first.url(), "30s"));
     let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let fence_ahead = |token: &'static str, value: &'static str| {
+        let url = p.admin_url("/v1/fences/default%3A%2Fahead");
+        async move {
+            let auth = format!("Bearer {token}");
+            send(
+                "POST",
+                &url,
+                &[("authorization", &auth)],
+                format!(r#"{{"token":"{value}"}}"#),
+            )
+            .await
+            .status
+        }
+    };
+    assert_eq!(fence_ahead("first-admin-token-0001", "1").await, 200);
     assert_eq!(put(&p.url("/x"), "3").await.status, 200);
     assert_eq!(first.count(), 1);
     // No TLS listener, no certificate expiry series (a 0 would alert).
@@ -384,12 +417,16 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad(
         None
     );
 
+    // New routes and a rotated admin token.
+    std::fs::write(&token_file, "second-admin-token-002").unwrap();
     write_config(&config, &routes(&second.url(), "10s"));
     signal(p.child.id(), "HUP");
     eventually_async("the reload", || async {
         metric(&p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(1.0)
     })
     .await;
+    assert_eq!(fence_ahead("first-admin-token-0001", "2").await, 401);
+    assert_eq!(fence_ahead("second-admin-token-002", "2").await, 200);
     // Fences survive a reload: the key's highest is still 3.
     assert_eq!(put(&p.url("/x"), "2").await.status, 409);
     assert_eq!(put(&p.url("/x"), "3").await.status, 200);
@@ -419,7 +456,7 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad(
         })
         .await;
         assert_eq!(
-            metric(&p, "fencegate_last_reload_successful").await,
+            metric(&p, "fencegate_last_reload_successful{what=\"config\"}").await,
             Some(0.0)
         );
         assert_eq!(put(&p.url("/x"), "4").await.status, 200);
@@ -436,9 +473,10 @@ async fn sighup_reloads_routes_and_keeps_the_old_config_when_the_new_one_is_bad(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn https_upstream_with_a_private_ca_gets_sni_and_h2() {
+async fn https_upstream_with_a_private_ca_gets_sni_and_http1_unless_h2_is_asked_for() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "upstream-ca");
+    // The upstream offers h2 and http/1.1.
     let (up, conns) = start_tls_upstream(&ca.server("upstream"), None, true).await;
     let ca_path = ca.pem.display().to_string();
     let p = ProxyBuilder::new(&up.https_url(), dir.path())
@@ -451,16 +489,48 @@ async fn https_upstream_with_a_private_ca_gets_sni_and_h2() {
     assert_eq!(read.status, 200);
     assert_eq!(read.text(), "applied GET /o len=0");
     assert_eq!(up.count(), 2, "the stale write never reached the upstream");
-    let conns = conns.lock().unwrap().clone();
-    assert!(!conns.is_empty());
-    for c in &conns {
+    // HTTP/1.1 by default, with the client's Host relayed as sent.
+    assert_eq!(up.records()[0].headers["host"], p.addr.to_string().as_str());
+    let seen = conns.lock().unwrap().clone();
+    assert!(!seen.is_empty());
+    for c in &seen {
         assert_eq!(c.sni.as_deref(), Some("localhost"));
-        assert_eq!(
-            c.alpn.as_deref(),
-            Some("h2"),
-            "HTTP/2 when the upstream offers it"
-        );
+        assert_eq!(c.alpn.as_deref(), Some("http/1.1"));
     }
+
+    // upstream_http2 = true: h2 when the upstream offers it.
+    let dir2 = tempfile::tempdir().unwrap();
+    let config = dir2.path().join("h2.toml");
+    write_config(
+        &config,
+        &format!(
+            "[[routes]]\nupstream = \"{}\"\nupstream_ca = \"{ca_path}\"\nupstream_http2 = true\n",
+            up.https_url()
+        ),
+    );
+    let p2 = ProxyBuilder::with_config(&config, dir2.path()).spawn();
+    conns.lock().unwrap().clear();
+    assert_eq!(put(&p2.url("/o"), "8").await.status, 200);
+    assert_eq!(put(&p2.url("/o"), "7").await.status, 409);
+    let seen = conns.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].alpn.as_deref(), Some("h2"));
+    assert_eq!(seen[0].sni.as_deref(), Some("localhost"));
+    assert_eq!(up.count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ip_literal_https_upstream_is_verified_by_its_ip_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "upstream-ca");
+    let (up, conns) = start_tls_upstream(&ca.server("upstream"), None, false).await;
+    let ca_path = ca.pem.display().to_string();
+    let p = ProxyBuilder::new(&format!("https://{}", up.addr), dir.path())
+        .args(&["--upstream-ca", &ca_path])
+        .spawn();
+    assert_eq!(put(&p.url("/o"), "1").await.status, 200);
+    // No SNI for an IP address (RFC 6066); the certificate's IP SAN matched.
+    assert_eq!(conns.lock().unwrap()[0].sni, None);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -468,8 +538,13 @@ async fn untrusted_upstream_certificate_is_a_502_with_a_clear_log() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "self-signed");
     let (up, _) = start_tls_upstream(&ca.server("upstream"), None, true).await;
-    // Verified against the system's roots, which do not know this CA.
-    let p = ProxyBuilder::new(&up.https_url(), dir.path()).spawn();
+    // Verified against the "system" roots, which do not know this CA: here
+    // a bundle of another CA, so the test does not depend on the host's
+    // store (rustls-native-certs reads SSL_CERT_FILE like OpenSSL).
+    let system = TestCa::new(dir.path(), "public-ca");
+    let p = ProxyBuilder::new(&up.https_url(), dir.path())
+        .env("SSL_CERT_FILE", &system.pem.display().to_string())
+        .spawn();
     let a = put(&p.url("/o"), "1").await;
     assert_eq!(a.status, 502, "{}", a.text());
     assert_eq!(a.header("content-type"), Some("application/problem+json"));

@@ -263,6 +263,7 @@ pub struct Proxy {
     pub tls: Option<SocketAddr>,
     pub child: Child,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     log_dir: PathBuf,
     stderr_log: PathBuf,
 }
@@ -274,6 +275,7 @@ pub struct ProxyBuilder {
     store: String,
     dir: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl ProxyBuilder {
@@ -283,6 +285,7 @@ impl ProxyBuilder {
             store: dir.join("fences.redb").display().to_string(),
             dir: dir.to_path_buf(),
             args: Vec::new(),
+            env: Vec::new(),
         }
     }
     /// Routes from a config file instead of `--upstream`.
@@ -292,6 +295,7 @@ impl ProxyBuilder {
             store: dir.join("fences.redb").display().to_string(),
             dir: dir.to_path_buf(),
             args: vec!["--config".into(), config.display().to_string()],
+            env: Vec::new(),
         }
     }
     pub fn store(mut self, path: &Path) -> Self {
@@ -304,6 +308,11 @@ impl ProxyBuilder {
     }
     pub fn arg(mut self, a: &str) -> Self {
         self.args.push(a.to_string());
+        self
+    }
+    /// An environment variable for the process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
         self
     }
     pub fn args(mut self, a: &[&str]) -> Self {
@@ -324,7 +333,7 @@ impl ProxyBuilder {
             args.push(u.clone());
         }
         args.extend(self.args);
-        Proxy::spawn_with(args, self.dir)
+        Proxy::spawn_with(args, self.env, self.dir)
     }
 }
 
@@ -338,7 +347,7 @@ pub fn bin() -> &'static str {
 }
 
 impl Proxy {
-    fn spawn_with(args: Vec<String>, log_dir: PathBuf) -> Proxy {
+    fn spawn_with(args: Vec<String>, env: Vec<(String, String)>, log_dir: PathBuf) -> Proxy {
         let stderr_log = log_dir.join(format!(
             "fencegate-{}.log",
             std::time::SystemTime::now()
@@ -349,6 +358,7 @@ impl Proxy {
         let mut child = Command::new(bin())
             .args(&args)
             .env("FENCEGATE_LOG", "info")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_log).unwrap())
             .spawn()
@@ -373,6 +383,7 @@ impl Proxy {
             tls: fields.get("tls").map(|t| t.parse().unwrap()),
             child,
             args,
+            env,
             log_dir,
             stderr_log,
         }
@@ -404,7 +415,7 @@ impl Proxy {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let again = Proxy::spawn_with(self.args.clone(), self.log_dir.clone());
+        let again = Proxy::spawn_with(self.args.clone(), self.env.clone(), self.log_dir.clone());
         *self = again;
     }
 

@@ -23,6 +23,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Limits, Route};
@@ -66,10 +67,63 @@ struct RouteRuntime {
 /// What a reload replaces: the routes and their upstream clients.
 struct RouteTable {
     routes: Vec<RouteRuntime>,
+    /// How requests map to fence keys; shared with the previous table when
+    /// a reload left it unchanged.
+    mapping: Arc<Mapping>,
     /// Some route names a host: then a request must name one too.
     host_routes: bool,
     /// One log line per request (target `fencegate::access`).
     access_log: bool,
+}
+
+/// What decides a request's fence key, per route in match order.
+#[derive(PartialEq, Eq)]
+struct MappingEntry {
+    host: Option<String>,
+    path_prefix: String,
+    key: String,
+    namespace: String,
+    literal_keys: bool,
+}
+
+impl MappingEntry {
+    fn of(route: &Route) -> Self {
+        Self {
+            host: route.host.clone(),
+            path_prefix: route.path_prefix.clone(),
+            key: route.key.to_string(),
+            namespace: route.namespace.clone(),
+            literal_keys: route.literal_keys,
+        }
+    }
+}
+
+/// One way of mapping requests to fence keys. Every write holds the
+/// mapping it was admitted under until it is no longer in flight. After a
+/// reload that changes the mapping, a write to a resource may be in flight
+/// under its old key while a new write arrives under the new key, where no
+/// fence gate orders them: so writes under the new mapping first wait (as
+/// long as they would behind an older write) until the old mapping is
+/// dropped, which is what a restart's drain would have given them.
+struct Mapping {
+    signature: Vec<MappingEntry>,
+    /// The previous mapping's `dropped`.
+    behind: Option<CancellationToken>,
+    dropped: CancellationToken,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        self.dropped.cancel();
+    }
+}
+
+/// What keeps a write in flight for those who must wait for it: its fence
+/// permits (newer writes to its keys) and its key mapping (writes under a
+/// mapping that replaced it).
+struct InFlight {
+    _permits: Vec<Arc<Permit>>,
+    _mapping: Arc<Mapping>,
 }
 
 /// The request handler shared by every connection.
@@ -152,9 +206,19 @@ impl RouteTable {
                 std::cmp::Reverse(r.route.path_prefix.trim_end_matches('/').len()),
             )
         });
+        let signature: Vec<_> = routes.iter().map(|r| MappingEntry::of(&r.route)).collect();
+        let mapping = match previous {
+            Some(p) if p.mapping.signature == signature => p.mapping.clone(),
+            _ => Arc::new(Mapping {
+                signature,
+                behind: previous.map(|p| p.mapping.dropped.clone()),
+                dropped: CancellationToken::new(),
+            }),
+        };
         Ok(Self {
             host_routes: routes.iter().any(|r| r.route.host.is_some()),
             routes,
+            mapping,
             access_log: config.access_log,
         })
     }
@@ -389,7 +453,7 @@ impl Proxy {
             if req.headers().contains_key(&FENCE_TOKEN) {
                 rt.metrics.read_tokens_ignored.inc();
             }
-            return self.forward(rt, req, &path, Vec::new(), ctx).await;
+            return self.forward(rt, req, &path, None, ctx).await;
         }
 
         // Writes: everything that can be refused is checked before anything
@@ -435,6 +499,10 @@ impl Proxy {
             }
         }
         let started = Instant::now();
+        let mapping = table.mapping.clone();
+        if let Some(behind) = mapping.behind.as_ref().filter(|b| !b.is_cancelled()) {
+            let _ = tokio::time::timeout(route.upstream_timeout, behind.cancelled()).await;
+        }
         keys.sort();
         keys.dedup();
         let mut permits = Vec::with_capacity(keys.len());
@@ -482,7 +550,11 @@ impl Proxy {
         rt.metrics.admitted.inc();
         ctx.decision = Some("admitted");
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
-        self.forward(rt, req, &path, permits, ctx).await
+        let hold = Arc::new(InFlight {
+            _permits: permits,
+            _mapping: mapping,
+        });
+        self.forward(rt, req, &path, Some(hold), ctx).await
     }
 
     /// A request is a write if its method is, or if a method-override header
@@ -566,7 +638,7 @@ impl Proxy {
         rt: &RouteRuntime,
         req: Request<Incoming>,
         path: &CanonicalPath,
-        permits: Vec<Arc<Permit>>,
+        hold: Option<Arc<InFlight>>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let peer = ctx.peer;
@@ -604,7 +676,7 @@ impl Proxy {
         let body_state = Arc::new(AtomicU8::new(BODY_OK));
         let body = GuardedBody {
             inner: body,
-            permits: permits.clone(),
+            hold: hold.clone(),
             limit: self.limits.max_body_bytes,
             seen: 0,
             idle: self.limits.body_read_timeout,
@@ -618,16 +690,16 @@ impl Proxy {
 
         let started = Instant::now();
         let exchange = tokio::time::timeout(route.upstream_timeout, rt.client.request(up));
-        let result = if permits.is_empty() {
+        let result = if hold.is_none() {
             exchange.await
         } else {
             // A write runs to its end (response head or upstream timeout)
             // even if the client goes away: only then is it no longer in
-            // flight for ordering (its body keeps its own permits until the
+            // flight for ordering (its body keeps its own hold until the
             // last byte is sent).
             let task = self.exchanges.spawn(async move {
                 let result = exchange.await;
-                drop(permits);
+                drop(hold);
                 result
             });
             match task.await {
@@ -851,12 +923,12 @@ impl Drop for GaugeGuard {
 
 pin_project_lite::pin_project! {
     /// The request body on its way upstream: enforces the size limit and the
-    /// body read timeout, and keeps the write's permits alive until the last
+    /// body read timeout, and keeps the write in flight until the last
     /// byte has been handed to the upstream connection.
     struct GuardedBody {
         #[pin]
         inner: Incoming,
-        permits: Vec<Arc<Permit>>,
+        hold: Option<Arc<InFlight>>,
         limit: Option<u64>,
         seen: u64,
         idle: Duration,
@@ -883,19 +955,19 @@ impl Body for GuardedBody {
                 if let Some(t) = this.timer.as_mut().as_pin_mut() {
                     if std::future::Future::poll(t, cx).is_ready() {
                         this.state.store(BODY_TIMEOUT, Ordering::Release);
-                        this.permits.clear();
+                        *this.hold = None;
                         return Poll::Ready(Some(Err("request body read timed out".into())));
                     }
                 }
                 Poll::Pending
             }
             Poll::Ready(None) => {
-                this.permits.clear();
+                *this.hold = None;
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => {
                 this.state.store(BODY_MALFORMED, Ordering::Release);
-                this.permits.clear();
+                *this.hold = None;
                 Poll::Ready(Some(Err(Box::new(e))))
             }
             Poll::Ready(Some(Ok(frame))) => {
@@ -904,7 +976,7 @@ impl Body for GuardedBody {
                     *this.seen += data.len() as u64;
                     if this.limit.is_some_and(|l| *this.seen > l) {
                         this.state.store(BODY_TOO_LARGE, Ordering::Release);
-                        this.permits.clear();
+                        *this.hold = None;
                         return Poll::Ready(Some(Err("request body exceeds the limit".into())));
                     }
                 }

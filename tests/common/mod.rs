@@ -566,3 +566,37 @@ impl http_body::Body for ChunkBody {
         std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
     }
 }
+
+/// Writes a config file the way config management does: write, then rename.
+pub fn write_config(path: &std::path::Path, text: &str) {
+    // Write then rename, as config management tools do.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The value of the first metric line starting with `line_prefix` (labels
+/// included), from the admin listener.
+pub async fn metric(p: &Proxy, line_prefix: &str) -> Option<f64> {
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    m.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Polls an async condition for up to 15 s.
+pub async fn eventually_async<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !f().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -7,6 +7,9 @@
 #   steady      through fencegate, one key, the same token every time
 #   newkey      through fencegate, a new key per request (a durable advance)
 #   steady-redis, newkey-redis, newkey-postgres   the same on shared stores
+#   nginx-tls   nginx terminating TLS (HTTP/1.1, keep-alive) in front of
+#               the upstream
+#   steady-tls  fencegate's TLS listener, steady token (same certificate)
 # wrk and the upstream are pinned to CPU 0, each proxy (and store server) to
 # CPU 1. Rounds alternate between systems; medians are reported, with
 # ratios, the proxy's CPU per request, and the disk's fsync rate.
@@ -20,11 +23,11 @@ cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 SECS=${2:-8}
 missing=()
-for t in wrk nginx haproxy taskset python3 curl redis-server runuser; do command -v "$t" >/dev/null || missing+=("$t"); done
+for t in wrk nginx haproxy taskset python3 curl redis-server runuser openssl; do command -v "$t" >/dev/null || missing+=("$t"); done
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1)
 [ -n "$PGBIN" ] && [ -x "$PGBIN/initdb" ] || missing+=(postgresql)
 if ((${#missing[@]})); then
-  echo "missing: ${missing[*]} (Debian: apt-get install wrk nginx haproxy util-linux curl redis-server postgresql)" >&2
+  echo "missing: ${missing[*]} (Debian: apt-get install wrk nginx haproxy util-linux curl redis-server postgresql openssl)" >&2
   exit 1
 fi
 cargo build --release --quiet
@@ -57,6 +60,16 @@ nginx_conf proxy "$NGINX_PORT" 'location / { proxy_pass http://backend; proxy_ht
 taskset -c 1 nginx -c "$WORK/proxy/conf" -p "$WORK/proxy"; NGINX_PID=$(cat "$WORK/proxy/pid"); PIDS+=("$NGINX_PID")
 NGINX_WORKER=$(pgrep -P "$NGINX_PID" | head -1)
 
+# One self-signed ECDSA P-256 certificate for both TLS terminators.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+  -subj /CN=localhost -addext subjectAltName=IP:127.0.0.1 \
+  -keyout "$WORK/tls.key" -out "$WORK/tls.crt" 2>/dev/null
+NGINX_TLS_PORT=$(port)
+nginx_conf tls "$NGINX_TLS_PORT" "ssl_certificate $WORK/tls.crt; ssl_certificate_key $WORK/tls.key; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_request_buffering off; }"
+sed -i "s/listen 127.0.0.1:$NGINX_TLS_PORT;/listen 127.0.0.1:$NGINX_TLS_PORT ssl;/" "$WORK/tls/conf"
+taskset -c 1 nginx -c "$WORK/tls/conf" -p "$WORK/tls"; NGINX_TLS_PID=$(cat "$WORK/tls/pid"); PIDS+=("$NGINX_TLS_PID")
+NGINX_TLS_WORKER=$(pgrep -P "$NGINX_TLS_PID" | head -1)
+
 HAPROXY_PORT=$(port)
 cat > "$WORK/haproxy.cfg" <<CONF
 global
@@ -87,14 +100,16 @@ taskset -c 1 runuser -u postgres -- "$PGBIN/postgres" -D "$WORK/pg" -p "$PG_PORT
 PIDS+=($!)
 for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT; do wait_port "$p"; done
 
-start_fencegate() { # name store
+start_fencegate() { # name store [extra flags...]
+  local name=$1 store=$2; shift 2
   taskset -c 1 "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-    --upstream "http://127.0.0.1:$UP_PORT" --store "$2" > "$WORK/$1.out" 2> "$WORK/$1.err" &
+    --upstream "http://127.0.0.1:$UP_PORT" --store "$store" "$@" > "$WORK/$name.out" 2> "$WORK/$name.err" &
   local pid=$!; PIDS+=("$pid")
-  for _ in $(seq 100); do grep -q listening "$WORK/$1.out" 2>/dev/null && break; sleep 0.1; done
-  echo "$pid $(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' "$WORK/$1.out")"
+  for _ in $(seq 100); do grep -q listening "$WORK/$name.out" 2>/dev/null && break; sleep 0.1; done
+  echo "$pid $(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' "$WORK/$name.out") $(sed -n 's/.*tls=\([^ ]*\).*/\1/p' "$WORK/$name.out")"
 }
-read -r FG_PID FG_ADDR < <(start_fencegate embedded "$WORK/fences.redb")
+read -r FG_PID FG_ADDR FG_TLS < <(start_fencegate embedded "$WORK/fences.redb" \
+  --tls-listen 127.0.0.1:0 --tls-cert "$WORK/tls.crt" --tls-key "$WORK/tls.key")
 read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_PORT/0")
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
 sleep 1
@@ -116,7 +131,7 @@ LUA
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls)
 declare -A RES
 for r in $(seq "$ROUNDS"); do
   for sys in "${SYSTEMS[@]}"; do
@@ -129,6 +144,8 @@ for r in $(seq "$ROUNDS"); do
       steady-redis) url="http://$FGR_ADDR/k"; script=steady; pid=$FGR_PID;;
       newkey-redis) url="http://$FGR_ADDR/"; script=newkey; pid=$FGR_PID;;
       newkey-postgres) url="http://$FGP_ADDR/"; script=newkey; pid=$FGP_PID;;
+      nginx-tls) url="https://127.0.0.1:$NGINX_TLS_PORT/k"; script=steady; pid=$NGINX_TLS_WORKER;;
+      steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
     esac
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
@@ -163,3 +180,5 @@ echo
 echo "disk fsync rate (4 KiB write+fsync, same filesystem): $FSYNC/s"
 echo "new-key durable advances per disk fsync: $(python3 -c "print(f'{$NK/$FSYNC:.2f}x')")"
 echo "redis steady vs embedded steady: $(python3 -c "print(f'{$STR/$ST:.2f}x')")"
+NT=$(median $(col nginx-tls 1)); FT=$(median $(col steady-tls 1))
+echo "fencegate over TLS vs its plain listener: $(python3 -c "print(f'{$FT/$ST:.2f}x')"); vs nginx terminating TLS: $(python3 -c "print(f'{$FT/$NT:.2f}x')")"

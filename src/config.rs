@@ -254,7 +254,9 @@ pub struct Limits {
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub listen: SocketAddr,
+    /// The plain listener; `None` (`listen = "off"`) when only TLS is
+    /// served.
+    pub listen: Option<SocketAddr>,
     pub admin_listen: SocketAddr,
     pub store: StoreConfig,
     pub highest_cache_entries: usize,
@@ -591,15 +593,26 @@ impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
-        let listen = socket("listen", &raw.listen, "127.0.0.1:8080")?;
+        // `off`: no plain listener, only TLS (so that client certificates
+        // cannot be bypassed).
+        let listen = match raw.listen.as_deref() {
+            Some("off") => None,
+            _ => Some(socket("listen", &raw.listen, "127.0.0.1:8080")?),
+        };
         let admin_listen = socket("admin_listen", &raw.admin_listen, "127.0.0.1:9090")?;
-        if listen == admin_listen && listen.port() != 0 {
+        if listen == Some(admin_listen) && admin_listen.port() != 0 {
             return Err(invalid("admin_listen", "must differ from `listen`"));
         }
         let store = store(&raw)?;
         let tls = tls_listener(&raw.tls)?;
+        if listen.is_none() && tls.is_none() {
+            return Err(invalid(
+                "listen",
+                "`off` needs a TLS listener ([tls] or --tls-listen)",
+            ));
+        }
         if let Some(t) = &tls {
-            if (t.listen == listen || t.listen == admin_listen) && t.listen.port() != 0 {
+            if (Some(t.listen) == listen || t.listen == admin_listen) && t.listen.port() != 0 {
                 return Err(invalid(
                     "tls.listen",
                     "must differ from `listen` and `admin_listen`",
@@ -734,7 +747,7 @@ impl Config {
             ),
         };
         let raw = RawConfig {
-            listen: Some(self.listen.to_string()),
+            listen: Some(self.listen.map_or("off".into(), |l| l.to_string())),
             admin_listen: Some(self.admin_listen.to_string()),
             store: Some(store),
             store_cache_mib: cache_mib,
@@ -849,12 +862,18 @@ mod tests {
         assert_eq!(again.tls, c.tls);
         assert!(err(with(&other_key, "127.0.0.1:8443")).contains("`tls.key`"));
         assert!(err(with(&key, "127.0.0.1:8080")).contains("`tls.listen`"));
+        // TLS only: the plain listener can be turned off.
+        let mut only_tls = with(&key, "127.0.0.1:8443");
+        only_tls.listen = Some("off".into());
+        let c = Config::try_from(only_tls).unwrap();
+        assert_eq!(c.listen, None);
+        assert!(c.to_toml().contains("listen = \"off\""));
     }
 
     #[test]
     fn defaults_apply() {
         let c = Config::try_from(base()).unwrap();
-        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.listen.unwrap().to_string(), "127.0.0.1:8080");
         assert_eq!(c.admin_listen.to_string(), "127.0.0.1:9090");
         assert_eq!(c.routes[0].namespace, "default");
         assert_eq!(c.routes[0].key, KeyTemplate::Path);
@@ -943,6 +962,7 @@ mod tests {
             ),
             (|r| r.store = None, "store"),
             (|r| r.listen = Some("8080".into()), "listen"),
+            (|r| r.listen = Some("off".into()), "listen"),
             (|r| r.routes[0].key = Some("bucket".into()), "routes[0].key"),
             (
                 |r| r.routes[0].namespace = Some("a:b".into()),

@@ -48,7 +48,7 @@ struct Opts {
     /// TOML config file (routes and everything else); flags override it.
     #[arg(long, env = "FENCEGATE_CONFIG", global = true)]
     config: Option<PathBuf>,
-    /// Proxy listen address.
+    /// Proxy listen address (plain HTTP/1.1 and h2c); `off` for TLS only.
     #[arg(long, env = "FENCEGATE_LISTEN", global = true)]
     listen: Option<String>,
     /// Admin listen address (metrics, health, fence API).
@@ -282,10 +282,10 @@ async fn run(
         .tls_addr
         .map(|a| format!(" tls={a}"))
         .unwrap_or_default();
-    println!(
-        "listening proxy={} admin={}{tls}",
-        server.proxy_addr, server.admin_addr
-    );
+    let proxy = server
+        .proxy_addr
+        .map_or("off".to_string(), |a| a.to_string());
+    println!("listening proxy={proxy} admin={}{tls}", server.admin_addr);
     let signals = {
         let shutdown = shutdown.clone();
         let reloader = server.reloader();

@@ -62,7 +62,8 @@ pub enum ReloadError {
 
 /// A running fencegate.
 pub struct Server {
-    pub proxy_addr: SocketAddr,
+    /// The plain proxy listener (`None` with `listen = "off"`).
+    pub proxy_addr: Option<SocketAddr>,
     pub admin_addr: SocketAddr,
     /// The TLS listener, if `[tls]` is configured.
     pub tls_addr: Option<SocketAddr>,
@@ -156,13 +157,23 @@ impl Server {
             draining: draining.clone(),
         });
 
-        let proxy_listener = bind("listen", config.listen).await?;
+        let proxy_listener = match config.listen {
+            Some(addr) => Some(bind("listen", addr).await?),
+            None => None,
+        };
         let admin_listener = bind("admin_listen", config.admin_listen).await?;
         let tls_listener = match &config.tls {
             Some(t) => Some(bind("tls.listen", t.listen).await?),
             None => None,
         };
-        let proxy_addr = proxy_listener.local_addr().expect("bound address");
+        let proxy_addr = proxy_listener
+            .as_ref()
+            .map(|l| l.local_addr().expect("bound address"));
+        if let (Some(addr), Some(t)) = (proxy_addr, &config.tls) {
+            if t.client_ca.is_some() && !addr.ip().is_loopback() {
+                tracing::warn!(listen = %addr, "client certificates are required on the TLS listener, but the plain listener takes requests without any: bind it to loopback or set listen = \"off\"");
+            }
+        }
         let admin_addr = admin_listener.local_addr().expect("bound address");
         let tls_addr = tls_listener
             .as_ref()
@@ -201,7 +212,7 @@ impl Server {
                 move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
             ))
         };
-        let mut listeners = vec![serve(proxy_listener, None)];
+        let mut listeners: Vec<_> = proxy_listener.map(|l| serve(l, None)).into_iter().collect();
         if let (Some(listener), Some(terminator)) = (tls_listener, &tls) {
             let side = TlsSide {
                 terminator: terminator.clone(),
@@ -232,7 +243,7 @@ impl Server {
             }
             _ => None,
         };
-        tracing::info!(%proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
+        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
             admin,

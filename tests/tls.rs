@@ -166,6 +166,30 @@ async fn client_certificates_are_required_when_a_client_ca_is_set() {
     assert_eq!(up.count(), 2);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn the_plain_listener_can_be_turned_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "ca");
+    let up = start_upstream().await;
+    let args = tls_args(&ca.server("proxy"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .listen("off")
+        .args(&args)
+        .spawn();
+    assert!(!p.plain, "stdout says proxy=off");
+    let (_, a) = send_via(
+        &https_client(&ca.pem, None, Alpn::Http1),
+        "PUT",
+        &https(&p, "/k"),
+        Some("1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(a.status, 200);
+    assert_eq!(up.count(), 1);
+}
+
 /// A TLS connection kept open by hand, to show a reload does not drop it.
 struct KeptConnection(tokio_rustls::client::TlsStream<tokio::net::TcpStream>);
 

@@ -261,6 +261,8 @@ pub struct Proxy {
     pub admin: SocketAddr,
     /// The TLS listener, if one was configured.
     pub tls: Option<SocketAddr>,
+    /// Whether a plain listener runs (`listen = "off"` turns it off).
+    pub plain: bool,
     pub child: Child,
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -276,6 +278,7 @@ pub struct ProxyBuilder {
     dir: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    listen: String,
 }
 
 impl ProxyBuilder {
@@ -286,6 +289,7 @@ impl ProxyBuilder {
             dir: dir.to_path_buf(),
             args: Vec::new(),
             env: Vec::new(),
+            listen: "127.0.0.1:0".into(),
         }
     }
     /// Routes from a config file instead of `--upstream`.
@@ -296,6 +300,7 @@ impl ProxyBuilder {
             dir: dir.to_path_buf(),
             args: vec!["--config".into(), config.display().to_string()],
             env: Vec::new(),
+            listen: "127.0.0.1:0".into(),
         }
     }
     pub fn store(mut self, path: &Path) -> Self {
@@ -310,6 +315,11 @@ impl ProxyBuilder {
         self.args.push(a.to_string());
         self
     }
+    /// The plain listener's address (`off`: none).
+    pub fn listen(mut self, addr: &str) -> Self {
+        self.listen = addr.to_string();
+        self
+    }
     /// An environment variable for the process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
@@ -322,7 +332,7 @@ impl ProxyBuilder {
     pub fn spawn(self) -> Proxy {
         let mut args = vec![
             "--listen".to_string(),
-            "127.0.0.1:0".into(),
+            self.listen.clone(),
             "--admin-listen".into(),
             "127.0.0.1:0".into(),
             "--store".into(),
@@ -378,7 +388,12 @@ impl Proxy {
             );
         };
         Proxy {
-            addr: p.parse().unwrap(),
+            // With `listen = "off"` the TLS listener is the proxy address.
+            addr: match *p {
+                "off" => fields["tls"].parse().unwrap(),
+                p => p.parse().unwrap(),
+            },
+            plain: *p != "off",
             admin: a.parse().unwrap(),
             tls: fields.get("tls").map(|t| t.parse().unwrap()),
             child,

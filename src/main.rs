@@ -388,7 +388,13 @@ fn main() -> ExitCode {
     };
     let file = file.cloned();
     let opts = cli.opts;
-    let reload = Arc::new(move || load_config(&opts, file.as_ref()));
+    let reload = Arc::new(move || {
+        if file.is_none() {
+            // Flags and environment were read once, at start.
+            tracing::info!("no config file: the start-up flags apply again; certificate, CA and token files are reread");
+        }
+        load_config(&opts, file.as_ref())
+    });
     match runtime.block_on(run(config, reload)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(3),

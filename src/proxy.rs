@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tokio_util::sync::CancellationToken;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Limits, Route};
@@ -98,32 +98,52 @@ impl MappingEntry {
     }
 }
 
-/// One way of mapping requests to fence keys. Every write holds the
-/// mapping it was admitted under until it is no longer in flight. After a
-/// reload that changes the mapping, a write to a resource may be in flight
-/// under its old key while a new write arrives under the new key, where no
-/// fence gate orders them: so writes under the new mapping first wait (as
-/// long as they would behind an older write) until the old mapping is
-/// dropped, which is what a restart's drain would have given them.
+/// One way of mapping requests to fence keys. After a reload that changes
+/// the mapping, a write to a resource may be in flight under its old key
+/// while a new write arrives under the new key, where no fence gate orders
+/// them: so writes under the new mapping first wait (as long as they would
+/// behind an older write) until no write admitted under an older mapping is
+/// in flight, which is what a restart's drain would have given them.
 struct Mapping {
     signature: Vec<MappingEntry>,
-    /// The previous mapping's `dropped`.
-    behind: Option<CancellationToken>,
-    dropped: CancellationToken,
+    /// Every request under this mapping holds a token from the start until
+    /// it is known to be a read, or, for a write, until it is no longer in
+    /// flight. Closed when a reload replaces the mapping.
+    writes: TaskTracker,
+    /// The trackers of older mappings that may still have writes in flight.
+    behind: Vec<TaskTracker>,
+    /// A write waited the full bound for them: later ones do not wait again.
+    gave_up: std::sync::atomic::AtomicBool,
 }
 
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        self.dropped.cancel();
+impl Mapping {
+    fn new(signature: Vec<MappingEntry>, previous: Option<&Mapping>) -> Self {
+        let mut behind = Vec::new();
+        if let Some(p) = previous {
+            behind.extend(
+                p.behind
+                    .iter()
+                    .filter(|t| !(t.is_closed() && t.is_empty()))
+                    .cloned(),
+            );
+            p.writes.close();
+            behind.push(p.writes.clone());
+        }
+        Self {
+            signature,
+            writes: TaskTracker::new(),
+            behind,
+            gave_up: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 }
 
 /// What keeps a write in flight for those who must wait for it: its fence
-/// permits (newer writes to its keys) and its key mapping (writes under a
+/// permits (newer writes to its keys) and its mapping token (writes under a
 /// mapping that replaced it).
 struct InFlight {
     _permits: Vec<Arc<Permit>>,
-    _mapping: Arc<Mapping>,
+    _mapping: Option<TaskTrackerToken>,
 }
 
 /// The request handler shared by every connection.
@@ -209,11 +229,7 @@ impl RouteTable {
         let signature: Vec<_> = routes.iter().map(|r| MappingEntry::of(&r.route)).collect();
         let mapping = match previous {
             Some(p) if p.mapping.signature == signature => p.mapping.clone(),
-            _ => Arc::new(Mapping {
-                signature,
-                behind: previous.map(|p| p.mapping.dropped.clone()),
-                dropped: CancellationToken::new(),
-            }),
+            _ => Arc::new(Mapping::new(signature, previous.map(|p| &*p.mapping))),
         };
         Ok(Self {
             host_routes: routes.iter().any(|r| r.route.host.is_some()),
@@ -281,6 +297,9 @@ impl Proxy {
         let table = self.routes.load_full();
         let mut ctx = RequestContext {
             peer: Some(peer),
+            // Taken before anything can wait, so a reload that replaces the
+            // mapping sees this request as possibly a write.
+            mapping: Some(table.mapping.writes.token()),
             ..RequestContext::default()
         };
         // Keep a sane client-sent request id, else make one; it goes
@@ -450,6 +469,7 @@ impl Proxy {
         let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
 
         if !ctx.write {
+            ctx.mapping = None;
             if req.headers().contains_key(&FENCE_TOKEN) {
                 rt.metrics.read_tokens_ignored.inc();
             }
@@ -499,15 +519,29 @@ impl Proxy {
             }
         }
         let started = Instant::now();
-        let mapping = table.mapping.clone();
-        if let Some(behind) = mapping.behind.as_ref().filter(|b| !b.is_cancelled()) {
-            let _ = tokio::time::timeout(route.upstream_timeout, behind.cancelled()).await;
+        // One deadline for the whole admission: older mappings, then all
+        // keys of the request.
+        let deadline = tokio::time::Instant::now() + route.upstream_timeout;
+        let mapping = &table.mapping;
+        if !mapping.behind.is_empty() && !mapping.gave_up.load(Ordering::Relaxed) {
+            for older in &mapping.behind {
+                if tokio::time::timeout_at(deadline, older.wait())
+                    .await
+                    .is_err()
+                {
+                    mapping.gave_up.store(true, Ordering::Relaxed);
+                    rt.metrics.admission_waited_out.inc();
+                    tracing::warn!(
+                        route = %route.name,
+                        "writes admitted before a reload that changed the key mapping are still in flight after the upstream timeout; going ahead"
+                    );
+                    break;
+                }
+            }
         }
         keys.sort();
         keys.dedup();
         let mut permits = Vec::with_capacity(keys.len());
-        // One deadline for all keys of the request.
-        let deadline = tokio::time::Instant::now() + route.upstream_timeout;
         for key in &keys {
             ctx.key = Some(key.clone());
             match self.fence.admit(key, token, deadline).await {
@@ -552,7 +586,7 @@ impl Proxy {
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
         let hold = Arc::new(InFlight {
             _permits: permits,
-            _mapping: mapping,
+            _mapping: ctx.mapping.take(),
         });
         self.forward(rt, req, &path, Some(hold), ctx).await
     }
@@ -768,6 +802,9 @@ struct RequestContext {
     decision: Option<&'static str>,
     /// Forwarding to the upstream's response head.
     upstream_ms: Option<f64>,
+    /// This request's place under its key mapping (see [`Mapping`]):
+    /// released once it is known to be a read, kept by a write in flight.
+    mapping: Option<TaskTrackerToken>,
 }
 
 /// Appends the client to `X-Forwarded-For` (as nginx's
@@ -777,11 +814,15 @@ struct RequestContext {
 fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
     let ip = peer.addr.ip();
     let proto = if peer.tls { "https" } else { "http" };
+    // Earlier hops may have sent the header on several lines: all of them
+    // are kept, in order, with this hop last.
     let append = |headers: &mut HeaderMap, name: &HeaderName, item: String| {
-        let value = match headers.get(name).and_then(|v| v.to_str().ok()) {
-            Some(prev) => format!("{prev}, {item}"),
-            None => item,
-        };
+        let mut value = String::new();
+        for prev in headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+            value.push_str(prev);
+            value.push_str(", ");
+        }
+        value.push_str(&item);
         if let Ok(v) = HeaderValue::from_str(&value) {
             headers.insert(name, v);
         }

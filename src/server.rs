@@ -105,7 +105,9 @@ impl Server {
             .transpose()?;
         if let Some(tls) = &tls {
             metrics.track_tls();
-            metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
+            if let Some(t) = tls.not_after() {
+                metrics.tls_not_after.set(t);
+            }
         }
         let store: Arc<dyn FenceStore> = match &config.store {
             StoreConfig::Embedded { path, cache_bytes } => {
@@ -169,11 +171,7 @@ impl Server {
         let proxy_addr = proxy_listener
             .as_ref()
             .map(|l| l.local_addr().expect("bound address"));
-        if let (Some(addr), Some(t)) = (proxy_addr, &config.tls) {
-            if t.client_ca.is_some() && !addr.ip().is_loopback() {
-                tracing::warn!(listen = %addr, "client certificates are required on the TLS listener, but the plain listener takes requests without any: bind it to loopback or set listen = \"off\"");
-            }
-        }
+        warn_if_plain_bypasses_mtls(proxy_addr, &config);
         let admin_addr = admin_listener.local_addr().expect("bound address");
         let tls_addr = tls_listener
             .as_ref()
@@ -246,6 +244,7 @@ impl Server {
         tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
+            proxy_addr,
             admin,
             tls,
             metrics,
@@ -311,6 +310,16 @@ impl Server {
     }
 }
 
+/// With client certificates required on the TLS listener, a plain listener
+/// reachable from elsewhere takes the same requests without any.
+fn warn_if_plain_bypasses_mtls(plain: Option<SocketAddr>, config: &Config) {
+    if let (Some(addr), Some(t)) = (plain, &config.tls) {
+        if t.client_ca.is_some() && !addr.ip().is_loopback() {
+            tracing::warn!(listen = %addr, "client certificates are required on the TLS listener, but the plain listener takes requests without any: bind it to loopback or set listen = \"off\"");
+        }
+    }
+}
+
 fn log_tls_reload(
     why: &str,
     result: &Result<(), TlsError>,
@@ -325,7 +334,11 @@ fn log_tls_reload(
         }
     }
     metrics.reloaded("tls", result.is_ok());
-    metrics.tls_not_after.set(tls.not_after().unwrap_or(0));
+    // An unreadable notAfter leaves the gauge alone: 0 would read as long
+    // expired.
+    if let Some(t) = tls.not_after() {
+        metrics.tls_not_after.set(t);
+    }
 }
 
 /// Applies a new configuration to a running server.
@@ -334,6 +347,8 @@ pub struct Reloader(Arc<ReloadState>);
 
 struct ReloadState {
     proxy: Arc<Proxy>,
+    /// The plain listener's bound address.
+    proxy_addr: Option<SocketAddr>,
     admin: Arc<Admin>,
     tls: Option<Arc<TlsTerminator>>,
     metrics: Arc<Metrics>,
@@ -420,6 +435,7 @@ impl Reloader {
             .admin
             .admin_token
             .store(new.admin_token.clone().map(Arc::new));
+        warn_if_plain_bypasses_mtls(self.0.proxy_addr, new);
         for field in &ignored {
             tracing::warn!(field, "changed in the config file, but only a restart applies it; keeping the running value");
         }

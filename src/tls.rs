@@ -203,7 +203,13 @@ pub fn not_after(cert: &[u8]) -> Option<i64> {
     let after = der(validity)?.2;
     let (tag, time, _) = der(after)?;
     let text = std::str::from_utf8(time).ok()?;
-    let digits = |r: std::ops::Range<usize>| text.get(r)?.parse::<i64>().ok();
+    // ASCII digits only: `parse` alone would take a sign.
+    let digits = |r: std::ops::Range<usize>| {
+        let d = text.get(r)?;
+        d.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| d.parse::<i64>().ok())?
+    };
     // UTCTime YYMMDDHHMMSSZ (years 1950-2049), GeneralizedTime YYYYMMDDHHMMSSZ.
     let (year, at) = match tag {
         0x17 => {
@@ -219,7 +225,13 @@ pub fn not_after(cert: &[u8]) -> Option<i64> {
         digits(at + 6..at + 8)?,
         digits(at + 8..at + 10)?,
     );
-    if text.get(at + 10..)? != "Z" {
+    if text.get(at + 10..)? != "Z"
+        || !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || h > 23
+        || m > 59
+        || sec > 60
+    {
         return None;
     }
     Some(days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + sec)
@@ -428,6 +440,21 @@ mod tests {
         assert_eq!(not_after(&cert_until(2031, 5, 17)), Some(1_936_742_400));
         assert_eq!(not_after(&cert_until(2061, 2, 3)), Some(2_874_614_400));
         assert_eq!(not_after(&cert_until(2000, 2, 29)), Some(951_782_400));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn not_after_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..600)) {
+            let _ = not_after(&bytes);
+        }
+
+        #[test]
+        fn a_mangled_certificate_never_panics(at in 0usize..400, byte in proptest::num::u8::ANY) {
+            let mut cert = cert_until(2031, 5, 17);
+            let i = at % cert.len();
+            cert[i] = byte;
+            let _ = not_after(&cert);
+        }
     }
 
     #[test]

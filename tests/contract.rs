@@ -623,9 +623,10 @@ async fn admin_binds_loopback_by_default() {
     assert!(text.contains("admin_listen = \"127.0.0.1:9090\""), "{text}");
 }
 
-fn write_config(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
+/// `fencegate.toml` in `dir`.
+fn config_file(dir: &std::path::Path, body: &str) -> std::path::PathBuf {
     let path = dir.join("fencegate.toml");
-    std::fs::write(&path, body).unwrap();
+    write_config(&path, body);
     path
 }
 
@@ -634,7 +635,7 @@ async fn per_route_write_methods_templates_and_namespaces() {
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;
     let u = up.url();
-    let cfg = write_config(
+    let cfg = config_file(
         dir.path(),
         &format!(
             r#"
@@ -769,7 +770,7 @@ async fn ambiguous_paths_do_not_fall_through_to_a_literal_route_and_hosts_are_no
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;
     let u = up.url();
-    let cfg = write_config(
+    let cfg = config_file(
         dir.path(),
         &format!(
             r#"
@@ -893,6 +894,22 @@ async fn request_ids_forwarded_for_and_the_access_log() {
         r.headers["x-forwarded-proto"], "http",
         "the scheme of this hop, not the client's claim"
     );
+    // Earlier hops on several header lines are all kept, in order.
+    let a = send(
+        "GET",
+        &p.url("/r"),
+        &[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-for", "10.0.0.2"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(
+        up.records()[2].headers["x-forwarded-for"],
+        "10.0.0.1, 10.0.0.2, 127.0.0.1"
+    );
     let log = p.stderr();
     let line = log
         .lines()
@@ -904,6 +921,10 @@ async fn request_ids_forwarded_for_and_the_access_log() {
     assert_eq!(v["fields"]["key"], "default:/r");
     assert_eq!(v["fields"]["token"], 2);
     assert_eq!(v["fields"]["method"], "PUT");
+    assert_eq!(v["fields"]["route"], "default");
+    assert!(v["fields"]["client"]
+        .as_str()
+        .is_some_and(|c| c.starts_with("127.0.0.1:")));
     assert_eq!(v["fields"]["decision"], "stale");
     assert_eq!(v["fields"]["version"], "HTTP/1.1");
     assert_eq!(v["fields"]["tls"], false);

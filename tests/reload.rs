@@ -117,7 +117,7 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
     let slow_put = |path: &str, token: &'static str| {
         let url = p.url(path);
         tokio::spawn(async move {
-            let headers = [("x-fence-token", token), ("x-test-delay-ms", "1500")];
+            let headers = [("x-fence-token", token), ("x-test-delay-ms", "3000")];
             send("PUT", &url, &headers, "slow").await.status
         })
     };
@@ -144,10 +144,17 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
         up.arrivals() == 1
     })
     .await;
-    // ...when the namespace changes: /doc is now another key, which has no
-    // highest, so no fence gate would order the next write behind it.
+    // ...when the namespace changes twice: /doc is now another key, which
+    // has no highest, so no fence gate would order the next write behind
+    // it (and the mapping in between has no write of its own in flight).
     write_config(&config, &with_namespace("second"));
     reloads(1.0).await;
+    write_config(&config, &with_namespace("third"));
+    reloads(2.0).await;
+    assert!(
+        up.records().is_empty(),
+        "the old write is still being applied when the new one is sent"
+    );
     assert_eq!(put(&p.url("/doc"), "1").await.status, 200);
     assert_eq!(old.await.unwrap(), 200);
     assert!(
@@ -162,8 +169,8 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
         up.arrivals() == 3
     })
     .await;
-    write_config(&config, &(with_namespace("second") + "# same mapping\n"));
-    reloads(2.0).await;
+    write_config(&config, &(with_namespace("third") + "# same mapping\n"));
+    reloads(3.0).await;
     assert_eq!(put(&p.url("/quick"), "8").await.status, 200);
     assert_eq!(slow.await.unwrap(), 200);
     assert!(record("8").arrived < record("7").completed);

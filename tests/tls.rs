@@ -71,6 +71,7 @@ async fn tls_listener_fences_the_same_over_http1_and_h2() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let p = ProxyBuilder::new(&up.url(), dir.path()).args(&args).spawn();
 
+    assert_eq!(listening_sockets(p.child.id()), 3, "plain, TLS and admin");
     let h1 = https_client(&ca.pem, None, Alpn::Http1);
     let h2 = https_client(&ca.pem, None, Alpn::H2);
     let (v, a) = send_via(&h1, "PUT", &https(&p, "/a/obj"), Some("5"))
@@ -178,6 +179,11 @@ async fn the_plain_listener_can_be_turned_off() {
         .args(&args)
         .spawn();
     assert!(!p.plain, "stdout says proxy=off");
+    assert_eq!(
+        listening_sockets(p.child.id()),
+        2,
+        "only the TLS and admin listeners"
+    );
     let (_, a) = send_via(
         &https_client(&ca.pem, None, Alpn::Http1),
         "PUT",

@@ -17,8 +17,9 @@ always gets a later zxid), so their czxids strictly increase. The sequence
 number is only a counter of the parent node: it restarts at 0 if the
 parent is deleted and re-created (a cleanup of empty lock directories),
 it is unrelated between two lock paths guarding the same resource, and it
-overflows to negative numbers after 2^31. (A zxid jumps by 2^32 at each
-leader election: mind that if a route sets `max_token_step`.)
+overflows to negative numbers after 2^31. (A leader election moves zxids
+to the next epoch, their high 32 bits: a jump of up to 2^32. Mind that if a
+route sets `max_token_step`.)
 
     python3 zookeeper_lock.py --zookeeper 127.0.0.1:2181 --fencegate http://127.0.0.1:8080 \\
         --path /reports/q4.csv

@@ -405,6 +405,10 @@ impl Proxy {
     }
 
     pub fn url(&self, path: &str) -> String {
+        assert!(
+            self.plain,
+            "no plain listener (listen = off): use the TLS address"
+        );
         format!("http://{}{}", self.addr, path)
     }
     pub fn admin_url(&self, path: &str) -> String {
@@ -582,9 +586,9 @@ impl http_body::Body for ChunkBody {
     }
 }
 
-/// Writes a config file the way config management does: write, then rename.
+/// Writes a config file the way config management tools do: write, then
+/// rename.
 pub fn write_config(path: &std::path::Path, text: &str) {
-    // Write then rename, as config management tools do.
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();
     std::fs::rename(&tmp, path).unwrap();
@@ -614,4 +618,34 @@ where
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// How many listening TCP sockets the process holds (from /proc).
+pub fn listening_sockets(pid: u32) -> usize {
+    let mut inodes = std::collections::HashSet::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        if let Ok(target) = std::fs::read_link(entry.path()) {
+            let t = target.to_string_lossy();
+            if let Some(inode) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                inodes.insert(inode.to_string());
+            }
+        }
+    }
+    ["tcp", "tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        })
+        // Column 3 is the state (0A: LISTEN), column 9 the inode.
+        .filter(|cols| cols.get(3).map(String::as_str) == Some("0A"))
+        .filter(|cols| cols.get(9).is_some_and(|i| inodes.contains(i)))
+        .count()
 }

@@ -9,11 +9,11 @@ FENCEGATE_BIN overrides the fencegate binary (default target/release).
 import http.server
 import os
 import pathlib
-import queue
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -22,6 +22,8 @@ import urllib.request
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from fencegate_listening import read_listening  # noqa: E402
 
 FENCEGATE_BIN = os.environ.get("FENCEGATE_BIN", str(ROOT / "target" / "release" / "fencegate"))
 START_TIMEOUT = 30.0
@@ -159,20 +161,10 @@ def fencegate(upstream, tmp_path_factory):
          "--admin-token-file", str(token_file)],
         stdout=subprocess.PIPE, stderr=open(d / "fencegate.log", "w"),
     )
-    # It prints `listening proxy=ADDR admin=ADDR` once both listen; read it
-    # in a thread so a fencegate that never prints cannot hang the suite.
-    lines = queue.Queue()
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline().decode()), daemon=True).start()
     try:
-        line = lines.get(timeout=START_TIMEOUT)
-    except queue.Empty:
-        line = ""
-    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-    if "proxy" not in fields:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"fencegate did not start: {line!r}\n{(d / 'fencegate.log').read_text()[-3000:]}",
-                    pytrace=False)
+        fields = read_listening(proc, d / "fencegate.log", timeout=START_TIMEOUT)
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
     yield {"url": "http://" + fields["proxy"], "admin": "http://" + fields["admin"],
            "admin_token": token_file.read_text().strip(), "admin_token_file": str(token_file)}
     proc.kill()

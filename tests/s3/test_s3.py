@@ -35,7 +35,9 @@ from cryptography.x509.oid import NameOID
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "s3"))
+sys.path.insert(0, str(ROOT / "tests"))
 import fencegate_token  # noqa: E402
+from fencegate_listening import read_listening  # noqa: E402
 
 BIN = os.environ.get("FENCEGATE_BIN", str(ROOT / "target" / "release" / "fencegate"))
 BUCKET = "fence-bucket"
@@ -91,8 +93,7 @@ def start_fencegate(upstream, d, tls=None):
          "--store", str(d / "fences.redb"), "--literal-keys", "--key", "path", "--namespace", "s3", *tls_args],
         stdout=subprocess.PIPE, stderr=open(d / "fencegate.log", "w"),
     )
-    line = proc.stdout.readline().decode()
-    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    fields = read_listening(proc, d / "fencegate.log")
     fg = {"url": "http://" + fields["proxy"], "admin": "http://" + fields["admin"]}
     if tls:
         fg["https"] = "https://localhost:" + fields["tls"].rsplit(":", 1)[1]

@@ -56,6 +56,8 @@ pub enum ServerError {
 pub enum ReloadError {
     #[error(transparent)]
     Tls(#[from] TlsError),
+    #[error("the reload task failed: {0}")]
+    Task(String),
     #[error("invalid `routes`: upstream_timeout {new:?} is longer than the {started:?} the server started with; the crash-recovery window and shared-store leases were sized from it, so a longer one needs a restart")]
     LongerUpstreamTimeout { new: Duration, started: Duration },
 }
@@ -367,7 +369,11 @@ impl Reloader {
     /// only a restart applies (they are logged and ignored).
     pub async fn reload(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
         let _one = self.0.lock.lock().await;
-        let result = self.apply(new);
+        // Loading certificate and CA files blocks: off the runtime threads.
+        let (this, config) = (self.clone(), new.clone());
+        let result = tokio::task::spawn_blocking(move || this.apply(&config))
+            .await
+            .unwrap_or_else(|e| Err(ReloadError::Task(e.to_string())));
         match &result {
             Ok(ignored) => tracing::info!(
                 routes = new.routes.len(),

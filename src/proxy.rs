@@ -126,7 +126,7 @@ impl Mapping {
                     .filter(|t| !(t.is_closed() && t.is_empty()))
                     .cloned(),
             );
-            p.writes.close();
+            // Closed by `reload_routes` once this mapping is in place.
             behind.push(p.writes.clone());
         }
         Self {
@@ -267,9 +267,30 @@ impl Proxy {
     /// already picked a route finish on it (with its connection pool); new
     /// ones use the new table. On error nothing changes.
     pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
-        let table = RouteTable::build(config, &self.metrics, Some(&self.routes.load()))?;
+        let previous = self.routes.load_full();
+        let table = RouteTable::build(config, &self.metrics, Some(&previous))?;
+        let remapped = !Arc::ptr_eq(&table.mapping, &previous.mapping);
         self.routes.store(Arc::new(table));
+        // Closed only now that the new table is in place: see `enter`.
+        if remapped {
+            previous.mapping.writes.close();
+        }
         Ok(())
+    }
+
+    /// The route table a request lives with, and its place under that
+    /// table's key mapping. A request that loaded a table whose mapping a
+    /// reload has just closed takes the newer table instead (already in
+    /// place by then): otherwise it could slip in after the new mapping's
+    /// writes stopped waiting for the old one.
+    fn enter(&self) -> (Arc<RouteTable>, TaskTrackerToken) {
+        loop {
+            let table = self.routes.load_full();
+            let token = table.mapping.writes.token();
+            if !table.mapping.writes.is_closed() {
+                return (table, token);
+            }
+        }
     }
 
     /// A new request id: a per-process random prefix and a counter, so the
@@ -294,12 +315,12 @@ impl Proxy {
         // The routes this request lives with, whatever a reload swaps in
         // meanwhile: the route (and its pool) it starts with is the one it
         // ends with.
-        let table = self.routes.load_full();
+        let (table, mapping) = self.enter();
         let mut ctx = RequestContext {
             peer: Some(peer),
-            // Taken before anything can wait, so a reload that replaces the
-            // mapping sees this request as possibly a write.
-            mapping: Some(table.mapping.writes.token()),
+            // Held until the request is known to be a read, or by a write
+            // until it is no longer in flight.
+            mapping: Some(mapping),
             ..RequestContext::default()
         };
         // Keep a sane client-sent request id, else make one; it goes

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio_postgres::{Client, NoTls};
 
-use super::shared::{lease_answer, stored_token, Backend, Marker};
+use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
@@ -307,15 +307,7 @@ impl Backend for PostgresBackend {
                 None,
             )
             .await?;
-        Ok(match status.as_str() {
-            "stale" => Advance::Stale {
-                highest: parse_token(value.as_deref().unwrap_or(""))?,
-            },
-            "equal" => Advance::Equal,
-            _ => Advance::Raised {
-                previous: value.map(|v| parse_token(&v)).transpose()?,
-            },
-        })
+        advance_answer("postgres", &status, value.as_deref())
     }
 
     async fn acquire(

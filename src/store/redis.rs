@@ -25,7 +25,7 @@ use async_trait::async_trait;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, Script, Value};
 
-use super::shared::{lease_answer, stored_token, Backend, Marker};
+use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const LT: &str = r#"
@@ -310,19 +310,7 @@ impl Backend for RedisBackend {
         let (status, value): (String, String) = self
             .run(|mut c| async move { script.key(k).arg(t).invoke_async(&mut c).await })
             .await?;
-        Ok(match status.as_str() {
-            "stale" => Advance::Stale {
-                highest: parse_token(&value)?,
-            },
-            "equal" => Advance::Equal,
-            _ => Advance::Raised {
-                previous: if value.is_empty() {
-                    None
-                } else {
-                    Some(parse_token(&value)?)
-                },
-            },
-        })
+        advance_answer("redis", &status, Some(&value))
     }
 
     async fn acquire(

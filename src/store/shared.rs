@@ -80,6 +80,26 @@ pub fn stored_token(engine: &str, v: &str) -> Result<u64, StoreError> {
     })
 }
 
+/// The answer of an advance script or function as (status, value):
+/// `stale` with the highest, `equal`, or `raised` with the previous highest
+/// (absent, or empty text, for a new key).
+pub fn advance_answer(
+    engine: &str,
+    status: &str,
+    value: Option<&str>,
+) -> Result<Advance, StoreError> {
+    let value = value.filter(|v| !v.is_empty());
+    Ok(match status {
+        "stale" => Advance::Stale {
+            highest: stored_token(engine, value.unwrap_or(""))?,
+        },
+        "equal" => Advance::Equal,
+        _ => Advance::Raised {
+            previous: value.map(|v| stored_token(engine, v)).transpose()?,
+        },
+    })
+}
+
 /// The admission answer scripts and functions return as (status, value):
 /// `stale` with the highest, `busy`, `granted`, or `lost` (the fence
 /// vanished while a write waited on it: lost data).

@@ -67,17 +67,35 @@ fn admission(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let fence = Fence::new(store(&dir), 1_000_000, Duration::from_secs(1));
     let deadline = || tokio::time::Instant::now() + Duration::from_secs(5);
-    rt.block_on(async { drop(fence.admit("bench:/steady", 7, deadline()).await.unwrap()) });
+    rt.block_on(async {
+        drop(
+            fence
+                .admit("bench:/steady", 7, deadline(), Duration::from_secs(60))
+                .await
+                .unwrap(),
+        )
+    });
     let mut g = c.benchmark_group("admission");
     g.bench_function("steady_token_cached", |b| {
-        b.to_async(&rt)
-            .iter(|| async { drop(fence.admit("bench:/steady", 7, deadline()).await.unwrap()) })
+        b.to_async(&rt).iter(|| async {
+            drop(
+                fence
+                    .admit("bench:/steady", 7, deadline(), Duration::from_secs(60))
+                    .await
+                    .unwrap(),
+            )
+        })
     });
     let n = AtomicU64::new(0);
     g.bench_function("new_key_advance", |b| {
         b.to_async(&rt).iter(|| async {
             let key = format!("bench:/new/{}", n.fetch_add(1, Ordering::Relaxed));
-            drop(fence.admit(&key, 1, deadline()).await.unwrap())
+            drop(
+                fence
+                    .admit(&key, 1, deadline(), Duration::from_secs(60))
+                    .await
+                    .unwrap(),
+            )
         })
     });
     g.finish();

@@ -360,7 +360,9 @@ pub fn parse_upstream(field: &str, text: &str) -> Result<Upstream, ConfigError> 
     Ok(Upstream { scheme, authority })
 }
 
-fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
+/// The store the config names, validated on its own (`fencegate init-store`
+/// needs nothing else).
+pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
     let text = raw
         .store
         .as_deref()

@@ -51,6 +51,8 @@ pub enum ProxyError {
     StoreUnavailable(String),
     #[error("recovering from an unclean stop; writes resume when writes forwarded before it can no longer be in flight")]
     Recovering { retry_after: Duration },
+    #[error("an older write to this key is still in flight upstream and may be applied after this one's wait limit; retry")]
+    OlderInFlight { retry_after: Duration },
     #[error("cannot connect to the upstream: {0}")]
     UpstreamConnect(String),
     #[error("the upstream did not answer within {0:?}")]
@@ -73,7 +75,9 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::StoreUnavailable(_) | Self::Recovering { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable(_) | Self::Recovering { .. } | Self::OlderInFlight { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::UpstreamConnect(_) | Self::Upstream(_) => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -95,6 +99,7 @@ impl ProxyError {
             Self::BodyTimeout => "body-timeout",
             Self::StoreUnavailable(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
+            Self::OlderInFlight { .. } => "older-write-in-flight",
             Self::UpstreamConnect(_) => "upstream-unreachable",
             Self::UpstreamTimeout(_) => "upstream-timeout",
             Self::Upstream(_) => "upstream-failed",
@@ -116,6 +121,7 @@ impl ProxyError {
             Self::BodyTimeout => "Request body timeout",
             Self::StoreUnavailable(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",
+            Self::OlderInFlight { .. } => "Older write still in flight",
             Self::UpstreamConnect(_) => "Upstream unreachable",
             Self::UpstreamTimeout(_) => "Upstream timeout",
             Self::Upstream(_) => "Upstream failed",
@@ -156,7 +162,7 @@ impl ProxyError {
             Self::StoreUnavailable(_) => {
                 extra.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
             }
-            Self::Recovering { retry_after } => {
+            Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
                 extra.push((header::RETRY_AFTER, HeaderValue::from(secs.max(1))));
             }

@@ -4,9 +4,14 @@
 //! lower is stale; higher is raised durably in the store first; equal is
 //! admitted. An admitted write gets a [`Permit`] that marks it in flight.
 //! A write is not let through while an *older*-token write to the same key
-//! is still in flight (it waits, bounded), so a backend that applies
-//! requests in arrival order applies them in token order. Once a newer token
-//! is admitted, every older write, queued or new, is stale.
+//! is still in flight, so a backend that applies requests in arrival order
+//! applies them in token order. Every admitted write carries its own
+//! deadline (admission plus its route's upstream timeout), by which the proxy
+//! has ended its exchange and its body; a newer write waits until each older
+//! one has ended or passed *that* deadline. If the newer write's own wait
+//! limit comes first it is refused ([`FenceError::Busy`]), never forwarded.
+//! Once a newer token is admitted, every older write, queued or new, is
+//! stale.
 //!
 //! In-memory state is per key ([`KeyGate`]), created on demand and dropped
 //! when the key goes idle; a bounded cache of highest tokens answers the
@@ -32,6 +37,10 @@ pub enum FenceError {
     Store(#[from] StoreError),
     #[error("recovering from an unclean stop: writes forwarded before it may still be in flight upstream")]
     Recovering { retry_after: Duration },
+    /// An older write to the key is still in flight and may run past this
+    /// write's wait limit: forwarding now could overtake it.
+    #[error("an older write to this key is still in flight")]
+    Busy { retry_after: Duration },
 }
 
 /// In-memory state of one key while it has writers.
@@ -45,21 +54,53 @@ struct KeyGate {
 enum Step {
     Stale(u64),
     Retry,
-    Go,
-    Wait,
+    Go {
+        waited_out: bool,
+    },
+    /// Older writes may outlive this one's wait limit: refuse, retry after.
+    Busy(Duration),
+    /// Wait for a change, or until this instant.
+    Wait(Instant),
 }
 
 #[derive(Default)]
 struct GateState {
     /// Highest token known durable for this key, if known.
     highest: Option<u64>,
-    /// Tokens of admitted writes still in flight, with their counts.
-    inflight: BTreeMap<u64, u32>,
+    /// Admitted writes still in flight: per token, the deadline of each.
+    inflight: BTreeMap<u64, Vec<Instant>>,
+}
+
+/// What the writes older than a token still in flight mean for it.
+enum Older {
+    /// None in flight.
+    None,
+    /// Some are registered, but every one is past its own deadline (the
+    /// proxy has given up on them): going ahead cannot overtake them.
+    Expired,
+    /// The latest deadline among those still within theirs.
+    Live(Instant),
 }
 
 impl GateState {
-    fn older_in_flight(&self, token: u64) -> bool {
-        self.inflight.range(..token).next().is_some()
+    fn older(&self, token: u64, now: Instant) -> Older {
+        let mut any = false;
+        let mut latest = None;
+        for d in self.inflight.range(..token).flat_map(|(_, ds)| ds) {
+            any = true;
+            if *d > now && latest.is_none_or(|l| *d > l) {
+                latest = Some(*d);
+            }
+        }
+        match (any, latest) {
+            (_, Some(l)) => Older::Live(l),
+            (true, None) => Older::Expired,
+            (false, None) => Older::None,
+        }
+    }
+
+    fn enter(&mut self, token: u64, deadline: Instant) {
+        self.inflight.entry(token).or_default().push(deadline);
     }
 }
 
@@ -112,6 +153,9 @@ pub struct Fence {
     /// upstream timeout has passed.
     recovering_until: Option<Instant>,
     lease_ttl: Duration,
+    /// The store's own latency bound (its timeout, plus a second): an
+    /// acquire whose answer was lost may be applied up to this late.
+    lease_margin: Duration,
 }
 
 /// What an admitted write holds while it is in flight. Dropping it ends the
@@ -125,8 +169,11 @@ pub struct Permit {
     key: Arc<str>,
     token: u64,
     lease: Option<WriteLease>,
-    /// The write waited out its limit and went ahead while an older write was
-    /// still in flight.
+    /// By then the write must have ended (its exchange and its body): newer
+    /// writes to the key wait for it no longer than this.
+    deadline: Instant,
+    /// The write went ahead while an older write was still registered in
+    /// flight, past that write's own deadline.
     pub waited_out: bool,
 }
 
@@ -172,6 +219,7 @@ impl Fence {
             },
             recovering_until,
             lease_ttl: recovery_window + lease_margin,
+            lease_margin,
         })
     }
 
@@ -244,6 +292,11 @@ impl Fence {
             }
             // Queued older writes must now see that they are stale.
             gate.changed.notify_waiters();
+            // The admission that started this may be gone (client hung up):
+            // then this task held the last reference, and the gate must not
+            // outlive it.
+            drop(gate);
+            fence.release_gate(&key);
             Ok::<_, StoreError>(highest)
         });
         match task.await {
@@ -252,20 +305,24 @@ impl Fence {
         }
     }
 
-    /// Admits a write of `token` to `key`, waiting (until `deadline`) while
-    /// an older-token write to the key is in flight.
+    /// Admits a write of `token` to `key`. While an older-token write to the
+    /// key is in flight (and within its own deadline) this waits, but not
+    /// past `wait_until`: then it fails with [`FenceError::Busy`]. The permit
+    /// it returns carries the write's own deadline, `upstream_timeout` from
+    /// now: the caller must have ended the write (exchange and body) by then.
     pub async fn admit(
         self: &Arc<Self>,
         key: &str,
         token: u64,
-        deadline: Instant,
+        wait_until: Instant,
+        upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
         if let Some(retry_after) = self.recovering_for() {
             return Err(FenceError::Recovering { retry_after });
         }
         let key: Arc<str> = Arc::from(key);
         if !self.store.exclusive() {
-            return self.admit_shared(key, token).await;
+            return self.admit_shared(key, token, upstream_timeout).await;
         }
         // Removes the gate again if this admission fails or is abandoned
         // (the client hung up while waiting).
@@ -275,7 +332,8 @@ impl Fence {
             gate: Some(self.gate(&key)),
         };
         let gate = guard.gate.as_ref().expect("set above");
-        self.admit_on(&key, gate, token, deadline).await
+        self.admit_on(&key, gate, token, wait_until, upstream_timeout)
+            .await
     }
 
     async fn admit_on(
@@ -283,7 +341,8 @@ impl Fence {
         key: &Arc<str>,
         gate: &Arc<KeyGate>,
         token: u64,
-        deadline: Instant,
+        wait_until: Instant,
+        upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
         let exclusive = self.store.exclusive();
         let mut checked_with_store = false;
@@ -301,6 +360,7 @@ impl Fence {
             }
             let notified = gate.changed.notified();
             tokio::pin!(notified);
+            let now = Instant::now();
             let decision = {
                 let mut st = gate.state.lock().expect("gate lock");
                 let highest = st.highest.unwrap_or(token);
@@ -310,61 +370,48 @@ impl Fence {
                     // Not raised yet (the answer is pending elsewhere): ask
                     // the store.
                     Step::Retry
-                } else if !st.older_in_flight(token) {
-                    *st.inflight.entry(token).or_default() += 1;
-                    Step::Go
                 } else {
-                    notified.as_mut().enable();
-                    Step::Wait
+                    match st.older(token, now) {
+                        Older::Live(latest) if now >= wait_until => Step::Busy(latest - now),
+                        Older::Live(latest) => {
+                            notified.as_mut().enable();
+                            Step::Wait(latest.min(wait_until))
+                        }
+                        other => {
+                            st.enter(token, now + upstream_timeout);
+                            Step::Go {
+                                waited_out: matches!(other, Older::Expired),
+                            }
+                        }
+                    }
                 }
             };
             match decision {
                 Step::Stale(highest) => return Err(FenceError::Stale { token, highest }),
                 Step::Retry => continue,
-                Step::Go => return self.with_lease(key, gate, token, deadline, false).await,
-                Step::Wait => {}
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                // Waited as long as the upstream timeout: the older write has
-                // been given up on by now (504). Go, as documented.
-                let stale = {
-                    let mut st = gate.state.lock().expect("gate lock");
-                    match st.highest {
-                        Some(h) if h > token => Some(h),
-                        _ => {
-                            *st.inflight.entry(token).or_default() += 1;
-                            None
-                        }
-                    }
-                };
-                if let Some(highest) = stale {
-                    return Err(FenceError::Stale { token, highest });
+                Step::Busy(retry_after) => return Err(FenceError::Busy { retry_after }),
+                Step::Go { waited_out } => {
+                    return Ok(Permit {
+                        fence: self.clone(),
+                        gate: Some(gate.clone()),
+                        key: key.clone(),
+                        token,
+                        lease: None,
+                        deadline: now + upstream_timeout,
+                        waited_out,
+                    })
                 }
-                return self.with_lease(key, gate, token, deadline, true).await;
+                Step::Wait(until) => {
+                    // Woken by a write ending or the highest rising, or at
+                    // the older writes' deadline or our own limit: decide
+                    // again in every case.
+                    let _ = tokio::time::timeout_at(until, notified).await;
+                }
             }
-            // Woken: a write ended or the highest rose. A shared store must be
-            // asked again, another replica may have raised the key.
+            // A shared store must be asked again, another replica may have
+            // raised the key.
             checked_with_store = false;
         }
-    }
-
-    /// Wraps the local in-flight mark into a [`Permit`].
-    async fn with_lease(
-        self: &Arc<Self>,
-        key: &Arc<str>,
-        gate: &Arc<KeyGate>,
-        token: u64,
-        _deadline: Instant,
-        waited_out: bool,
-    ) -> Result<Permit, FenceError> {
-        Ok(Permit {
-            fence: self.clone(),
-            gate: Some(gate.clone()),
-            key: key.clone(),
-            token,
-            lease: None,
-            waited_out,
-        })
     }
 
     /// Admission on a shared store: the store raises, registers a lease and
@@ -375,46 +422,49 @@ impl Fence {
         self: &Arc<Self>,
         key: Arc<str>,
         token: u64,
+        upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
+        // The lease's identity exists, and its release is armed, before the
+        // acquire is sent: whatever ends this admission (a stale answer, an
+        // error, a store timeout after the store applied it, the client
+        // hanging up mid-call) releases it, so no orphan holds the key for a
+        // whole lease TTL.
+        let lease = WriteLease {
+            id: crate::store::shared::unique_id(),
+            token,
+        };
+        let pending = PendingLease {
+            store: self.store.clone(),
+            key: key.clone(),
+            lease: Some(lease.clone()),
+            again_after: self.lease_margin,
+        };
         let mut outcome = self
             .store
-            .acquire_lease(&key, token, self.lease_ttl)
+            .acquire_lease(&key, &lease, self.lease_ttl)
             .await?;
         // Older leases expire after lease_ttl on the store's clock; a little
         // more than that is the longest a wait can legitimately take.
         let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
         let mut pause = Duration::from_millis(2);
-        // Until it is granted, the registered lease is released if this
-        // admission ends any other way (stale, error, client gone). One
-        // guard for the whole wait: releasing between polls would let a
-        // late release delete the lease after it was granted.
-        let mut pending: Option<PendingLease> = None;
         loop {
             match outcome {
                 LeaseOutcome::Stale { highest } => {
                     return Err(FenceError::Stale { token, highest })
                 }
                 LeaseOutcome::Granted(lease) => {
-                    if let Some(p) = pending.take() {
-                        p.disarm();
-                    }
+                    pending.disarm();
                     return Ok(Permit {
                         fence: self.clone(),
                         gate: None,
                         key,
                         token,
                         lease: Some(lease),
+                        deadline: Instant::now() + upstream_timeout,
                         waited_out: false,
                     });
                 }
                 LeaseOutcome::Busy { lease, retry_after } => {
-                    if pending.is_none() {
-                        pending = Some(PendingLease {
-                            store: self.store.clone(),
-                            key: key.clone(),
-                            lease: Some(lease.clone()),
-                        });
-                    }
                     if Instant::now() >= deadline {
                         return Err(StoreError::Unavailable(
                             "an older write's lease neither ended nor expired".into(),
@@ -501,12 +551,16 @@ impl Fence {
     }
 }
 
-/// A registered lease that is not granted yet; released on drop unless
-/// disarmed.
+/// A lease that may be registered but is not granted yet; released on drop
+/// unless disarmed.
 struct PendingLease {
     store: Arc<dyn FenceStore>,
     key: Arc<str>,
     lease: Option<WriteLease>,
+    /// An acquire whose answer never came may still be applied after a
+    /// first release (it was queued on the server, or went over another
+    /// pooled connection): release once more after this long.
+    again_after: Duration,
 }
 
 impl PendingLease {
@@ -518,8 +572,10 @@ impl PendingLease {
 impl Drop for PendingLease {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
-            let (store, key) = (self.store.clone(), self.key.clone());
+            let (store, key, again) = (self.store.clone(), self.key.clone(), self.again_after);
             tokio::spawn(async move {
+                let _ = store.release_lease(&key, &lease).await;
+                tokio::time::sleep(again).await;
                 let _ = store.release_lease(&key, &lease).await;
             });
         }
@@ -544,6 +600,11 @@ impl Permit {
     pub fn token(&self) -> u64 {
         self.token
     }
+
+    /// When the write must have ended: its exchange and body are cut then.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
 }
 
 impl Drop for Permit {
@@ -560,9 +621,11 @@ impl Drop for Permit {
         let Some(gate) = self.gate.take() else { return };
         {
             let mut st = gate.state.lock().expect("gate lock");
-            if let Some(n) = st.inflight.get_mut(&self.token) {
-                *n -= 1;
-                if *n == 0 {
+            if let Some(ds) = st.inflight.get_mut(&self.token) {
+                if let Some(i) = ds.iter().position(|d| *d == self.deadline) {
+                    ds.swap_remove(i);
+                }
+                if ds.is_empty() {
                     st.inflight.remove(&self.token);
                 }
             }
@@ -578,6 +641,8 @@ mod tests {
     use super::*;
     use crate::store::embedded::EmbeddedStore;
 
+    const T: Duration = Duration::from_secs(1);
+
     fn fence(dir: &tempfile::TempDir) -> Arc<Fence> {
         let store =
             EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
@@ -590,10 +655,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
         let w = Instant::now() + Duration::from_secs(1);
-        drop(f.admit("k", 5, w).await.unwrap());
-        drop(f.admit("k", 5, w).await.unwrap());
-        drop(f.admit("k", 7, w).await.unwrap());
-        match f.admit("k", 6, w).await {
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        drop(f.admit("k", 7, w, T).await.unwrap());
+        match f.admit("k", 6, w, T).await {
             Err(FenceError::Stale {
                 token: 6,
                 highest: 7,
@@ -611,16 +676,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
         let w = Instant::now() + Duration::from_secs(30);
-        let old = f.admit("k", 1, w).await.unwrap();
+        let old = f.admit("k", 1, w, T).await.unwrap();
         let f2 = f.clone();
-        let mid = tokio::spawn(async move { f2.admit("k", 2, w).await.map(|p| p.token()) });
+        let mid = tokio::spawn(async move { f2.admit("k", 2, w, T).await.map(|p| p.token()) });
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert!(
             !mid.is_finished(),
             "token 2 must wait for token 1 in flight"
         );
         let f3 = f.clone();
-        let new = tokio::spawn(async move { f3.admit("k", 3, w).await.map(|p| p.token()) });
+        let new = tokio::spawn(async move { f3.admit("k", 3, w, T).await.map(|p| p.token()) });
         let mid = mid.await.unwrap();
         assert!(matches!(
             mid,
@@ -639,17 +704,89 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn waiting_is_bounded() {
+    async fn a_newer_write_waits_out_the_older_writes_own_deadline() {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
+        let start = Instant::now();
         let _old = f
-            .admit("k", 1, Instant::now() + Duration::from_secs(5))
+            .admit("k", 1, start, Duration::from_secs(2))
             .await
             .unwrap();
+        // Its own limit is later: it waits until the older write's deadline,
+        // when the proxy has given up on it, and goes then.
         let p = f
-            .admit("k", 2, Instant::now() + Duration::from_secs(5))
+            .admit(
+                "k",
+                2,
+                start + Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
             .await
             .unwrap();
         assert!(p.waited_out);
+        assert!(Instant::now() >= start + Duration::from_secs(2));
+        assert!(Instant::now() < start + Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_newer_write_whose_limit_comes_first_is_refused_not_forwarded() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let start = Instant::now();
+        let old = f
+            .admit("k", 1, start, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(old.deadline(), start + Duration::from_secs(10));
+        match f
+            .admit(
+                "k",
+                2,
+                start + Duration::from_secs(2),
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Err(FenceError::Busy { retry_after }) => {
+                assert!(Instant::now() >= start + Duration::from_secs(2));
+                assert_eq!(retry_after, old.deadline() - Instant::now());
+            }
+            other => panic!("expected busy, got {:?}", other.map(|p| p.token())),
+        }
+        // The refused write left nothing in flight: once the older write
+        // ends, a retry goes at once.
+        drop(old);
+        let p = f
+            .admit("k", 2, Instant::now(), Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert!(!p.waited_out);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_admission_leaves_no_gate_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        for i in 0..50u64 {
+            let key = format!("k{i}");
+            // Polled once, then dropped at its first pending point: while
+            // its advance is with the store.
+            tokio::select! {
+                biased;
+                _ = f.admit(&key, 1, Instant::now(), T) => panic!("admitted without waiting for the store"),
+                _ = std::future::ready(()) => {}
+            }
+        }
+        eventually_idle(&f).await;
+    }
+
+    async fn eventually_idle(f: &Arc<Fence>) {
+        for _ in 0..500 {
+            if f.active_keys() == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{} gates left behind", f.active_keys());
     }
 }

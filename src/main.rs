@@ -41,6 +41,12 @@ enum Command {
         /// The URL to GET (http only).
         url: String,
     },
+    /// Mark a new shared store (Redis, PostgreSQL, etcd) as fencegate's,
+    /// once, before the first replica starts: `fencegate init-store --store
+    /// redis://...`. A replica refuses to start on a store without the mark,
+    /// since a wiped store looks just like a new one. Does nothing to a
+    /// store that is marked already.
+    InitStore,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -319,6 +325,55 @@ async fn run(
     Ok(clean)
 }
 
+/// `fencegate init-store`: marks the shared store named by `--store` (or
+/// the config file) as fencegate's. Exit 0 if it is marked afterwards.
+fn init_store(opts: &Opts) -> ExitCode {
+    use fencegate::config::StoreConfig;
+    let store = raw_config(opts, opts.config.as_ref())
+        .and_then(|raw| fencegate::config::store(&raw).map_err(anyhow::Error::from));
+    let shared = match store {
+        Ok(StoreConfig::Shared(s)) => s,
+        Ok(StoreConfig::Embedded { path, .. }) => {
+            println!(
+                "{} is an embedded store: it is created at the first start, nothing to do",
+                path.display()
+            );
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("fencegate: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return ExitCode::FAILURE;
+    };
+    runtime.block_on(async {
+        let result = async {
+            let store = fencegate::store::connect_shared(&shared)?;
+            Ok::<_, anyhow::Error>(store.initialise().await?)
+        }
+        .await;
+        match result {
+            Ok(true) => {
+                println!("initialised {}", shared.url);
+                ExitCode::SUCCESS
+            }
+            Ok(false) => {
+                println!("{} is initialised already; nothing changed", shared.url);
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fencegate init-store: {e:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
 /// `fencegate probe URL`: exit 0 on 2xx within 5 s.
 fn probe(url: &str) -> ExitCode {
     use http_body_util::Empty;
@@ -361,6 +416,9 @@ fn main() -> ExitCode {
         return probe(url);
     }
     init_logging(cli.opts.log_format);
+    if let Some(Command::InitStore) = &cli.command {
+        return init_store(&cli.opts);
+    }
     let file = match &cli.command {
         Some(Command::CheckConfig { file }) => Some(file),
         _ => cli.opts.config.as_ref(),

@@ -310,11 +310,11 @@ impl crate::store::FenceStore for InstrumentedStore {
     async fn acquire_lease(
         &self,
         key: &str,
-        token: u64,
+        lease: &crate::store::WriteLease,
         ttl: std::time::Duration,
     ) -> Result<crate::store::LeaseOutcome, crate::store::StoreError> {
         let t = std::time::Instant::now();
-        let r = self.inner.acquire_lease(key, token, ttl).await;
+        let r = self.inner.acquire_lease(key, lease, ttl).await;
         self.observe("acquire_lease", t);
         r
     }
@@ -340,6 +340,9 @@ impl crate::store::FenceStore for InstrumentedStore {
     }
     async fn confirm_reset(&self) -> Result<(), crate::store::StoreError> {
         self.inner.confirm_reset().await
+    }
+    async fn initialise(&self) -> Result<bool, crate::store::StoreError> {
+        self.inner.initialise().await
     }
     async fn ping(&self) -> Result<(), crate::store::StoreError> {
         self.inner.ping().await

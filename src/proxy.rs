@@ -111,9 +111,9 @@ struct Mapping {
     /// flight. Closed when a reload replaces the mapping.
     writes: TaskTracker,
     /// The trackers of older mappings that may still have writes in flight.
+    /// Each of those writes ends by its own deadline, so they empty in
+    /// bounded time; until then writes here wait or are refused (503).
     behind: Vec<TaskTracker>,
-    /// A write waited the full bound for them: later ones do not wait again.
-    gave_up: std::sync::atomic::AtomicBool,
 }
 
 impl Mapping {
@@ -133,17 +133,18 @@ impl Mapping {
             signature,
             writes: TaskTracker::new(),
             behind,
-            gave_up: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
 
 /// What keeps a write in flight for those who must wait for it: its fence
 /// permits (newer writes to its keys) and its mapping token (writes under a
-/// mapping that replaced it).
+/// mapping that replaced it). The write's exchange and body are cut at
+/// `deadline`, so nobody waits on it longer than that.
 struct InFlight {
     _permits: Vec<Arc<Permit>>,
     _mapping: Option<TaskTrackerToken>,
+    deadline: tokio::time::Instant,
 }
 
 /// The request handler shared by every connection.
@@ -167,6 +168,8 @@ const BODY_OK: u8 = 0;
 const BODY_TOO_LARGE: u8 = 1;
 const BODY_TIMEOUT: u8 = 2;
 const BODY_MALFORMED: u8 = 3;
+/// The write's deadline passed while its body was still being sent.
+const BODY_DEADLINE: u8 = 4;
 
 impl RouteTable {
     /// Builds every route's upstream client. Fails (naming the field) if a
@@ -540,24 +543,22 @@ impl Proxy {
             }
         }
         let started = Instant::now();
-        // One deadline for the whole admission: older mappings, then all
-        // keys of the request.
-        let deadline = tokio::time::Instant::now() + route.upstream_timeout;
-        let mapping = &table.mapping;
-        if !mapping.behind.is_empty() && !mapping.gave_up.load(Ordering::Relaxed) {
-            for older in &mapping.behind {
-                if tokio::time::timeout_at(deadline, older.wait())
-                    .await
-                    .is_err()
-                {
-                    mapping.gave_up.store(true, Ordering::Relaxed);
-                    rt.metrics.admission_waited_out.inc();
-                    tracing::warn!(
-                        route = %route.name,
-                        "writes admitted before a reload that changed the key mapping are still in flight after the upstream timeout; going ahead"
-                    );
-                    break;
-                }
+        // One limit for the whole wait: older mappings, then all keys of the
+        // request. Past it the write is refused, never sent ahead of an
+        // older write that may still be applied.
+        let wait_until = tokio::time::Instant::now() + route.upstream_timeout;
+        for older in &table.mapping.behind {
+            if tokio::time::timeout_at(wait_until, older.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    route = %route.name,
+                    "writes admitted before a reload that changed the key mapping are still in flight: refusing (503)"
+                );
+                return Err(ProxyError::OlderInFlight {
+                    retry_after: Duration::from_secs(1),
+                });
             }
         }
         keys.sort();
@@ -565,7 +566,11 @@ impl Proxy {
         let mut permits = Vec::with_capacity(keys.len());
         for key in &keys {
             ctx.key = Some(key.clone());
-            match self.fence.admit(key, token, deadline).await {
+            match self
+                .fence
+                .admit(key, token, wait_until, route.upstream_timeout)
+                .await
+            {
                 Ok(p) => {
                     if p.waited_out {
                         rt.metrics.admission_waited_out.inc();
@@ -581,6 +586,9 @@ impl Proxy {
                 }
                 Err(FenceError::Recovering { retry_after }) => {
                     return Err(ProxyError::Recovering { retry_after })
+                }
+                Err(FenceError::Busy { retry_after }) => {
+                    return Err(ProxyError::OlderInFlight { retry_after })
                 }
             }
         }
@@ -605,9 +613,17 @@ impl Proxy {
         rt.metrics.admitted.inc();
         ctx.decision = Some("admitted");
         tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
+        // The earliest key's deadline: time spent waiting for a second key
+        // (COPY/MOVE) comes out of the exchange's share.
+        let deadline = permits
+            .iter()
+            .map(|p| p.deadline())
+            .min()
+            .expect("a write holds at least one key");
         let hold = Arc::new(InFlight {
             _permits: permits,
             _mapping: ctx.mapping.take(),
+            deadline,
         });
         self.forward(rt, req, &path, Some(hold), ctx).await
     }
@@ -728,9 +744,16 @@ impl Proxy {
                 }
             }
         }
+        // A write ends by its permit's deadline, exchange and body alike:
+        // newer writes to its keys wait for it no longer than that.
+        let deadline = hold.as_ref().map_or_else(
+            || tokio::time::Instant::now() + route.upstream_timeout,
+            |h| h.deadline,
+        );
         let body_state = Arc::new(AtomicU8::new(BODY_OK));
         let body = GuardedBody {
             inner: body,
+            cutoff: hold.as_ref().map(|h| h.deadline),
             hold: hold.clone(),
             limit: self.limits.max_body_bytes,
             seen: 0,
@@ -744,7 +767,7 @@ impl Proxy {
         *up.headers_mut() = headers;
 
         let started = Instant::now();
-        let exchange = tokio::time::timeout(route.upstream_timeout, rt.client.request(up));
+        let exchange = tokio::time::timeout_at(deadline, rt.client.request(up));
         let result = if hold.is_none() {
             exchange.await
         } else {
@@ -781,6 +804,9 @@ impl Proxy {
                         })
                     }
                     BODY_TIMEOUT => return Err(ProxyError::BodyTimeout),
+                    BODY_DEADLINE => {
+                        return Err(ProxyError::UpstreamTimeout(route.upstream_timeout))
+                    }
                     BODY_MALFORMED => return Err(ProxyError::BadFraming(
                         "the request body could not be read (malformed chunk or connection cut)"
                             .into(),
@@ -872,6 +898,7 @@ fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
         ProxyError::TokenTooFarAhead { .. } => "too_far_ahead",
         ProxyError::BadTarget(_) => "bad_key",
         ProxyError::Recovering { .. } => "recovering",
+        ProxyError::OlderInFlight { .. } => "older_in_flight",
         ProxyError::StoreUnavailable(_) => "store_error",
         _ => return None,
     })
@@ -984,12 +1011,16 @@ impl Drop for GaugeGuard {
 }
 
 pin_project_lite::pin_project! {
-    /// The request body on its way upstream: enforces the size limit and the
-    /// body read timeout, and keeps the write in flight until the last
-    /// byte has been handed to the upstream connection.
+    /// The request body on its way upstream: enforces the size limit, the
+    /// body read timeout and the write's deadline, and keeps the write in
+    /// flight until the last byte has been handed to the upstream
+    /// connection.
     struct GuardedBody {
         #[pin]
         inner: Incoming,
+        // A write's deadline: its body is cut there, even after the
+        // upstream answered early, so it cannot outlive its permit.
+        cutoff: Option<tokio::time::Instant>,
         hold: Option<Arc<InFlight>>,
         limit: Option<u64>,
         seen: u64,
@@ -998,6 +1029,17 @@ pin_project_lite::pin_project! {
         timer: Option<tokio::time::Sleep>,
         state: Arc<AtomicU8>,
     }
+}
+
+/// Ends a write's body at its deadline: the upstream exchange fails (and its
+/// connection is dropped) and the write stops holding its keys.
+fn cut(
+    state: &AtomicU8,
+    hold: &mut Option<Arc<InFlight>>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    state.store(BODY_DEADLINE, Ordering::Release);
+    *hold = None;
+    Poll::Ready(Some(Err("the write's deadline passed mid-body".into())))
 }
 
 impl Body for GuardedBody {
@@ -1012,10 +1054,20 @@ impl Body for GuardedBody {
         match this.inner.as_mut().poll_frame(cx) {
             Poll::Pending => {
                 if this.timer.is_none() {
-                    this.timer.set(Some(tokio::time::sleep(*this.idle)));
+                    // One timer: the idle limit or the deadline, whichever
+                    // comes first.
+                    let idle = tokio::time::Instant::now() + *this.idle;
+                    let at = this.cutoff.map_or(idle, |c| c.min(idle));
+                    this.timer.set(Some(tokio::time::sleep_until(at)));
                 }
                 if let Some(t) = this.timer.as_mut().as_pin_mut() {
                     if std::future::Future::poll(t, cx).is_ready() {
+                        if this
+                            .cutoff
+                            .is_some_and(|c| tokio::time::Instant::now() >= c)
+                        {
+                            return cut(this.state, this.hold);
+                        }
                         this.state.store(BODY_TIMEOUT, Ordering::Release);
                         *this.hold = None;
                         return Poll::Ready(Some(Err("request body read timed out".into())));
@@ -1034,6 +1086,12 @@ impl Body for GuardedBody {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 this.timer.set(None);
+                if this
+                    .cutoff
+                    .is_some_and(|c| tokio::time::Instant::now() >= c)
+                {
+                    return cut(this.state, this.hold);
+                }
                 if let Some(data) = frame.data_ref() {
                     *this.seen += data.len() as u64;
                     if this.limit.is_some_and(|l| *this.seen > l) {

@@ -31,6 +31,7 @@ use crate::fence::Fence;
 use crate::metrics::{InstrumentedStore, Metrics};
 use crate::proxy::{Peer, Proxy};
 use crate::store::embedded::{EmbeddedStore, OpenError};
+use crate::store::StoreError;
 use crate::store::{FenceStore, StartState};
 use crate::tls::{TlsError, TlsTerminator};
 
@@ -129,16 +130,30 @@ impl Server {
                 "the last run did not stop cleanly: writes are refused (503) until writes forwarded before the crash can no longer be in flight"
             );
         }
-        if !store.exclusive() {
+        if let StoreConfig::Shared(shared) = &config.store {
             // Connect now, so schema setup, durability warnings and the
-            // marker check happen at start; a store that is down only makes
-            // writes fail closed until it answers.
-            let probe = store.clone();
-            tokio::spawn(async move {
-                if let Err(e) = probe.ping().await {
-                    tracing::warn!(store = probe.kind(), error = %e, "fence store not reachable at start: writes fail closed until it is");
+            // marker check happen at start. A store without a marker stops
+            // the start (it is new, or was wiped: an operator must say
+            // which); one that is down only makes writes fail closed until
+            // it answers, and is checked then.
+            let bound = shared.timeout * 3 + Duration::from_secs(1);
+            match tokio::time::timeout(bound, store.ping()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(StoreError::Uninitialised)) => {
+                    return Err(ServerError::SharedStore(
+                        StoreError::Uninitialised.to_string(),
+                    ))
                 }
-            });
+                Ok(Err(e)) => {
+                    tracing::warn!(store = store.kind(), error = %e, "fence store not usable at start: writes fail closed until it is")
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        store = store.kind(),
+                        "fence store not reachable at start: writes fail closed until it is"
+                    )
+                }
+            }
         }
         let store: Arc<dyn FenceStore> = Arc::new(InstrumentedStore::new(store, metrics.clone()));
         let lease_margin = match &config.store {
@@ -296,6 +311,17 @@ impl Server {
         if !(connections_drained && exchanges_done) {
             tracing::warn!(
                 "grace period over with requests still in flight: not marking a clean stop"
+            );
+            return false;
+        }
+        // Writes a crashed run forwarded may still be in flight: a clean
+        // mark now would let the next start forward newer writes at once.
+        // Left unclean, the next start waits a whole window again (longer
+        // than what is left, never shorter).
+        if let Some(left) = self.fence.recovering_for() {
+            tracing::warn!(
+                left = ?left,
+                "drained, but still within the crash-recovery window: not marking a clean stop"
             );
             return false;
         }

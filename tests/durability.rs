@@ -280,3 +280,71 @@ async fn example_configs_are_valid() {
     }
     assert!(seen >= 2, "expected example configs in config/");
 }
+
+/// A clean stop during the crash-recovery window must not erase it: writes
+/// the crashed run forwarded may still be applied after the clean stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_stop_during_recovery_keeps_the_recovery_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "6s"])
+        .spawn();
+    let url = p.url("/c");
+    let old = tokio::spawn(async move {
+        send(
+            "PUT",
+            &url,
+            &[("x-fence-token", "1"), ("x-test-delay-ms", "4000")],
+            "old",
+        )
+        .await
+    });
+    eventually(
+        "token 1 reached the upstream",
+        Duration::from_secs(5),
+        || up.arrivals() == 1,
+    )
+    .await;
+    p.kill9();
+    let _ = old.await;
+    p.restart();
+    assert_eq!(put(&p.url("/c"), "2").await.status, 503, "recovering");
+    // A clean stop now: nothing of this run is in flight, but the crashed
+    // run's write may be.
+    let exit = p.sigterm();
+    assert!(!exit.success(), "{exit:?}\n{}", p.stderr());
+    assert!(
+        p.stderr().contains("not marking a clean stop"),
+        "{}",
+        p.stderr()
+    );
+    p.restart();
+    let a = put(&p.url("/c"), "2").await;
+    assert_eq!(a.status, 503, "the recovery wait survived: {}", a.text());
+    assert!(a.header("retry-after").is_some());
+    // Token 1 is still being applied: token 2 must not reach the backend
+    // before it completed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = put(&p.url("/c"), "2").await;
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.status, 503, "{}", a.text());
+        assert!(std::time::Instant::now() < deadline, "never recovered");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let r = up.records();
+    let t1 = r.iter().find(|x| x.token.as_deref() == Some("1")).unwrap();
+    let t2 = r.iter().find(|x| x.token.as_deref() == Some("2")).unwrap();
+    assert!(
+        t2.arrived >= t1.completed,
+        "token 2 reached the backend while token 1 was being applied"
+    );
+    assert_eq!(
+        r.iter().filter(|x| x.token.as_deref() == Some("2")).count(),
+        1,
+        "refused attempts reached the backend"
+    );
+}

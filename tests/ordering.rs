@@ -177,3 +177,64 @@ async fn a_copy_overtaken_on_one_key_while_waiting_on_another_is_refused() {
         "the overtaken COPY was applied"
     );
 }
+
+/// Two routes fence one key with different upstream timeouts. The newer
+/// write's shorter limit must not let it overtake the older write, which is
+/// still within its own (longer) timeout: it is refused (503), not sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shorter_timeout_on_another_route_does_not_overtake() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let cfg = dir.path().join("routes.toml");
+    write_config(
+        &cfg,
+        &format!(
+            r#"
+[[routes]]
+name = "slow"
+path_prefix = "/d/slow"
+upstream = "{u}"
+key = "/{{s}}"
+upstream_timeout = "10s"
+
+[[routes]]
+name = "fast"
+path_prefix = "/d"
+upstream = "{u}"
+key = "/{{s}}"
+upstream_timeout = "1s"
+"#,
+            u = up.url()
+        ),
+    );
+    let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
+    let old = slow_put(p.url("/d/slow/x"), "1", "3000");
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let a = send("PUT", &p.url("/d/y"), &[("x-fence-token", "2")], "new").await;
+    assert_eq!(a.status, 503, "{}", a.text());
+    assert_eq!(
+        a.json()["type"],
+        "urn:fencegate:problem:older-write-in-flight"
+    );
+    // It waited its own limit for the older write first.
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    let retry: u64 = a.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=10).contains(&retry), "{retry}");
+    assert_eq!(up.arrivals(), 1, "token 2 reached the backend");
+    assert_eq!(old.await.unwrap().status, 200);
+    // Once token 1 is applied, the retry goes at once.
+    let a = put(&p.url("/d/y"), "2").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let r = up.records();
+    assert_eq!(r.len(), 2);
+    assert!(r[1].arrived >= r[0].completed, "token 2 overtook token 1");
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(
+        m.contains("fencegate_writes_total{decision=\"older_in_flight\",route=\"fast\"} 1"),
+        "{m}"
+    );
+}

@@ -364,6 +364,12 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
         .await
         .text();
     assert!(m.contains("fencegate_store_amnesia 1"), "{m}");
+    // A plain restart must not take the wiped store for a new one: the
+    // replica refuses to start and names the explicit step.
+    let (status, stderr) = c.a.start_refused();
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("init-store"), "{stderr}");
+    assert_eq!(c.up.count(), applied, "nothing reached the backend");
     // Without the admin token, no confirmation.
     assert_eq!(
         send("POST", &c.a.admin_url("/v1/store/confirm-reset"), &[], "")
@@ -380,6 +386,73 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
     assert_eq!(a.status, 409, "the fence was restored: {}", a.text());
     assert_eq!(put(&c.a.url("/w"), "6").await.status, 200);
     assert_eq!(put(&c.b().url("/w/other"), "1").await.status, 200);
+    // Confirmed, the store is marked again: a restart starts.
+    let mut c = c;
+    c.a.restart();
+    assert_eq!(put(&c.a.url("/w"), "5").await.status, 409);
+}
+
+/// A store nobody initialised is refused at start (it could be a wiped
+/// one); `fencegate init-store` marks it once, and is idempotent.
+async fn a_new_store_needs_init_store(kind: StoreKind) {
+    let c = Cluster::start(kind, "2s").await;
+    let fresh = StoreServer::start_uninitialised(kind);
+    let on_fresh = || {
+        ProxyBuilder::new(&c.up.url(), fresh.dir.path())
+            .store_url(&fresh.url())
+            .args(&["--store-timeout", "1s"])
+    };
+    let (status, stderr) = on_fresh().start_refused();
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("init-store"), "{stderr}");
+    fresh.initialise();
+    fresh.initialise();
+    let mut p = on_fresh().spawn();
+    assert_eq!(put(&p.url("/n"), "4").await.status, 200);
+    p.restart();
+    assert_eq!(put(&p.url("/n"), "3").await.status, 409);
+}
+
+/// An acquire whose answer never came (the client gave up, the store call
+/// timed out, the store applied it late) must not leave its lease behind:
+/// an orphan would hold every newer write to the key for a whole lease TTL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_acquire_leaves_no_lease_behind() {
+    let c = Cluster::start(StoreKind::Redis, "10s").await;
+    assert_eq!(put(&c.a.url("/o"), "1").await.status, 200);
+    // Its lease is released right after the write (not left to expire).
+    no_leases_within(&c.store, Duration::from_secs(2)).await;
+    // Redis freezes with the token-2 acquire sent; the client gives up
+    // after 0.5 s and the store call times out after 1 s.
+    let freeze = c.store.freeze(Duration::from_secs(2));
+    let write = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::timeout(Duration::from_millis(500), put(&c.a.url("/o"), "2")).await
+    };
+    let ((), gave_up) = tokio::join!(freeze, write);
+    assert!(gave_up.is_err(), "the client gave up");
+    // Redis applies the queued acquire as it wakes; the lease it registers
+    // must be released (the TTL would keep it ~12 s).
+    no_leases_within(&c.store, Duration::from_secs(6)).await;
+    assert!(
+        !c.up
+            .records()
+            .iter()
+            .any(|r| r.token.as_deref() == Some("2")),
+        "the abandoned write reached the backend"
+    );
+    // Nothing holds the key: a newer write goes, on either replica.
+    let a = put(&c.b().url("/o"), "3").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+}
+
+/// Redis holds no write lease within `d` (a lease TTL here is ~12 s).
+async fn no_leases_within(store: &StoreServer, d: Duration) {
+    let deadline = Instant::now() + d;
+    while store.redis_leases().await > 0 {
+        assert!(Instant::now() < deadline, "a lease is still held in Redis");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 macro_rules! suite {
@@ -419,7 +492,8 @@ suite!(
         concurrent_advances_then_kill_9,
         store_outage_fails_closed_and_heals,
         replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store
     ]
 );
 suite!(
@@ -433,7 +507,8 @@ suite!(
         concurrent_advances_then_kill_9,
         store_outage_fails_closed_and_heals,
         replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store
     ]
 );
 suite!(
@@ -447,6 +522,7 @@ suite!(
         concurrent_advances_then_kill_9,
         store_outage_fails_closed_and_heals,
         replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store
     ]
 );

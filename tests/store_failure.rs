@@ -75,6 +75,14 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
     eprintln!("store refused after {i} new keys on a full disk");
     assert_eq!(a.json()["type"], "urn:fencegate:problem:store-unavailable");
     assert!(a.header("retry-after").is_some());
+    // The real cause reaches the client and the log, not "store closed".
+    let detail = a.json()["detail"].as_str().unwrap_or_default().to_string();
+    assert!(detail.contains("No space left on device"), "{detail}");
+    assert!(
+        p.stderr().contains("No space left on device"),
+        "{}",
+        p.stderr()
+    );
     let failed_target = format!("/fill/{i}/{long}");
     assert!(
         !up.records().iter().any(|r| r.target == failed_target),

@@ -313,53 +313,51 @@ impl Writer {
 
     fn apply(&mut self, batch: &mut Vec<Op>) {
         match self.try_apply(batch) {
-            Ok(replies) => {
-                for r in replies {
-                    r();
+            Ok(answers) => {
+                for (op, answer) in batch.drain(..).zip(answers) {
+                    op.answer(Ok(answer));
                 }
-                // A probe in the batch may have proven the disk writable.
             }
             Err(e) => {
+                // Every waiter gets the real cause (it reaches the log and
+                // the 503's detail), not a closed channel.
+                tracing::error!(error = %e, ops = batch.len(), "fence store commit failed");
                 self.db = None;
                 for op in batch.drain(..) {
-                    match op {
-                        Op::Advance { reply, .. } => drop(reply.send(Err(e.clone()))),
-                        Op::Get { reply, .. } => drop(reply.send(Err(e.clone()))),
-                        Op::Forget { reply, .. } => drop(reply.send(Err(e.clone()))),
-                        Op::Ping { reply } => drop(reply.send(Err(e.clone()))),
-                        Op::CloseClean { reply } => drop(reply.send(Err(e.clone()))),
-                    }
+                    op.answer(Err(e.clone()));
                 }
             }
         }
-        batch.clear();
     }
 
-    /// Applies a batch in one transaction; returns the replies to send once
-    /// the commit is durable (nothing is acknowledged before the fsync).
-    fn try_apply(&mut self, batch: &mut Vec<Op>) -> Result<Vec<Box<dyn FnOnce()>>, StoreError> {
+    /// Applies a batch in one transaction and returns each operation's
+    /// answer, to be sent only once the commit is durable (nothing is
+    /// acknowledged before the fsync). The batch itself is left in place so
+    /// that, on error, every operation in it can be answered with the error.
+    fn try_apply(&mut self, batch: &[Op]) -> Result<Vec<Answer>, StoreError> {
         let needs_write = batch
             .iter()
             .any(|op| matches!(op, Op::Ping { .. } | Op::CloseClean { .. }))
             || !self.healthy.load(Ordering::Acquire);
+        let closed = self.closed;
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
-        let mut replies: Vec<Box<dyn FnOnce()>> = Vec::with_capacity(batch.len());
+        let mut answers = Vec::with_capacity(batch.len());
         let mut raised = false;
+        let mut closing = false;
         {
             let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
-            for op in batch.drain(..) {
-                match op {
-                    Op::Advance { reply, .. } if self.closed => {
-                        replies.push(Box::new(move || drop(reply.send(Err(StoreError::Closed)))));
-                    }
-                    Op::Advance { key, token, reply } => {
+            for op in batch {
+                let answer = match op {
+                    Op::Advance { .. } if closed || closing => Answer::Refused,
+                    Op::Advance { key, token, .. } => {
+                        let token = *token;
                         let current = table
                             .get(key.as_str())
                             .map_err(|e| self.fail(e))?
                             .map(|v| v.value());
-                        let result = match current {
+                        Answer::Advance(match current {
                             Some(h) if h > token => Advance::Stale { highest: h },
                             Some(h) if h == token => Advance::Equal,
                             previous => {
@@ -375,33 +373,31 @@ impl Writer {
                                 raised = true;
                                 Advance::Raised { previous }
                             }
-                        };
-                        replies.push(Box::new(move || drop(reply.send(Ok(result)))));
+                        })
                     }
-                    Op::Get { key, reply } => {
-                        let v = table
+                    Op::Get { key, .. } => Answer::Token(
+                        table
                             .get(key.as_str())
                             .map_err(|e| self.fail(e))?
-                            .map(|v| v.value());
-                        replies.push(Box::new(move || drop(reply.send(Ok(v)))));
-                    }
-                    Op::Forget { key, reply } => {
-                        let old = table
-                            .remove(key.as_str())
-                            .map_err(|e| self.fail(e))?
-                            .map(|v| v.value());
+                            .map(|v| v.value()),
+                    ),
+                    Op::Forget { key, .. } => {
                         raised = true; // a change to commit
-                        replies.push(Box::new(move || drop(reply.send(Ok(old)))));
+                        Answer::Token(
+                            table
+                                .remove(key.as_str())
+                                .map_err(|e| self.fail(e))?
+                                .map(|v| v.value()),
+                        )
                     }
-                    Op::Ping { reply } => {
-                        replies.push(Box::new(move || drop(reply.send(Ok(())))));
-                    }
-                    Op::CloseClean { reply } => {
+                    Op::Ping { .. } => Answer::Done,
+                    Op::CloseClean { .. } => {
                         meta.insert(CLEAN_KEY, 1).map_err(|e| self.fail(e))?;
-                        self.closed = true;
-                        replies.push(Box::new(move || drop(reply.send(Ok(())))));
+                        closing = true;
+                        Answer::Done
                     }
-                }
+                };
+                answers.push(answer);
             }
             if needs_write && !raised {
                 // A probe write: proves the disk takes writes again.
@@ -420,7 +416,38 @@ impl Writer {
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
         }
-        Ok(replies)
+        // Only a durable clean mark closes the store to further advances.
+        self.closed |= closing;
+        Ok(answers)
+    }
+}
+
+/// One operation's result inside a committed batch.
+enum Answer {
+    Advance(Advance),
+    Token(Option<u64>),
+    Done,
+    /// An advance after the clean-stop mark.
+    Refused,
+}
+
+impl Op {
+    /// Sends the batch's outcome for this operation to its caller.
+    fn answer(self, result: Result<Answer, StoreError>) {
+        // A caller that went away no longer needs its answer.
+        match self {
+            Op::Advance { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Advance(a) => Ok(a),
+                _ => Err(StoreError::Closed),
+            }))),
+            Op::Get { reply, .. } | Op::Forget { reply, .. } => {
+                drop(reply.send(result.map(|a| match a {
+                    Answer::Token(t) => t,
+                    _ => None,
+                })))
+            }
+            Op::Ping { reply } | Op::CloseClean { reply } => drop(reply.send(result.map(|_| ()))),
+        }
     }
 }
 

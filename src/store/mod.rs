@@ -67,6 +67,11 @@ pub enum StoreError {
     /// until an operator confirms.
     #[error("fence store may have lost data ({0}); writes are refused until an operator confirms (POST /v1/store/confirm-reset or --accept-store-reset)")]
     Amnesia(String),
+    /// The store carries no fencegate marker: it is new (run `fencegate
+    /// init-store` once) or it was wiped. Writes are refused until one or
+    /// the other is settled by an operator.
+    #[error("fence store has no fencegate marker: a new store must be initialised once with `fencegate init-store --store URL`; a store that was in use has lost its fences (see docs/stores.md, \"Data loss\")")]
+    Uninitialised,
 }
 
 /// What was found when the store was opened.
@@ -138,20 +143,21 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
 
     /// Cross-replica admission, for shared stores, in one atomic step:
-    /// refuse if the stored highest is above `token` (`Stale`); raise it
-    /// durably if `token` is higher; register an in-flight lease for `token`
-    /// expiring after `ttl` (on the store's clock); answer `Granted` if no
-    /// unexpired older-token lease is held by anyone, else `Busy`.
+    /// refuse if the stored highest is above `lease.token` (`Stale`); raise
+    /// it durably if the token is higher; register `lease` (its id chosen by
+    /// the caller, so the caller can release it even if this call's answer
+    /// is lost) expiring after `ttl` on the store's clock; answer `Granted`
+    /// if no unexpired older-token lease is held by anyone, else `Busy`.
     /// Registering before checking makes the protocol safe: of two writers,
     /// the later one to register always sees the earlier one.
     /// Exclusive stores are never asked (the fence orders in-process).
     async fn acquire_lease(
         &self,
         key: &str,
-        token: u64,
+        lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let _ = (key, token, ttl);
+        let _ = (key, lease, ttl);
         Err(StoreError::Unavailable("this store has no leases".into()))
     }
 
@@ -163,9 +169,21 @@ pub trait FenceStore: Send + Sync + 'static {
     }
 
     /// Releases a lease. Best effort: a lease that is not released expires.
+    /// Releasing a lease that was never registered, or already released, is
+    /// harmless.
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         let _ = (key, lease);
         Ok(())
+    }
+
+    /// Marks a new store as this deployment's (`fencegate init-store`), the
+    /// one explicit step before first use: a shared store with no marker is
+    /// never initialised silently, since a wiped store looks the same.
+    /// Returns `true` if it marked the store, `false` if it was marked
+    /// already (then nothing changes). The embedded store is created on
+    /// open, and answers `false`.
+    async fn initialise(&self) -> Result<bool, StoreError> {
+        Ok(false)
     }
 
     /// Why the store is refusing writes because it may have lost data

@@ -249,11 +249,14 @@ impl<B: Backend> SharedStore<B> {
         let known = self.guard.lock().expect("guard lock").known.clone();
         let periodic = same_session;
         let verdict: Result<Marker, String> = match (known, self.backend.read_marker().await?) {
-            (None, None) => {
-                let m = self.backend.create_marker(&unique_id()).await?;
-                tracing::info!(store = self.backend.kind(), epoch = %m.epoch, "fence store marker adopted");
-                Ok(m)
+            // Never initialised silently: a wiped store looks just like a
+            // new one. `--accept-store-reset` is an operator's say-so.
+            (None, None) if self.accept_reset.swap(false, Ordering::AcqRel) => {
+                tracing::warn!("--accept-store-reset: marking a store that has no marker");
+                self.confirm_reset().await?;
+                return Ok(());
             }
+            (None, None) => return Err(StoreError::Uninitialised),
             (None, Some(_)) => self
                 .backend
                 .bump_marker()
@@ -424,7 +427,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn acquire_lease(
         &self,
         key: &str,
-        token: u64,
+        lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
         self.ensure().await?;
@@ -435,7 +438,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         let sent = self.ticket();
         let outcome = self
             .backend
-            .acquire(key, token, &unique_id(), ttl)
+            .acquire(key, lease.token, &lease.id, ttl)
             .await
             .map_err(|e| self.latch(e))?;
         if let Err(e) = self.witness_lease(key, sent, &outcome) {
@@ -467,6 +470,16 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn ping(&self) -> Result<(), StoreError> {
         self.backend.ping().await?;
         self.ensure().await
+    }
+
+    async fn initialise(&self) -> Result<bool, StoreError> {
+        self.backend.ping().await?;
+        if self.backend.read_marker().await?.is_some() {
+            return Ok(false);
+        }
+        let m = self.backend.create_marker(&unique_id()).await?;
+        tracing::info!(store = self.backend.kind(), epoch = %m.epoch, "fence store initialised");
+        Ok(true)
     }
 
     async fn close_clean(&self) -> Result<(), StoreError> {

@@ -330,6 +330,18 @@ impl ProxyBuilder {
         self
     }
     pub fn spawn(self) -> Proxy {
+        let (args, env, dir) = self.command();
+        Proxy::spawn_with(args, env, dir)
+    }
+
+    /// Runs the command where it must refuse to start (see
+    /// [`Proxy::start_refused`]).
+    pub fn start_refused(self) -> (std::process::ExitStatus, String) {
+        let (args, env, dir) = self.command();
+        refused_start(&args, &env, &dir)
+    }
+
+    fn command(self) -> (Vec<String>, Vec<(String, String)>, PathBuf) {
         let mut args = vec![
             "--listen".to_string(),
             self.listen.clone(),
@@ -343,7 +355,7 @@ impl ProxyBuilder {
             args.push(u.clone());
         }
         args.extend(self.args);
-        Proxy::spawn_with(args, self.env, self.dir)
+        (args, self.env, self.dir)
     }
 }
 
@@ -430,6 +442,13 @@ impl Proxy {
         self.child.wait().unwrap()
     }
 
+    /// Runs the same command again in a new process that must refuse to
+    /// start: its exit status and stderr. Fails if it is still running
+    /// after 20 s.
+    pub fn start_refused(&self) -> (std::process::ExitStatus, String) {
+        refused_start(&self.args, &self.env, &self.log_dir)
+    }
+
     /// Starts the same command again (same store, new ports).
     pub fn restart(&mut self) {
         let _ = self.child.kill();
@@ -456,6 +475,39 @@ impl Drop for Proxy {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs fencegate with `args` where it must refuse to start: its exit
+/// status and stderr. Fails if it is still running after 20 s.
+fn refused_start(
+    args: &[String],
+    env: &[(String, String)],
+    log_dir: &Path,
+) -> (std::process::ExitStatus, String) {
+    let log = log_dir.join("refused-start.log");
+    let mut child = Command::new(bin())
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start fencegate");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "fencegate started where it must refuse: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(&log).unwrap_or_default())
 }
 
 /// Sends a signal with kill(1), so the tests need no unsafe code either.

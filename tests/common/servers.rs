@@ -98,7 +98,18 @@ fn wait_port(port: u16, what: &str, child: &mut Child, dir: &Path) {
 }
 
 impl StoreServer {
+    /// A new server, initialised with `fencegate init-store` as an operator
+    /// does before the first replica starts.
     pub fn start(kind: StoreKind) -> StoreServer {
+        let s = Self::start_uninitialised(kind);
+        if kind != StoreKind::Embedded {
+            s.initialise();
+        }
+        s
+    }
+
+    /// A new server that no fencegate has marked yet.
+    pub fn start_uninitialised(kind: StoreKind) -> StoreServer {
         let dir = tempfile::tempdir().unwrap();
         let mut s = StoreServer {
             kind,
@@ -132,6 +143,27 @@ impl StoreServer {
         }
         s.run();
         s
+    }
+
+    /// `fencegate init-store`, as an operator runs it once on a new store
+    /// (retried while the server is still starting up).
+    pub fn initialise(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = Command::new(super::bin())
+                .args(["init-store", "--store", &self.url()])
+                .output()
+                .expect("run fencegate init-store");
+            if out.status.success() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fencegate init-store failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The `--store` value.
@@ -233,6 +265,37 @@ impl StoreServer {
     }
 
     /// `kill -9` of the server (data stays).
+    /// Freezes the server (SIGSTOP) for `d`, then lets it go on: requests
+    /// already sent are applied late, after their senders gave up.
+    pub async fn freeze(&self, d: Duration) {
+        let pid = self.child.as_ref().expect("running").id();
+        super::signal(pid, "STOP");
+        tokio::time::sleep(d).await;
+        super::signal(pid, "CONT");
+    }
+
+    /// The number of write leases Redis holds, over every key.
+    pub async fn redis_leases(&self) -> usize {
+        assert_eq!(self.kind, StoreKind::Redis);
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("fencegate:l:*")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let mut n = 0;
+        for k in keys {
+            let len: usize = redis::cmd("HLEN")
+                .arg(&k)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            n += len;
+        }
+        n
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             // runuser forwards nothing on SIGKILL: kill the whole group of

@@ -80,6 +80,8 @@ async fn main() {
         deadline: Instant::now() + Duration::from_secs(secs),
         prefix: format!("/fencegate-check/{seed}"),
         pause_percent: 25,
+        routes: vec![(String::new(), 200)],
+        long_percent: 10,
     });
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| tokio::spawn(client_loop(run.clone(), c, seed)))

@@ -35,7 +35,8 @@ BIN=$PWD/target/release/fencegate
 WORK=$(mktemp -d "$PWD/target/compare.XXXXXX")
 chmod 755 "$WORK"
 PIDS=()
-cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
+# Children first: nginx's workers do not name $WORK on their command line.
+cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do pkill -9 -P "$p" || true; kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
@@ -110,8 +111,14 @@ start_fencegate() { # name store [extra flags...]
 }
 read -r FG_PID FG_ADDR FG_TLS < <(start_fencegate embedded "$WORK/fences.redb" \
   --tls-listen 127.0.0.1:0 --tls-cert "$WORK/tls.crt" --tls-key "$WORK/tls.key")
+# A new shared store is marked once before replicas use it (docs/stores.md).
+init_store() { for _ in $(seq 100); do "$BIN" init-store --store "$1" >/dev/null 2>&1 && return; sleep 0.2; done; echo "fencegate init-store $1 failed" >&2; exit 1; }
+init_store "redis://127.0.0.1:$REDIS_PORT/0"
+init_store "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
 read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_PORT/0")
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
+# start_fencegate runs in a subshell here: its PIDS+= never reached us.
+PIDS+=("$FG_PID" "$FGR_PID" "$FGP_PID")
 sleep 1
 
 cat > "$WORK/steady.lua" <<'LUA'

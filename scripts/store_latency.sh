@@ -67,6 +67,10 @@ echo "|---|---|---|---|---|"
 for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0" \
              "postgres|postgres://postgres@127.0.0.1:$PG_PORT/postgres" "etcd|etcd://127.0.0.1:$ETCD_PORT"; do
   name=${store%%|*}; url=${store#*|}
+  # A new shared store is marked once before replicas use it (docs/stores.md).
+  if [ "$name" != embedded ]; then
+    for _ in $(seq 100); do "$BIN" init-store --store "$url" >/dev/null 2>&1 && break; sleep 0.2; done
+  fi
   "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://127.0.0.1:$NGINX_PORT" \
     --store "$url" > "$WORK/$name.out" 2> "$WORK/$name.err" &
   FG=$!; PIDS+=($FG)

@@ -271,22 +271,20 @@ pub struct Config {
 }
 
 /// Parses `250ms`, `10s`, `2m`, `1h`.
+/// The longest duration any setting takes. Durations become deadlines
+/// (`Instant + d`), which must not overflow; and no timeout, grace period or
+/// recovery window of fencegate's makes sense beyond a day.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+
+/// A duration such as `250ms`, `10s`, `2m` or `1h 30m` (humantime's
+/// grammar), at most [`MAX_DURATION`].
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(|| format!("`{t}` has no unit (use ms, s, m or h)"))?;
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("`{t}` is not a duration like 10s or 250ms"))?;
-    let d = match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        _ => return Err(format!("`{t}` has an unknown unit (use ms, s, m or h)")),
-    };
+    let d = humantime::parse_duration(t)
+        .map_err(|e| format!("`{t}` is not a duration like 10s or 250ms ({e})"))?;
+    if d > MAX_DURATION {
+        return Err(format!("`{t}` is out of range (at most 24h)"));
+    }
     Ok(d)
 }
 
@@ -979,6 +977,14 @@ mod tests {
                 "routes[0].upstream_timeout",
             ),
             (
+                |r| r.routes[0].upstream_timeout = Some("18446744073709551615s".into()),
+                "routes[0].upstream_timeout",
+            ),
+            (
+                |r| r.shutdown_grace = Some("307445734561825861m".into()),
+                "shutdown_grace",
+            ),
+            (
                 |r| r.routes[0].write_methods = Some(vec!["P UT".into()]),
                 "routes[0].write_methods",
             ),
@@ -1046,9 +1052,21 @@ mod tests {
     fn durations() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("1.5s").is_err());
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("s").is_err());
         assert!(parse_duration("-1s").is_err());
+        assert!(parse_duration("10").is_err());
+        assert_eq!(parse_duration("24h"), Ok(MAX_DURATION));
+        // Out of range is an error, never a wrapped or saturated value.
+        for big in [
+            "25h",
+            "307445734561825861m",
+            "18446744073709551615s",
+            "99999999999999999999999ms",
+        ] {
+            let e = parse_duration(big).unwrap_err();
+            assert!(e.contains(big), "{e}");
+        }
     }
 
     #[test]

@@ -26,18 +26,60 @@ use common::history::*;
 use common::servers::{StoreKind, StoreServer};
 use common::*;
 
+/// What a run is made of besides its faults.
+struct Setup {
+    store: StoreKind,
+    lock_service: Option<StoreKind>,
+    /// Routes from this config (`{u}`: the upstream URL) instead of the
+    /// quick start's one route with a 1 s upstream timeout.
+    config: Option<&'static str>,
+    /// See [`Run::routes`].
+    routes: Vec<(String, u64)>,
+    /// See [`Run::long_percent`].
+    long_percent: u64,
+    /// The in-test lock service's lease.
+    lease: Duration,
+    /// The run must see writes refused with 503 (the hazard it is about).
+    expect_503: bool,
+    /// Length of the run unless `HISTORY_SECS` says otherwise.
+    secs: u64,
+}
+
+impl Setup {
+    fn on(store: StoreKind) -> Self {
+        Setup {
+            store,
+            lock_service: None,
+            config: None,
+            routes: vec![(String::new(), 200)],
+            long_percent: 10,
+            lease: LEASE,
+            expect_503: false,
+            secs: 8,
+        }
+    }
+}
+
 /// One checked run. `faults` runs alongside the clients.
-async fn history<F, Fut>(name: &str, store: StoreKind, lock_service: Option<StoreKind>, faults: F)
+async fn history<F, Fut>(name: &str, setup: Setup, faults: F)
 where
     F: FnOnce(Arc<Run>, Vec<Proxy>, Option<StoreServer>) -> Fut,
     Fut: std::future::Future<Output = (usize, Vec<Proxy>, Option<StoreServer>)>,
 {
-    // etcd's leases are 2 s long: its run needs more time to see expiries.
-    let default_secs = if lock_service.is_some() { 12 } else { 8 };
+    let Setup {
+        store,
+        lock_service,
+        config,
+        routes,
+        long_percent,
+        lease,
+        expect_503,
+        secs,
+    } = setup;
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(default_secs);
+        .unwrap_or(secs);
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -52,14 +94,18 @@ where
     let dir = tempfile::tempdir().unwrap();
     let lock_server = lock_service.map(StoreServer::start);
     let server = (store != StoreKind::Embedded).then(|| StoreServer::start(store));
+    let config_file = dir.path().join("routes.toml");
+    if let Some(text) = config {
+        write_config(&config_file, &text.replace("{u}", &up.url()));
+    }
     let replica = |i: usize| {
-        let b = ProxyBuilder::new(&up.url(), &dir.path().join(format!("r{i}"))).args(&[
-            "--upstream-timeout",
-            "1s",
-            "--store-timeout",
-            "1s",
-        ]);
-        std::fs::create_dir_all(dir.path().join(format!("r{i}"))).unwrap();
+        let rdir = dir.path().join(format!("r{i}"));
+        std::fs::create_dir_all(&rdir).unwrap();
+        let b = match config {
+            Some(_) => ProxyBuilder::with_config(&config_file, &rdir),
+            None => ProxyBuilder::new(&up.url(), &rdir).args(&["--upstream-timeout", "1s"]),
+        }
+        .args(&["--store-timeout", "1s"]);
         match &server {
             Some(s) => b.store_url(&s.url()).spawn(),
             None => b.spawn(),
@@ -77,7 +123,7 @@ where
                 ttl_secs: 2,
                 latest: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
             }),
-            None => LockService::in_test(),
+            None => LockService::in_test_with(lease),
         },
         seq: AtomicU64::new(0),
         deadline: Instant::now() + Duration::from_secs(secs),
@@ -85,6 +131,8 @@ where
         // With etcd's 2 s leases a run sees few expiries: pause more often
         // so that every run exercises stale holders.
         pause_percent: if lock_server.is_some() { 60 } else { 25 },
+        routes,
+        long_percent,
     });
     let clients: Vec<_> = (0..CLIENTS)
         .map(|c| tokio::spawn(client_loop(run.clone(), c, seed)))
@@ -108,6 +156,10 @@ where
         "the run never exercised a stale holder (seed {seed})"
     );
     assert!(report.applied > 0);
+    assert!(
+        !expect_503 || report.refused_503 > 0,
+        "the run never had a write refused for an older one in flight (seed {seed})"
+    );
     let unknown: HashSet<_> = attempts
         .iter()
         .filter(|a| a.status == 0)
@@ -123,8 +175,7 @@ where
 async fn history_embedded_with_kill_9_restarts() {
     history(
         "embedded",
-        StoreKind::Embedded,
-        None,
+        Setup::on(StoreKind::Embedded),
         |run: Arc<Run>, mut proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
             let mut faults = 0;
             while Instant::now() + Duration::from_secs(2) < run.deadline {
@@ -144,8 +195,7 @@ async fn history_embedded_with_kill_9_restarts() {
 async fn history_redis_with_replica_kills_and_store_restarts() {
     history(
         "redis",
-        StoreKind::Redis,
-        None,
+        Setup::on(StoreKind::Redis),
         |run: Arc<Run>, mut proxies: Vec<Proxy>, mut server: Option<StoreServer>| async move {
             let mut faults = 0;
             let mut round = 0;
@@ -178,13 +228,92 @@ async fn history_with_etcd_leases_as_the_lock_service() {
     // holders pause past them.
     history(
         "etcd-locks",
-        StoreKind::Embedded,
-        Some(StoreKind::Etcd),
+        Setup {
+            lock_service: Some(StoreKind::Etcd),
+            // etcd's leases are 2 s long: the run needs more time to see
+            // expiries.
+            secs: 12,
+            ..Setup::on(StoreKind::Embedded)
+        },
         |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
             while Instant::now() < run.deadline {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             (0, proxies, server)
+        },
+    )
+    .await;
+}
+
+/// Two routes fence the same keys with different upstream timeouts: writes
+/// on the slow route take longer than the fast route's whole timeout, so a
+/// newer write on the fast route must be refused rather than overtake one.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_two_routes_sharing_keys_at_different_timeouts() {
+    history(
+        "two-routes",
+        Setup {
+            config: Some(
+                r#"
+[[routes]]
+name = "slow"
+path_prefix = "/slow"
+upstream = "{u}"
+key = "header:X-History-Key"
+upstream_timeout = "5s"
+
+[[routes]]
+name = "fast"
+upstream = "{u}"
+key = "header:X-History-Key"
+upstream_timeout = "1s"
+"#,
+            ),
+            // A slow-route write may take longer than the fast route's whole
+            // timeout; each stays well within its own (a paused body plus
+            // the delay).
+            // A slow write outlives its holder's lease by more than the fast
+            // route's whole timeout; leases longer than that timeout mean
+            // the next holder waits out its limit behind it instead of being
+            // superseded by the holder after it first.
+            routes: vec![("/slow".into(), 3500), (String::new(), 200)],
+            long_percent: 40,
+            lease: Duration::from_millis(1200),
+            secs: 12,
+            expect_503: true,
+            ..Setup::on(StoreKind::Embedded)
+        },
+        |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            while Instant::now() < run.deadline {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            (0, proxies, server)
+        },
+    )
+    .await;
+}
+
+/// kill -9, then a clean stop while the restarted process is still within
+/// its crash-recovery window, then a start: the crashed run's writes may
+/// still be applied, so that start must wait too.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_embedded_with_clean_stops_during_recovery() {
+    history(
+        "clean-stop-in-recovery",
+        Setup::on(StoreKind::Embedded),
+        |run: Arc<Run>, mut proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            let mut faults = 0;
+            while Instant::now() + Duration::from_secs(2) < run.deadline {
+                tokio::time::sleep(Duration::from_millis(2000)).await;
+                proxies[0].kill9();
+                proxies[0].restart();
+                let exit = proxies[0].sigterm();
+                assert!(!exit.success(), "a stop during recovery is not clean");
+                proxies[0].restart();
+                *run.replicas.write().unwrap() = vec![proxies[0].addr];
+                faults += 1;
+            }
+            (faults, proxies, server)
         },
     )
     .await;

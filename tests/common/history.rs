@@ -36,6 +36,7 @@ impl Rng {
 /// leases that expire whether or not the holder noticed.
 pub struct InTestLocks {
     next_token: AtomicU64,
+    lease: Duration,
     locks: Vec<Mutex<Option<(usize, u64, Instant)>>>,
 }
 
@@ -60,9 +61,15 @@ pub fn b64(s: &str) -> String {
 }
 
 impl LockService {
+    /// Leases of [`LEASE`].
     pub fn in_test() -> Self {
+        Self::in_test_with(LEASE)
+    }
+
+    pub fn in_test_with(lease: Duration) -> Self {
         LockService::InTest(InTestLocks {
             next_token: AtomicU64::new(1),
+            lease,
             locks: (0..KEYS).map(|_| Mutex::new(None)).collect(),
         })
     }
@@ -70,7 +77,7 @@ impl LockService {
     /// The lease length clients may outlive.
     fn lease(&self) -> Duration {
         match self {
-            LockService::InTest(_) => LEASE,
+            LockService::InTest(l) => l.lease,
             LockService::Etcd(e) => Duration::from_secs(e.ttl_secs),
         }
     }
@@ -83,7 +90,7 @@ impl LockService {
                     Some((_, _, expires)) if expires > Instant::now() => None,
                     _ => {
                         let token = l.next_token.fetch_add(1, Ordering::SeqCst);
-                        *g = Some((client, token, Instant::now() + LEASE));
+                        *g = Some((client, token, Instant::now() + l.lease));
                         Some(token)
                     }
                 }
@@ -174,22 +181,42 @@ pub struct Run {
     pub prefix: String,
     /// How often a client sleeps past its lease before a write.
     pub pause_percent: u64,
+    /// Path prefixes of routes that fence the same keys (each write picks
+    /// one), with the longest backend delay a write on it asks for: that
+    /// must stay under the route's upstream timeout, since a write the
+    /// proxy gives up on (504) may still be applied after a newer one.
+    pub routes: Vec<(String, u64)>,
+    /// How often a write asks for its route's longest delay.
+    pub long_percent: u64,
+}
+
+/// The resource a write names, whatever route it took: its last segment.
+fn resource(target: &str) -> &str {
+    target.rsplit('/').next().unwrap_or(target)
 }
 
 pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
     let id = format!("w{}", run.seq.fetch_add(1, Ordering::Relaxed));
     let addrs = run.replicas.read().unwrap().clone();
     let addr = addrs[rng.below(addrs.len() as u64) as usize];
-    let delay = if rng.chance(10) { 200 } else { rng.below(20) };
+    let (route, long) = &run.routes[rng.below(run.routes.len() as u64) as usize];
+    let delay = if rng.chance(run.long_percent) {
+        *long
+    } else {
+        rng.below(20)
+    };
     let latest_at_send = run.locks.latest(key);
-    let url = format!("http://{addr}{}/k{key}", run.prefix);
+    // Routes that share keys take them from this header (a path template
+    // could not map /slow/k1 and /k1 to one key).
+    let resource = format!("{}/k{key}", run.prefix);
+    let url = format!("http://{addr}{route}{resource}");
     let status = if rng.chance(20) {
         // A real client process, stopped in the middle of its body for
         // longer than its lease, then continued.
         let pause = run.locks.lease().min(Duration::from_millis(600))
             + Duration::from_millis(rng.below(150));
         let cid = id.clone();
-        tokio::task::spawn_blocking(move || curl_paused(&url, &cid, token, delay, pause))
+        tokio::task::spawn_blocking(move || curl_paused(&url, &cid, &resource, token, delay, pause))
             .await
             .unwrap()
     } else {
@@ -201,6 +228,7 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
             &[
                 ("x-fence-token", &t),
                 ("x-write-id", &id),
+                ("x-history-key", &resource),
                 ("x-test-delay-ms", &d),
             ],
         )
@@ -229,7 +257,14 @@ pub async fn send_or_lost(method: &str, url: &str, headers: &[(&str, &str)]) -> 
 
 /// curl streaming its body from stdin; SIGSTOP after the first half,
 /// SIGCONT after `pause`.
-pub fn curl_paused(url: &str, id: &str, token: u64, delay: u64, pause: Duration) -> u16 {
+pub fn curl_paused(
+    url: &str,
+    id: &str,
+    resource: &str,
+    token: u64,
+    delay: u64,
+    pause: Duration,
+) -> u16 {
     let mut child = Command::new("curl")
         .args([
             "-s",
@@ -249,6 +284,8 @@ pub fn curl_paused(url: &str, id: &str, token: u64, delay: u64, pause: Duration)
             &format!("X-Fence-Token: {token}"),
             "-H",
             &format!("X-Write-Id: {id}"),
+            "-H",
+            &format!("X-History-Key: {resource}"),
         ])
         .args(["-H", &format!("X-Test-Delay-Ms: {delay}"), "-H", "Expect:"])
         .arg(url)
@@ -297,6 +334,9 @@ pub struct Report {
     pub applied: usize,
     pub stale_attempts: usize,
     pub refused_409: usize,
+    /// 503s: refused while recovering, an older write in flight, or the
+    /// store unavailable.
+    pub refused_503: usize,
     pub faults: usize,
     pub unknown: usize,
 }
@@ -311,6 +351,7 @@ impl Report {
                 .filter(|a| a.token < a.latest_at_send)
                 .count(),
             refused_409: attempts.iter().filter(|a| a.status == 409).count(),
+            refused_503: attempts.iter().filter(|a| a.status == 503).count(),
             faults,
             unknown: attempts.iter().filter(|a| a.status == 0).count(),
         }
@@ -318,8 +359,8 @@ impl Report {
 
     pub fn line(&self, name: &str, seed: u64) -> String {
         format!(
-            "history {name} (seed {seed}): {} writes, {} applied, {} stale attempts, {} refused with 409, {} faults injected, {} with unknown outcome",
-            self.attempts, self.applied, self.stale_attempts, self.refused_409, self.faults, self.unknown
+            "history {name} (seed {seed}): {} writes, {} applied, {} stale attempts, {} refused with 409, {} with 503, {} faults injected, {} with unknown outcome",
+            self.attempts, self.applied, self.stale_attempts, self.refused_409, self.refused_503, self.faults, self.unknown
         )
     }
 }
@@ -348,7 +389,10 @@ pub fn check(attempts: &[Attempt], records: &[Record]) -> Result<(), String> {
     }
     let mut by_key: HashMap<String, Vec<&Record>> = HashMap::new();
     for r in records {
-        by_key.entry(r.target.clone()).or_default().push(r);
+        by_key
+            .entry(resource(&r.target).to_string())
+            .or_default()
+            .push(r);
     }
     for (key, mut rs) in by_key {
         rs.sort_by_key(|r| r.arrived);

@@ -79,6 +79,7 @@ pub struct RawTls {
 #[serde(deny_unknown_fields)]
 pub struct RawLimits {
     pub max_header_bytes: Option<u64>,
+    pub max_key_bytes: Option<u64>,
     pub max_body_bytes: Option<u64>,
     pub header_read_timeout: Option<String>,
     pub body_read_timeout: Option<String>,
@@ -240,6 +241,9 @@ impl Route {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     pub max_header_bytes: usize,
+    /// Longest fence key (`namespace:resource`), bytes: each key costs
+    /// memory in the highest-token cache and a row in the store.
+    pub max_key_bytes: usize,
     /// `None`: no limit.
     pub max_body_bytes: Option<u64>,
     /// A client that has not sent a complete request head within this is
@@ -442,16 +446,38 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
     {
         return Err(invalid(f("name"), "use letters, digits, '-', '_' or '.'"));
     }
+    // A route's host is compared with a request's host as
+    // `key::authority_host` spells it; a spelling that could never equal
+    // that is refused rather than left to match nothing.
     let host = match &r.host {
         None => None,
-        Some(h) if h.is_empty() || h.contains(['/', ' ']) => {
-            return Err(invalid(f("host"), format!("`{h}` is not a host name")))
-        }
-        Some(h) => Some(h.to_ascii_lowercase()),
+        // An IPv6 address without brackets, as requests' hosts are spelled
+        // once parsed.
+        Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => Some(h.to_ascii_lowercase()),
+        Some(h) => match crate::key::authority_host(h) {
+            Ok((parsed, None)) if parsed == h.to_ascii_lowercase() => Some(parsed),
+            _ => {
+                return Err(invalid(
+                    f("host"),
+                    format!("`{h}` is not a plain lower-case host name or IP address (no port, brackets, trailing dot or user info)"),
+                ))
+            }
+        },
     };
     let path_prefix = r.path_prefix.clone().unwrap_or_else(|| "/".into());
     if !path_prefix.starts_with('/') {
         return Err(invalid(f("path_prefix"), "must start with '/'"));
+    }
+    // Prefixes are matched on the decoded path: an escape, or a character a
+    // path cannot carry plain, could never match.
+    if !path_prefix
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && !matches!(b, b'%' | b'?' | b'#' | b'\\'))
+    {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` must be a plain decoded path (no escapes, spaces, '?', '#' or '\\')"),
+        ));
     }
     let upstream = parse_upstream(
         &f("upstream"),
@@ -667,6 +693,13 @@ impl TryFrom<RawConfig> for Config {
                 "must be between 8192 and 16777216",
             ));
         }
+        let max_key_bytes = l.max_key_bytes.unwrap_or(1536);
+        if !(64..=65536).contains(&max_key_bytes) {
+            return Err(invalid(
+                "limits.max_key_bytes",
+                "must be between 64 and 65536",
+            ));
+        }
         let max_body_bytes = match l.max_body_bytes {
             Some(0) => {
                 return Err(invalid(
@@ -693,6 +726,7 @@ impl TryFrom<RawConfig> for Config {
             access_log: raw.access_log.unwrap_or(false),
             limits: Limits {
                 max_header_bytes: max_header_bytes as usize,
+                max_key_bytes: max_key_bytes as usize,
                 max_body_bytes,
                 header_read_timeout: duration(
                     "limits.header_read_timeout",
@@ -759,6 +793,7 @@ impl Config {
             access_log: Some(self.access_log),
             limits: RawLimits {
                 max_header_bytes: Some(self.limits.max_header_bytes as u64),
+                max_key_bytes: Some(self.limits.max_key_bytes as u64),
                 max_body_bytes: self.limits.max_body_bytes,
                 header_read_timeout: Some(format_duration(self.limits.header_read_timeout)),
                 body_read_timeout: Some(format_duration(self.limits.body_read_timeout)),
@@ -989,6 +1024,30 @@ mod tests {
                 "routes[0].write_methods",
             ),
             (
+                |r| r.routes[0].host = Some("api.example:8080".into()),
+                "routes[0].host",
+            ),
+            (
+                |r| r.routes[0].host = Some("api.example.".into()),
+                "routes[0].host",
+            ),
+            (
+                |r| r.routes[0].host = Some("[::1]".into()),
+                "routes[0].host",
+            ),
+            (
+                |r| r.routes[0].host = Some("u@api.example".into()),
+                "routes[0].host",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/%7Euser".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/a b".into()),
+                "routes[0].path_prefix",
+            ),
+            (
                 |r| r.routes[0].path_prefix = Some("api".into()),
                 "routes[0].path_prefix",
             ),
@@ -1066,6 +1125,20 @@ mod tests {
         ] {
             let e = parse_duration(big).unwrap_err();
             assert!(e.contains(big), "{e}");
+        }
+    }
+
+    #[test]
+    fn route_hosts_are_spelled_as_requests_are_parsed() {
+        for (given, kept) in [
+            ("API.example", "api.example"),
+            ("::1", "::1"),
+            ("127.0.0.1", "127.0.0.1"),
+        ] {
+            let mut raw = base();
+            raw.routes[0].host = Some(given.into());
+            let c = Config::try_from(raw).unwrap();
+            assert_eq!(c.routes[0].host.as_deref(), Some(kept));
         }
     }
 

@@ -43,6 +43,8 @@ pub enum ProxyError {
     NoRoute,
     #[error("method {0} is not supported by this proxy")]
     MethodNotAllowed(String),
+    #[error("the fence key is {len} bytes, over the limit of {limit}")]
+    KeyTooLong { len: usize, limit: usize },
     #[error("the request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("the client stopped sending the request body")]
@@ -74,6 +76,7 @@ impl ProxyError {
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable(_) | Self::Recovering { .. } | Self::OlderInFlight { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -96,6 +99,7 @@ impl ProxyError {
             Self::NoRoute => "no-route",
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::BodyTooLarge { .. } => "body-too-large",
+            Self::KeyTooLong { .. } => "key-too-long",
             Self::BodyTimeout => "body-timeout",
             Self::StoreUnavailable(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
@@ -118,6 +122,7 @@ impl ProxyError {
             Self::NoRoute => "No route",
             Self::MethodNotAllowed(_) => "Method not allowed",
             Self::BodyTooLarge { .. } => "Request body too large",
+            Self::KeyTooLong { .. } => "Fence key too long",
             Self::BodyTimeout => "Request body timeout",
             Self::StoreUnavailable(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",
@@ -178,6 +183,7 @@ impl ProxyError {
                 | Self::Token(_)
                 | Self::BadFraming(_)
                 | Self::BodyTooLarge { .. }
+                | Self::KeyTooLong { .. }
                 | Self::BodyTimeout
         ) {
             // The request may have an unread body, or be a smuggling attempt:

@@ -104,12 +104,23 @@ impl GateState {
     }
 }
 
-/// Bounded map of highest tokens. Entries only ever hold values that are
-/// durable in the store, so an evicted entry just costs one store lookup.
+/// Bounded map of highest tokens, in entries and in bytes (keys can be
+/// long). Entries only ever hold values that are durable in the store, so
+/// an evicted entry just costs one store lookup.
 struct HighestCache {
     map: DashMap<Arc<str>, u64>,
     capacity: usize,
+    max_bytes: usize,
+    /// Bytes held, counted as key length plus [`ENTRY_OVERHEAD`] each.
+    bytes: std::sync::atomic::AtomicUsize,
 }
+
+/// What one cache entry costs besides its key: the map slot, the `Arc`
+/// header and the token.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// The default byte budget of the highest-token cache.
+pub const DEFAULT_CACHE_BYTES: usize = 96 << 20;
 
 impl HighestCache {
     fn get(&self, key: &str) -> Option<u64> {
@@ -117,6 +128,7 @@ impl HighestCache {
     }
 
     fn raise(&self, key: &Arc<str>, value: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
         if self.capacity == 0 {
             return;
         }
@@ -124,22 +136,40 @@ impl HighestCache {
             *v = (*v).max(value);
             return;
         }
-        if self.map.len() >= self.capacity {
+        let cost = key.len() + ENTRY_OVERHEAD;
+        if self.map.len() >= self.capacity || self.bytes.load(Relaxed) + cost > self.max_bytes {
             // Evict an arbitrary eighth. Cheap, and correct whatever is
             // evicted: the store is the authority.
-            let mut budget = (self.capacity / 8).max(1);
-            self.map.retain(|_, _| {
+            let mut budget = (self.map.len() / 8).max(1);
+            self.map.retain(|k, _| {
                 if budget == 0 {
                     return true;
                 }
                 budget -= 1;
+                self.bytes.fetch_sub(k.len() + ENTRY_OVERHEAD, Relaxed);
                 false
             });
         }
+        let mut added = false;
         self.map
             .entry(key.clone())
             .and_modify(|v| *v = (*v).max(value))
-            .or_insert(value);
+            .or_insert_with(|| {
+                added = true;
+                value
+            });
+        if added {
+            self.bytes.fetch_add(cost, Relaxed);
+        }
+    }
+
+    fn remove(&self, key: &str) {
+        if let Some((k, _)) = self.map.remove(key) {
+            self.bytes.fetch_sub(
+                k.len() + ENTRY_OVERHEAD,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
     }
 }
 
@@ -216,6 +246,8 @@ impl Fence {
             cache: HighestCache {
                 map: DashMap::new(),
                 capacity: cache_capacity,
+                max_bytes: DEFAULT_CACHE_BYTES,
+                bytes: std::sync::atomic::AtomicUsize::new(0),
             },
             recovering_until,
             lease_ttl: recovery_window + lease_margin,
@@ -527,7 +559,7 @@ impl Fence {
     /// Operator reset: forgets the key's fence in the store and in memory.
     pub async fn forget(&self, key: &str) -> Result<Option<u64>, FenceError> {
         let old = self.store.forget(key).await?;
-        self.cache.map.remove(key);
+        self.cache.remove(key);
         if let Some(g) = self.gates.get(key) {
             g.state.lock().expect("gate lock").highest = None;
         }

@@ -36,6 +36,8 @@ pub enum KeyError {
     NotUtf8,
     #[error("the absolute-form request target names another host than the Host header")]
     ForeignHost,
+    #[error("bad authority: {0}")]
+    BadAuthority(String),
     #[error("the path does not match the route's key template {0}")]
     TemplateMismatch(String),
     #[error("the key header {0} is missing, empty or repeated")]
@@ -353,28 +355,18 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
     if !path.starts_with('/') {
         return Err(KeyError::NotAPath);
     }
+    // Some S3 implementations read a raw `+` in the path as a space, others
+    // as a plus: `a+b`, `a%2Bb`, `a b` and `a%20b` may all name one
+    // object. Merging them into one key is safe (at worst two objects share
+    // a fence); splitting them would not be.
     let decode = |s: &str| -> Result<String, KeyError> {
-        let bytes = s.as_bytes();
-        let mut out = Vec::with_capacity(bytes.len());
-        let mut i = 0;
-        while i < bytes.len() {
-            if bytes[i] == b'%' {
-                let h = bytes.get(i + 1).copied().and_then(hex_val);
-                let l = bytes.get(i + 2).copied().and_then(hex_val);
-                match (h, l) {
-                    (Some(h), Some(l)) => out.push(h * 16 + l),
-                    _ => return Err(KeyError::InvalidPercentEncoding),
-                }
-                i += 3;
-            } else {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
+        let out = percent_decode(s)?;
         if out.contains(&0) {
             return Err(KeyError::ControlCharacter);
         }
-        String::from_utf8(out).map_err(|_| KeyError::NotUtf8)
+        String::from_utf8(out)
+            .map(|s| s.replace('+', " "))
+            .map_err(|_| KeyError::NotUtf8)
     };
     let key_path = decode(path)?;
     let segments = path[1..]
@@ -388,15 +380,64 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
     })
 }
 
-/// Refuses an absolute-form target whose authority is not the Host header.
-pub fn check_authority(uri: &http::Uri, host_header: Option<&str>) -> Result<(), KeyError> {
-    let Some(authority) = uri.authority() else {
-        return Ok(());
-    };
-    match host_header {
-        Some(h) if h.eq_ignore_ascii_case(authority.as_str()) => Ok(()),
-        _ => Err(KeyError::ForeignHost),
+/// The form routes are matched on: the path fully percent-decoded, as a
+/// decoding backend reads it (a byte that is not UTF-8 becomes U+FFFD;
+/// route prefixes are plain ASCII, so that cannot change a match). Every
+/// spelling of a resource, in either mode, has this one form, so it meets
+/// one route, and that route's parse then gives the key.
+pub fn route_form(target: &str) -> Result<String, KeyError> {
+    let (path, _query) = split_target(target)?;
+    if !path.starts_with('/') {
+        return Err(KeyError::NotAPath);
     }
+    Ok(String::from_utf8_lossy(&percent_decode(path)?).into_owned())
+}
+
+/// Decodes every `%XX` escape; a `%` not followed by two hex digits is an
+/// error.
+pub fn percent_decode(s: &str) -> Result<Vec<u8>, KeyError> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let h = bytes.get(i + 1).copied().and_then(hex_val);
+            let l = bytes.get(i + 2).copied().and_then(hex_val);
+            match (h, l) {
+                (Some(h), Some(l)) => out.push(h * 16 + l),
+                _ => return Err(KeyError::InvalidPercentEncoding),
+            }
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Ok(out)
+}
+
+/// The host an authority names, in the one spelling routes are matched on:
+/// lower case, without port, brackets or a trailing dot. The same parse
+/// serves `Host`, an absolute-form target and HTTP/2's `:authority`. User
+/// info (`user@host`) is refused: hosts read it two ways.
+pub fn authority_host(text: &str) -> Result<(String, Option<u16>), KeyError> {
+    if text.contains('@') {
+        return Err(KeyError::BadAuthority("user info is not allowed".into()));
+    }
+    let authority: http::uri::Authority = text
+        .parse()
+        .map_err(|_| KeyError::BadAuthority(format!("`{text}` is not a host[:port]")))?;
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+        .trim_end_matches('.')
+        .to_ascii_lowercase();
+    if host.is_empty() {
+        return Err(KeyError::BadAuthority(format!("`{text}` names no host")));
+    }
+    Ok((host, authority.port_u16()))
 }
 
 #[cfg(test)]
@@ -482,6 +523,11 @@ mod tests {
         assert_eq!(c.key_path, "/bucket/a//b/c/../d");
         assert_eq!(c.segments[0], "bucket");
         assert_eq!(literal("/b/%6Fbj").unwrap().key_path, "/b/obj");
+        // `+` and space are one name to some S3 implementations.
+        for spelling in ["/b/a+b", "/b/a%2Bb", "/b/a%2bb", "/b/a%20b"] {
+            assert_eq!(literal(spelling).unwrap().key_path, "/b/a b", "{spelling}");
+        }
+        assert_eq!(literal("/b/a+b").unwrap().upstream_target, "/b/a+b");
         assert_eq!(literal("/b/%zz"), Err(KeyError::InvalidPercentEncoding));
         assert_eq!(literal("/b/%00"), Err(KeyError::ControlCharacter));
     }
@@ -524,15 +570,33 @@ mod tests {
     }
 
     #[test]
-    fn absolute_form_must_name_the_host() {
-        let uri: http::Uri = "http://evil.example/a".parse().unwrap();
+    fn one_authority_parse_for_every_source() {
+        let h = |t: &str| authority_host(t).map(|(h, _)| h);
+        assert_eq!(h("Example.COM."), Ok("example.com".into()));
+        assert_eq!(h("example.com:8080"), Ok("example.com".into()));
+        assert_eq!(h("[::1]:8080"), Ok("::1".into()));
+        assert_eq!(h("[::1]"), Ok("::1".into()));
+        assert_eq!(authority_host("[::1]:80"), Ok(("::1".into(), Some(80))));
+        assert!(h("user@example.com").is_err());
+        assert!(h("u:p@[::1]:80").is_err());
+        assert!(h("").is_err());
+        assert!(h("a b").is_err());
+        assert!(h(":80").is_err());
+    }
+
+    #[test]
+    fn route_form_is_the_decoded_path() {
         assert_eq!(
-            check_authority(&uri, Some("good.example")),
-            Err(KeyError::ForeignHost)
+            route_form("/bkt/reports%2Fy.csv?x=1"),
+            Ok("/bkt/reports/y.csv".into())
         );
-        assert_eq!(check_authority(&uri, Some("EVIL.example")), Ok(()));
-        let origin: http::Uri = "/a".parse().unwrap();
-        assert_eq!(check_authority(&origin, Some("x")), Ok(()));
+        assert_eq!(
+            route_form("/bkt/report%73//z"),
+            Ok("/bkt/reports//z".into())
+        );
+        assert_eq!(route_form("/a/%FF"), Ok("/a/\u{FFFD}".into()));
+        assert!(route_form("/a/%zz").is_err());
+        assert!(route_form("a").is_err());
     }
 
     fn seg_char() -> impl Strategy<Value = String> {
@@ -584,6 +648,46 @@ mod tests {
         fn same_key_iff_same_resource(a in path(), b in path()) {
             if let (Ok(ka), Ok(kb)) = (key(&a), key(&b)) {
                 prop_assert_eq!(ka == kb, decoded(&a) == decoded(&b), "{} vs {}", a, b);
+            }
+        }
+
+        /// Every spelling of one resource (any byte escaped or not, either
+        /// hex case) has one route form, so it meets one route; that
+        /// route's parse then gives one key: literal always, canonical
+        /// whenever it accepts the spelling at all.
+        #[test]
+        fn every_spelling_meets_one_route_and_one_key(
+            p in path(),
+            choices in proptest::collection::vec((any::<bool>(), any::<bool>()), 64),
+        ) {
+            // Respell: escape plain bytes (never '/': that would be
+            // another path) at random, in either hex case.
+            let mut other = String::new();
+            let mut i = 0;
+            for (n, c) in p.chars().enumerate() {
+                let (escape, lower) = choices[n % choices.len()];
+                if escape && c != '/' && c != '%' && i == 0 {
+                    if lower {
+                        other.push_str(&format!("%{:02x}", c as u32));
+                    } else {
+                        other.push_str(&format!("%{:02X}", c as u32));
+                    }
+                } else {
+                    other.push(c);
+                }
+                // Inside an escape: copy its two hex digits as they are.
+                i = match (c, i) {
+                    ('%', 0) => 2,
+                    (_, 0) => 0,
+                    (_, n) => n - 1,
+                };
+            }
+            prop_assert_eq!(route_form(&p), route_form(&other), "{} vs {}", p, other);
+            if let (Ok(a), Ok(b)) = (literal(&p), literal(&other)) {
+                prop_assert_eq!(a.key_path, b.key_path);
+            }
+            if let (Ok(a), Ok(b)) = (canonicalize(&p), canonicalize(&other)) {
+                prop_assert_eq!(a.key_path, b.key_path);
             }
         }
 

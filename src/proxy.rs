@@ -421,31 +421,8 @@ impl Proxy {
         if req.method() == Method::CONNECT {
             return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
         }
-        check_framing(req.headers())?;
-        let host_header = req
-            .headers()
-            .get(header::HOST)
-            .map(|h| {
-                h.to_str()
-                    .map_err(|_| ProxyError::BadRequest("the Host header is not ASCII".into()))
-            })
-            .transpose()?;
-        // In HTTP/2 the authority is the `:authority` pseudo-header (the
-        // host), not an absolute-form target naming another host.
-        if req.version() != http::Version::HTTP_2 {
-            key::check_authority(req.uri(), host_header).map_err(ProxyError::BadTarget)?;
-        } else if let (Some(auth), Some(h)) = (req.uri().authority(), host_header) {
-            if !auth.as_str().eq_ignore_ascii_case(h) {
-                return Err(ProxyError::BadTarget(KeyError::ForeignHost));
-            }
-        }
-        // "Example.COM." and "example.com" are one host.
-        let host = req
-            .uri()
-            .host()
-            .or_else(|| host_header.map(strip_port))
-            .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
-            .filter(|h| !h.is_empty());
+        check_framing(req.method(), req.headers())?;
+        let host = request_host(&req)?;
         if host.is_none() && table.host_routes {
             // Without a host it could only take a catch-all route, which may
             // fence the same backend under another namespace.
@@ -457,39 +434,33 @@ impl Proxy {
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into());
 
-        // One parse decides the route, the key and the upstream target.
-        let canonical = key::canonicalize(&target);
-        let (rt, path) = match &canonical {
-            Ok(c) => {
-                let rt = table
-                    .find_route(host.as_deref(), &c.key_path)
-                    .ok_or(ProxyError::NoRoute)?;
-                if rt.route.literal_keys {
-                    (rt, key::literal(&target).map_err(ProxyError::BadTarget)?)
-                } else {
-                    (rt, c.clone())
-                }
+        // The route is chosen on the decoded path, the one form every
+        // spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`),
+        // then that route's own parse gives the key and the upstream
+        // target. A canonical route refuses what it cannot key
+        // unambiguously; the spelling cannot slip to another route.
+        let parsed = key::route_form(&target).and_then(|form| {
+            let Some(rt) = table.find_route(host.as_deref(), &form) else {
+                return Ok(None);
+            };
+            if rt.route.literal_keys {
+                key::literal(&target)
+            } else {
+                key::canonicalize(&target)
             }
+            .map(|path| Some((rt, path)))
+        });
+        let (rt, path) = match parsed {
+            Ok(Some(found)) => found,
+            Ok(None) => return Err(ProxyError::NoRoute),
             Err(e) => {
-                // Only a literal route may take a target the canonical parse
-                // refuses, and only if it is the best match for the raw path
-                // anyway: `/api//x` must not slip from a canonical `/api`
-                // route to a literal catch-all.
-                let raw_path = target.split('?').next().unwrap_or("/");
-                match table.find_route(host.as_deref(), raw_path) {
-                    Some(rt) if rt.route.literal_keys => {
-                        (rt, key::literal(&target).map_err(ProxyError::BadTarget)?)
-                    }
-                    _ => {
-                        ctx.write = true; // unknown route: assume the worst for logging
-                        return Err(ProxyError::BadTarget(e.clone()));
-                    }
-                }
+                ctx.write = true; // unparsed: assume the worst for logging
+                return Err(ProxyError::BadTarget(e));
             }
         };
         let route = &rt.route;
         ctx.route = Some(route.name.clone());
-        ctx.write = self.is_write(route, req.method(), req.headers())?;
+        ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;
         let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
 
         if !ctx.write {
@@ -504,7 +475,7 @@ impl Proxy {
         // is forwarded.
         let mut keys = vec![self.fence_key(route, &path, req.headers())?];
         ctx.key = Some(keys[0].clone());
-        if is_copy_or_move(req.method(), req.headers()) {
+        if is_copy_or_move(req.method(), req.headers(), req.uri().query()) {
             if let Some(dest) = req.headers().get("destination") {
                 let (key, rewritten) =
                     self.destination_key(table, rt, dest, host.as_deref(), req.headers())?;
@@ -628,27 +599,35 @@ impl Proxy {
         self.forward(rt, req, &path, Some(hold), ctx).await
     }
 
-    /// A request is a write if its method is, or if a method-override header
-    /// names a write method (so a GET overridden to DELETE is fenced).
+    /// A request is a write if its method is, or if a method override
+    /// names a write method (so a GET overridden to DELETE is fenced): the
+    /// override headers, and `_method` in the query string (Rails, Laravel,
+    /// Express's method-override). A form POST (`_method` may be in its
+    /// body, which is not read before forwarding) is fenced as a write.
     fn is_write(
         &self,
         route: &Route,
         method: &Method,
         headers: &HeaderMap,
+        query: Option<&str>,
     ) -> Result<bool, ProxyError> {
+        let named = |what: &str, m: Option<&str>| {
+            m.map(str::trim)
+                .filter(|m| !m.is_empty() && Method::from_bytes(m.as_bytes()).is_ok())
+                .map(|m| route.write_methods.is_write(m))
+                .ok_or_else(|| ProxyError::BadRequest(format!("{what} does not name a method")))
+        };
         let mut write = route.write_methods.is_write(method.as_str());
         for name in OVERRIDE_HEADERS {
             for value in headers.get_all(name) {
-                let m = value
-                    .to_str()
-                    .ok()
-                    .map(str::trim)
-                    .filter(|m| !m.is_empty() && Method::from_bytes(m.as_bytes()).is_ok())
-                    .ok_or_else(|| {
-                        ProxyError::BadRequest(format!("{name} does not name a method"))
-                    })?;
-                write |= route.write_methods.is_write(m);
+                write |= named(name, value.to_str().ok())?;
             }
+        }
+        for value in query_values(query.unwrap_or(""), "_method") {
+            write |= named("the _method parameter", value.as_deref())?;
+        }
+        if *method == Method::POST && !write && is_form(headers) {
+            write = true;
         }
         Ok(write)
     }
@@ -663,6 +642,13 @@ impl Proxy {
             .key
             .key_text(path, headers)
             .map_err(ProxyError::BadTarget)?;
+        let len = route.namespace.len() + 1 + text.len();
+        if len > self.limits.max_key_bytes {
+            return Err(ProxyError::KeyTooLong {
+                len,
+                limit: self.limits.max_key_bytes,
+            });
+        }
         Ok(format!("{}:{}", route.namespace, text))
     }
 
@@ -680,19 +666,21 @@ impl Proxy {
         let bad = |why: &str| ProxyError::BadRequest(format!("Destination header: {why}"));
         let text = dest.to_str().map_err(|_| bad("not ASCII"))?;
         let uri: Uri = text.parse().map_err(|_| bad("not a URI"))?;
-        if let Some(h) = uri.host() {
-            if Some(h.to_ascii_lowercase().as_str()) != host {
+        if let Some(auth) = uri.authority() {
+            let (h, _) = key::authority_host(auth.as_str()).map_err(ProxyError::BadTarget)?;
+            if Some(h.as_str()) != host {
                 return Err(bad("names another host"));
             }
         }
         let target = uri.path_and_query().map_or("/", |p| p.as_str());
+        let form = key::route_form(target).map_err(ProxyError::BadTarget)?;
         let path = if rt.route.literal_keys {
             key::literal(target)
         } else {
             key::canonicalize(target)
         }
         .map_err(ProxyError::BadTarget)?;
-        match table.find_route(host, &path.key_path) {
+        match table.find_route(host, &form) {
             Some(other) if std::ptr::eq(other, rt) => {}
             _ => return Err(bad("is not served by the same route")),
         }
@@ -896,7 +884,7 @@ fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
         ProxyError::Token(_) => "malformed_token",
         ProxyError::Stale { .. } => "stale",
         ProxyError::TokenTooFarAhead { .. } => "too_far_ahead",
-        ProxyError::BadTarget(_) => "bad_key",
+        ProxyError::BadTarget(_) | ProxyError::KeyTooLong { .. } => "bad_key",
         ProxyError::Recovering { .. } => "recovering",
         ProxyError::OlderInFlight { .. } => "older_in_flight",
         ProxyError::StoreUnavailable(_) => "store_error",
@@ -916,28 +904,100 @@ static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        return host.split_once(']').map_or(host, |(h, _)| &h[1..]);
+/// The host a request names, through one parse whatever carries it (`Host`,
+/// an absolute-form target, HTTP/2's `:authority`): both, when present,
+/// must name the same host and port. Refuses a repeated `Host` (RFC 9112
+/// section 3.2) and a `Connection` header naming `Host`, which would strip
+/// the header routing was decided on.
+fn request_host<B>(req: &Request<B>) -> Result<Option<String>, ProxyError> {
+    let bad = |why: &str| ProxyError::BadRequest(why.to_string());
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host_header = hosts.next();
+    if hosts.next().is_some() {
+        return Err(bad("more than one Host header"));
     }
-    host.rsplit_once(':').map_or(host, |(h, _)| h)
+    let names_host = req
+        .headers()
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("host"));
+    if names_host {
+        return Err(bad("the Connection header names Host"));
+    }
+    let parse = |text: &str| key::authority_host(text).map_err(ProxyError::BadTarget);
+    let from_header = host_header
+        .map(|h| {
+            h.to_str()
+                .map_err(|_| bad("the Host header is not ASCII"))
+                .and_then(parse)
+        })
+        .transpose()?;
+    let from_target = req
+        .uri()
+        .authority()
+        .map(|a| parse(a.as_str()))
+        .transpose()?;
+    match (from_target, from_header) {
+        (Some(t), Some(h)) if t != h => Err(ProxyError::BadTarget(KeyError::ForeignHost)),
+        (Some((host, _)), _) | (None, Some((host, _))) => Ok(Some(host)),
+        (None, None) => Ok(None),
+    }
 }
 
-fn is_copy_or_move(method: &Method, headers: &HeaderMap) -> bool {
+/// The percent-decoded values of `name` in a query string (`+` is a space
+/// there); `None` for a value that does not decode to UTF-8. Names are
+/// compared decoded, so `%5Fmethod` is `_method`.
+fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Option<String>> + 'a {
+    let decode = |s: &str| {
+        key::percent_decode(&s.replace('+', " "))
+            .ok()
+            .and_then(|b| String::from_utf8(b).ok())
+    };
+    query.split('&').filter_map(move |pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (decode(k).as_deref() == Some(name)).then(|| decode(v))
+    })
+}
+
+/// A form body (`application/x-www-form-urlencoded` or
+/// `multipart/form-data`), where frameworks also read `_method`.
+fn is_form(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| {
+            let t = v.split(';').next().unwrap_or("").trim();
+            t.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+                || t.eq_ignore_ascii_case("multipart/form-data")
+        })
+}
+
+fn is_copy_or_move(method: &Method, headers: &HeaderMap, query: Option<&str>) -> bool {
     let named = |m: &str| m.eq_ignore_ascii_case("COPY") || m.eq_ignore_ascii_case("MOVE");
     named(method.as_str())
         || OVERRIDE_HEADERS
             .iter()
             .flat_map(|h| headers.get_all(*h))
             .any(|v| v.to_str().is_ok_and(|m| named(m.trim())))
+        || query_values(query.unwrap_or(""), "_method").any(|m| m.is_some_and(|m| named(m.trim())))
 }
 
 /// Refuses message framing that two HTTP implementations could read two
 /// ways (request smuggling): both Content-Length and Transfer-Encoding,
 /// several Content-Length headers, or a transfer coding other than exactly
 /// `chunked`. The parser accepts some of these; a proxy must not.
-fn check_framing(headers: &HeaderMap) -> Result<(), ProxyError> {
+fn check_framing(method: &Method, headers: &HeaderMap) -> Result<(), ProxyError> {
     let bad = |why: &str| ProxyError::BadFraming(why.to_string());
+    // The upstream client drops a chunked body on GET and HEAD: refused
+    // rather than silently lost.
+    if matches!(*method, Method::GET | Method::HEAD)
+        && headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        return Err(bad("a chunked body on GET or HEAD"));
+    }
     let lengths = headers.get_all(header::CONTENT_LENGTH).iter().count();
     if lengths > 1 {
         return Err(bad("more than one Content-Length header"));

@@ -1,0 +1,261 @@
+//! Hostile input, round 2: one resource must meet one route and one key
+//! whatever its spelling (path escapes, `+`, the host in `Host`, an
+//! absolute-form target or HTTP/2's `:authority`), method overrides in the
+//! query or a form body, and keys of bounded size. Each case checks the
+//! status and that the backend never saw a stale token for the resource.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// fencegate on a config of `routes` (`{u}`: the upstream URL).
+async fn with_routes(routes: &str) -> (tempfile::TempDir, Upstream, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let cfg = dir.path().join("routes.toml");
+    write_config(&cfg, &routes.replace("{u}", &up.url()));
+    let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
+    (dir, up, p)
+}
+
+/// The tokens the backend saw, in arrival order.
+fn tokens(up: &Upstream) -> Vec<String> {
+    up.records()
+        .iter()
+        .map(|r| r.token.clone().unwrap_or_default())
+        .collect()
+}
+
+/// Status code and the whole answer of a raw HTTP/1.1 exchange.
+async fn raw_status(p: &Proxy, request: &str) -> (u16, String) {
+    let answer = raw(p.addr, request.as_bytes(), Duration::from_secs(2)).await;
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, answer)
+}
+
+fn put_raw(target: &str, host: &str, token: u64) -> String {
+    format!("PUT {target} HTTP/1.1\r\nHost: {host}\r\nX-Fence-Token: {token}\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_spelling_of_a_literal_name_meets_one_route() {
+    let (_d, up, p) = with_routes(
+        r#"
+[[routes]]
+name = "reports"
+path_prefix = "/bkt/reports"
+upstream = "{u}"
+literal_keys = true
+namespace = "reports-locks"
+
+[[routes]]
+name = "s3"
+upstream = "{u}"
+literal_keys = true
+namespace = "s3"
+"#,
+    )
+    .await;
+    let (s, a) = raw_status(&p, &put_raw("/bkt/reports/y.csv", "x", 10)).await;
+    assert_eq!(s, 200, "{a}");
+    for spelling in [
+        "/bkt/reports%2Fy.csv",
+        "/bkt/report%73/y.csv",
+        "/bkt/%72eports%2fy.csv",
+    ] {
+        let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
+        assert_eq!(s, 409, "{spelling}: {a}");
+        assert!(a.contains("reports-locks:/bkt/reports/y.csv"), "{a}");
+    }
+    let (s, a) = raw_status(&p, &put_raw("/bkt/reports//z.csv", "x", 10)).await;
+    assert_eq!(s, 200, "{a}");
+    let (s, a) = raw_status(&p, &put_raw("/bkt/report%73//z.csv", "x", 5)).await;
+    assert_eq!(s, 409, "{a}");
+    // `+`, `%2B`, space and `%20` may be one name to the backend.
+    let (s, _) = raw_status(&p, &put_raw("/bkt/a+b", "x", 10)).await;
+    assert_eq!(s, 200);
+    for spelling in ["/bkt/a%2Bb", "/bkt/a%20b"] {
+        let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
+        assert_eq!(s, 409, "{spelling}: {a}");
+    }
+    assert_eq!(
+        tokens(&up),
+        ["10", "10", "10"],
+        "a stale spelling reached the backend"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_canonical_route_is_not_bypassed_through_a_literal_catch_all() {
+    let (_d, up, p) = with_routes(
+        r#"
+[[routes]]
+name = "api"
+path_prefix = "/bkt/api"
+upstream = "{u}"
+
+[[routes]]
+name = "s3"
+upstream = "{u}"
+literal_keys = true
+namespace = "s3"
+"#,
+    )
+    .await;
+    let (s, _) = raw_status(&p, &put_raw("/bkt/api/x", "x", 10)).await;
+    assert_eq!(s, 200);
+    for spelling in ["/bkt/api%2Fx", "/bkt/ap%69%2fx", "/bkt/api//x"] {
+        let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
+        assert_eq!(s, 400, "{spelling}: {a}");
+        assert!(a.contains("application/problem+json"), "{a}");
+    }
+    assert_eq!(tokens(&up), ["10"]);
+}
+
+const V6_ROUTES: &str = r#"
+[[routes]]
+name = "v6"
+host = "::1"
+upstream = "{u}"
+namespace = "v6"
+
+[[routes]]
+name = "other"
+upstream = "{u}"
+namespace = "other"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_authority_parse_for_host_absolute_form_and_h2() {
+    let (_d, up, p) = with_routes(V6_ROUTES).await;
+    let port = p.addr.port();
+    let host = format!("[::1]:{port}");
+    let (s, a) = raw_status(&p, &put_raw("/v6b", &host, 20)).await;
+    assert_eq!(s, 200, "{a}");
+    // The same authority in an absolute-form target: same route, same key.
+    let absolute = format!("http://[::1]:{port}/v6b");
+    let (s, a) = raw_status(&p, &put_raw(&absolute, &host, 7)).await;
+    assert_eq!(s, 409, "{a}");
+    assert!(a.contains("v6:/v6b"), "{a}");
+    // And in HTTP/2's :authority.
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--http2-prior-knowledge",
+        ])
+        .args(["-X", "PUT", "-H", "X-Fence-Token: 7", "--data", "x"])
+        .args(["--connect-to", &format!("::127.0.0.1:{port}")])
+        .arg(format!("http://[::1]:{port}/v6b"))
+        .output()
+        .expect("curl not found: install the Debian package `curl`");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "409");
+    // User info is refused in either place.
+    let (s, _) = raw_status(&p, &put_raw("/v6b", &format!("u@{host}"), 30)).await;
+    assert_eq!(s, 400);
+    let (s, _) = raw_status(
+        &p,
+        &put_raw(&format!("http://u@[::1]:{port}/v6b"), &host, 30),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(tokens(&up), ["20"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_host_headers_or_connection_host_are_refused() {
+    let (_d, up, p) = with_routes(V6_ROUTES).await;
+    let port = p.addr.port();
+    let two = format!(
+        "PUT /h HTTP/1.1\r\nHost: [::1]:{port}\r\nHost: other.example\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n"
+    );
+    let (s, a) = raw_status(&p, &two).await;
+    assert_eq!(s, 400, "{a}");
+    let conn = "PUT /h HTTP/1.1\r\nHost: x\r\nConnection: host\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n";
+    let (s, a) = raw_status(&p, conn).await;
+    assert_eq!(s, 400, "{a}");
+    assert_eq!(up.arrivals(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn method_overrides_in_the_query_or_a_form_body_are_writes() {
+    let (_d, up, p) = with_routes(
+        r#"
+[[routes]]
+name = "orders"
+path_prefix = "/orders"
+upstream = "{u}"
+key = "/orders/{tenant}/{id}"
+write_methods = ["PUT", "PATCH", "DELETE"]
+"#,
+    )
+    .await;
+    // A plain POST is a read on this route.
+    let a = send("POST", &p.url("/orders/acme/42/search"), &[], "{}").await;
+    assert_eq!(a.status, 200);
+    for target in [
+        "/orders/acme/42?_method=DELETE",
+        "/orders/acme/42?x=1&_method=delete",
+        "/orders/acme/42?%5Fmethod=PUT",
+    ] {
+        let a = send("POST", &p.url(target), &[], "").await;
+        assert_eq!(a.status, 428, "{target}: {}", a.text());
+    }
+    let a = send("POST", &p.url("/orders/acme/42?_method=%FF"), &[], "").await;
+    assert_eq!(a.status, 400, "{}", a.text());
+    // `_method` may be in a form body, which fencegate does not read.
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let a = send("POST", &p.url("/orders/acme/42"), &form, "_method=DELETE").await;
+    assert_eq!(a.status, 428, "{}", a.text());
+    let a = send(
+        "POST",
+        &p.url("/orders/acme/42"),
+        &[
+            ("content-type", "multipart/form-data; boundary=x"),
+            ("x-fence-token", "3"),
+        ],
+        "--x--",
+    )
+    .await;
+    assert_eq!(a.status, 200, "fenced, then forwarded: {}", a.text());
+    let r = up.records();
+    assert_eq!(
+        r.len(),
+        2,
+        "only the plain POST and the fenced form reached the backend"
+    );
+    assert_eq!(r[1].token.as_deref(), Some("3"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keys_are_bounded_and_get_on_chunked_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--max-key-bytes", "256"])
+        .spawn();
+    let long = format!("/{}", "k".repeat(300));
+    let a = put(&p.url(&long), "1").await;
+    assert_eq!(a.status, 414, "{}", a.text());
+    assert_eq!(a.json()["type"], "urn:fencegate:problem:key-too-long");
+    assert_eq!(
+        put(&p.url(&format!("/{}", "k".repeat(200))), "1")
+            .await
+            .status,
+        200
+    );
+    let chunked =
+        "GET /g HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n";
+    let (s, a) = raw_status(&p, chunked).await;
+    assert_eq!(s, 400, "{a}");
+    assert_eq!(up.arrivals(), 1);
+}

@@ -71,6 +71,12 @@ struct GateState {
     inflight: BTreeMap<u64, Vec<Instant>>,
 }
 
+/// How long after a write's deadline newer writes still wait for it. The
+/// proxy cuts the write at its deadline, but the cut runs when the write's
+/// own tasks are next scheduled, and bytes handed over just before it may
+/// still be on their way.
+pub const CUT_GRACE: Duration = Duration::from_millis(250);
+
 /// What the writes older than a token still in flight mean for it.
 enum Older {
     /// None in flight.
@@ -200,8 +206,12 @@ pub struct Permit {
     token: u64,
     lease: Option<WriteLease>,
     /// By then the write must have ended (its exchange and its body): newer
-    /// writes to the key wait for it no longer than this.
+    /// writes to the key wait for it no longer than this (plus
+    /// [`CUT_GRACE`]).
     deadline: Instant,
+    /// The lease was polled after the grant ([`Fence::overtaken`]): its
+    /// release is sent twice, as for a lost acquire.
+    repolled: std::sync::atomic::AtomicBool,
     /// The write went ahead while an older write was still registered in
     /// flight, past that write's own deadline.
     pub waited_out: bool,
@@ -275,11 +285,9 @@ impl Fence {
         self.gates
             .entry(key.clone())
             .or_insert_with(|| {
-                let highest = if self.store.exclusive() {
-                    self.cache.get(key)
-                } else {
-                    None
-                };
+                // Gates are only made for the embedded store, whose only
+                // writer is this process: the cache cannot be behind it.
+                let highest = self.cache.get(key);
                 Arc::new(KeyGate {
                     state: Mutex::new(GateState {
                         highest,
@@ -308,28 +316,32 @@ impl Fence {
         let key = key.clone();
         let gate = gate.clone();
         let task = tokio::spawn(async move {
-            let answer = fence.store.advance(&key, token).await?;
-            let highest = match answer {
-                Advance::Raised { .. } | Advance::Equal => token,
-                Advance::Stale { highest } => highest,
-            };
-            {
-                // The cache is written under the gate lock with the gate's
-                // maximum, so two answers landing in either order (with an
-                // eviction in between) can never leave it below the store.
-                let mut st = gate.state.lock().expect("gate lock");
-                let max = st.highest.map_or(highest, |h| h.max(highest));
-                st.highest = Some(max);
-                fence.cache.raise(&key, max);
-            }
-            // Queued older writes must now see that they are stale.
-            gate.changed.notify_waiters();
+            let answer = fence.store.advance(&key, token).await;
+            let highest = answer.map(|answer| {
+                let highest = match answer {
+                    Advance::Raised { .. } | Advance::Equal => token,
+                    Advance::Stale { highest } => highest,
+                };
+                {
+                    // The cache is written under the gate lock with the
+                    // gate's maximum, so two answers landing in either order
+                    // (with an eviction in between) can never leave it below
+                    // the store.
+                    let mut st = gate.state.lock().expect("gate lock");
+                    let max = st.highest.map_or(highest, |h| h.max(highest));
+                    st.highest = Some(max);
+                    fence.cache.raise(&key, max);
+                }
+                // Queued older writes must now see that they are stale.
+                gate.changed.notify_waiters();
+                highest
+            });
             // The admission that started this may be gone (client hung up):
             // then this task held the last reference, and the gate must not
-            // outlive it.
+            // outlive it, whatever the store answered.
             drop(gate);
             fence.release_gate(&key);
-            Ok::<_, StoreError>(highest)
+            highest
         });
         match task.await {
             Ok(r) => Ok(r?),
@@ -354,7 +366,9 @@ impl Fence {
         }
         let key: Arc<str> = Arc::from(key);
         if !self.store.exclusive() {
-            return self.admit_shared(key, token, upstream_timeout).await;
+            return self
+                .admit_shared(key, token, wait_until, upstream_timeout)
+                .await;
         }
         // Removes the gate again if this admission fails or is abandoned
         // (the client hung up while waiting).
@@ -376,19 +390,13 @@ impl Fence {
         wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
-        let exclusive = self.store.exclusive();
-        let mut checked_with_store = false;
+        // Only the embedded store gets here: this process is its one writer,
+        // so the in-memory highest (written only after the store committed)
+        // answers "equal" and "stale" without I/O.
         loop {
             let known = gate.state.lock().expect("gate lock").highest;
-            let trust_equal = exclusive || checked_with_store;
-            let need_store = match known {
-                Some(h) if h > token => false,
-                Some(h) if h == token => !trust_equal,
-                _ => true,
-            };
-            if need_store {
+            if known.is_none_or(|h| h < token) {
                 self.advance(key, gate, token).await?;
-                checked_with_store = true;
             }
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -399,8 +407,9 @@ impl Fence {
                 if highest > token {
                     Step::Stale(highest)
                 } else if highest < token {
-                    // Not raised yet (the answer is pending elsewhere): ask
-                    // the store.
+                    // Cannot follow an advance of this token (the highest
+                    // is at least the token then); kept so that a missed
+                    // raise asks the store again rather than admitting.
                     Step::Retry
                 } else {
                     match st.older(token, now) {
@@ -410,7 +419,7 @@ impl Fence {
                             Step::Wait(latest.min(wait_until))
                         }
                         other => {
-                            st.enter(token, now + upstream_timeout);
+                            st.enter(token, now + upstream_timeout + CUT_GRACE);
                             Step::Go {
                                 waited_out: matches!(other, Older::Expired),
                             }
@@ -430,6 +439,7 @@ impl Fence {
                         token,
                         lease: None,
                         deadline: now + upstream_timeout,
+                        repolled: Default::default(),
                         waited_out,
                     })
                 }
@@ -440,9 +450,6 @@ impl Fence {
                     let _ = tokio::time::timeout_at(until, notified).await;
                 }
             }
-            // A shared store must be asked again, another replica may have
-            // raised the key.
-            checked_with_store = false;
         }
     }
 
@@ -454,6 +461,7 @@ impl Fence {
         self: &Arc<Self>,
         key: Arc<str>,
         token: u64,
+        wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
         // The lease's identity exists, and its release is armed, before the
@@ -471,10 +479,16 @@ impl Fence {
             lease: Some(lease.clone()),
             again_after: self.lease_margin,
         };
-        let mut outcome = self
-            .store
-            .acquire_lease(&key, &lease, self.lease_ttl)
-            .await?;
+        let mut outcome = match self.store.acquire_lease(&key, &lease, self.lease_ttl).await {
+            Ok(o) => o,
+            // Refused before anything was sent: nothing to release. (Not
+            // so for amnesia: it may be found in the acquire's answer.)
+            Err(e @ StoreError::Uninitialised) => {
+                pending.disarm();
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
         // Older leases expire after lease_ttl on the store's clock; a little
         // more than that is the longest a wait can legitimately take.
         let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
@@ -482,7 +496,9 @@ impl Fence {
         loop {
             match outcome {
                 LeaseOutcome::Stale { highest } => {
-                    return Err(FenceError::Stale { token, highest })
+                    // The store registered nothing (or removed it).
+                    pending.disarm();
+                    return Err(FenceError::Stale { token, highest });
                 }
                 LeaseOutcome::Granted(lease) => {
                     pending.disarm();
@@ -493,17 +509,28 @@ impl Fence {
                         token,
                         lease: Some(lease),
                         deadline: Instant::now() + upstream_timeout,
+                        repolled: Default::default(),
                         waited_out: false,
                     });
                 }
                 LeaseOutcome::Busy { lease, retry_after } => {
+                    // Our own limit first: an older write on some replica
+                    // may outlive it, and this one must not go ahead of it.
+                    if Instant::now() >= wait_until {
+                        return Err(FenceError::Busy {
+                            retry_after: Duration::from_secs(1),
+                        });
+                    }
                     if Instant::now() >= deadline {
                         return Err(StoreError::Unavailable(
                             "an older write's lease neither ended nor expired".into(),
                         )
                         .into());
                     }
-                    tokio::time::sleep(retry_after.min(pause)).await;
+                    tokio::time::sleep_until(
+                        (Instant::now() + retry_after.min(pause)).min(wait_until),
+                    )
+                    .await;
                     pause = (pause * 2).min(Duration::from_millis(50));
                     outcome = self.store.poll_lease(&key, &lease).await?;
                 }
@@ -576,6 +603,11 @@ impl Fence {
         let Some(lease) = &permit.lease else {
             return Ok(None);
         };
+        // A poll re-registers the lease: one still on its way when the
+        // permit's release lands would bring it back.
+        permit
+            .repolled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(match self.store.poll_lease(&permit.key, lease).await? {
             LeaseOutcome::Stale { highest } => Some(highest),
             _ => None,
@@ -644,9 +676,17 @@ impl Drop for Permit {
         if let Some(lease) = self.lease.take() {
             let store = self.fence.store.clone();
             let key = self.key.clone();
+            let again = self
+                .repolled
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .then_some(self.fence.lease_margin);
             tokio::spawn(async move {
                 if let Err(e) = store.release_lease(&key, &lease).await {
                     tracing::debug!(error = %e, "lease release failed; it will expire");
+                }
+                if let Some(again) = again {
+                    tokio::time::sleep(again).await;
+                    let _ = store.release_lease(&key, &lease).await;
                 }
             });
         }
@@ -654,7 +694,8 @@ impl Drop for Permit {
         {
             let mut st = gate.state.lock().expect("gate lock");
             if let Some(ds) = st.inflight.get_mut(&self.token) {
-                if let Some(i) = ds.iter().position(|d| *d == self.deadline) {
+                let registered = self.deadline + CUT_GRACE;
+                if let Some(i) = ds.iter().position(|d| *d == registered) {
                     ds.swap_remove(i);
                 }
                 if ds.is_empty() {
@@ -756,7 +797,7 @@ mod tests {
             .await
             .unwrap();
         assert!(p.waited_out);
-        assert!(Instant::now() >= start + Duration::from_secs(2));
+        assert!(Instant::now() >= start + Duration::from_secs(2) + CUT_GRACE);
         assert!(Instant::now() < start + Duration::from_secs(3));
     }
 
@@ -781,7 +822,7 @@ mod tests {
         {
             Err(FenceError::Busy { retry_after }) => {
                 assert!(Instant::now() >= start + Duration::from_secs(2));
-                assert_eq!(retry_after, old.deadline() - Instant::now());
+                assert_eq!(retry_after, old.deadline() + CUT_GRACE - Instant::now());
             }
             other => panic!("expected busy, got {:?}", other.map(|p| p.token())),
         }

@@ -142,9 +142,28 @@ impl Mapping {
 /// mapping that replaced it). The write's exchange and body are cut at
 /// `deadline`, so nobody waits on it longer than that.
 struct InFlight {
-    _permits: Vec<Arc<Permit>>,
-    _mapping: Option<TaskTrackerToken>,
+    /// Taken (released) when the last holder is done, or at the deadline
+    /// by [`InFlight::release_at_deadline`], whichever comes first.
+    held: std::sync::Mutex<Option<(Vec<Permit>, Option<TaskTrackerToken>)>>,
     deadline: tokio::time::Instant,
+}
+
+impl InFlight {
+    /// A request body still being sent after an early answer is cut at the
+    /// deadline only when the upstream connection next polls it, which it
+    /// does not while the upstream reads nothing. So the write stops
+    /// holding its keys (and its mapping) at the deadline whatever the body
+    /// does; newer writes wait [`crate::fence::CUT_GRACE`] beyond that anyway.
+    fn release_at_deadline(hold: &Arc<InFlight>) {
+        let weak = Arc::downgrade(hold);
+        let deadline = hold.deadline;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            if let Some(hold) = weak.upgrade() {
+                drop(hold.held.lock().expect("in-flight lock").take());
+            }
+        });
+    }
 }
 
 /// The request handler shared by every connection.
@@ -546,7 +565,7 @@ impl Proxy {
                     if p.waited_out {
                         rt.metrics.admission_waited_out.inc();
                     }
-                    permits.push(Arc::new(p));
+                    permits.push(p);
                 }
                 Err(FenceError::Stale { token, highest }) => {
                     return Err(ProxyError::Stale { token, highest })
@@ -591,9 +610,16 @@ impl Proxy {
             .map(|p| p.deadline())
             .min()
             .expect("a write holds at least one key");
+        // Waiting for a later key (COPY/MOVE) may have used up the first
+        // key's share: its newer writers stop waiting at that deadline, so
+        // this write must not start after it.
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ProxyError::OlderInFlight {
+                retry_after: Duration::from_secs(1),
+            });
+        }
         let hold = Arc::new(InFlight {
-            _permits: permits,
-            _mapping: ctx.mapping.take(),
+            held: std::sync::Mutex::new(Some((permits, ctx.mapping.take()))),
             deadline,
         });
         self.forward(rt, req, &path, Some(hold), ctx).await
@@ -765,7 +791,12 @@ impl Proxy {
             // last byte is sent).
             let task = self.exchanges.spawn(async move {
                 let result = exchange.await;
-                drop(hold);
+                if let Some(hold) = hold {
+                    // The body is still being sent (an early answer).
+                    if Arc::strong_count(&hold) > 1 {
+                        InFlight::release_at_deadline(&hold);
+                    }
+                }
                 result
             });
             match task.await {

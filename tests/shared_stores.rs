@@ -446,6 +446,72 @@ async fn a_lost_acquire_leaves_no_lease_behind() {
     assert_eq!(a.status, 200, "{}", a.text());
 }
 
+/// On a shared store too, a newer write whose own route's timeout comes
+/// before an older write's end is refused as older-write-in-flight, not
+/// forwarded, and not taken for a store outage.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shorter_timeout_on_another_route_does_not_overtake_across_replicas() {
+    let store = StoreServer::start(StoreKind::Redis);
+    let up = start_upstream().await;
+    let cfg = store.dir.path().join("routes.toml");
+    write_config(
+        &cfg,
+        &format!(
+            r#"
+[[routes]]
+name = "slow"
+path_prefix = "/d/slow"
+upstream = "{u}"
+key = "/{{s}}"
+upstream_timeout = "10s"
+
+[[routes]]
+name = "fast"
+path_prefix = "/d"
+upstream = "{u}"
+key = "/{{s}}"
+upstream_timeout = "1s"
+"#,
+            u = up.url()
+        ),
+    );
+    let replica = || {
+        ProxyBuilder::with_config(&cfg, store.dir.path())
+            .store_url(&store.url())
+            .spawn()
+    };
+    let (a, b) = (replica(), replica());
+    let url = a.url("/d/slow/x");
+    let old = tokio::spawn(async move {
+        send(
+            "PUT",
+            &url,
+            &[("x-fence-token", "1"), ("x-test-delay-ms", "3000")],
+            "old",
+        )
+        .await
+    });
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    let r = put(&b.url("/d/y"), "2").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(
+        r.json()["type"],
+        "urn:fencegate:problem:older-write-in-flight"
+    );
+    assert_eq!(up.arrivals(), 1, "token 2 reached the backend");
+    assert_eq!(old.await.unwrap().status, 200);
+    let r = put(&b.url("/d/y"), "2").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let rec = up.records();
+    assert!(
+        rec[1].arrived >= rec[0].completed,
+        "token 2 overtook token 1"
+    );
+}
+
 /// Redis holds no write lease within `d` (a lease TTL here is ~12 s).
 async fn no_leases_within(store: &StoreServer, d: Duration) {
     let deadline = Instant::now() + d;

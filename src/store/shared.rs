@@ -441,12 +441,8 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             .acquire(key, lease.token, &lease.id, ttl)
             .await
             .map_err(|e| self.latch(e))?;
-        if let Err(e) = self.witness_lease(key, sent, &outcome) {
-            if let LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } = &outcome {
-                let _ = self.backend.release(key, l).await;
-            }
-            return Err(e);
-        }
+        // On a witness failure the caller's guard releases the lease.
+        self.witness_lease(key, sent, &outcome)?;
         Ok(outcome)
     }
 

@@ -81,6 +81,10 @@ pub struct Server {
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
     exchanges: TaskTracker,
+    /// Closes the connections still open when the grace period ends.
+    kill: CancellationToken,
+    /// Every connection task (see [`Gate::connections`]).
+    connections: TaskTracker,
     grace: Duration,
     reloader: Reloader,
 }
@@ -212,9 +216,13 @@ impl Server {
                 u32::try_from(config.limits.max_header_bytes).unwrap_or(u32::MAX),
             );
         let grace = config.shutdown_grace;
+        let kill = CancellationToken::new();
+        let connections = TaskTracker::new();
         let gate = Gate {
             stop: draining.clone(),
             grace,
+            kill: kill.clone(),
+            connections: connections.clone(),
         };
         let serve = |listener, tls: Option<TlsSide>| {
             let proxy = proxy.clone();
@@ -278,6 +286,8 @@ impl Server {
             listeners,
             tls_watcher,
             exchanges,
+            kill,
+            connections,
             grace,
             reloader,
         })
@@ -302,15 +312,24 @@ impl Server {
         if let Some(watcher) = self.tls_watcher {
             let _ = watcher.await;
         }
-        // Writes whose clients went away are still running upstream: they
-        // must end before a clean stop can be recorded.
+        if !connections_drained {
+            tracing::warn!("grace period over: closing the connections still open");
+        }
+        // No connection is left to start a write once this returns; one
+        // that was admitted but not yet forwarded is dropped unsent.
+        self.kill.cancel();
+        self.connections.close();
+        self.connections.wait().await;
+        // Writes already forwarded run on as exchanges (also those whose
+        // clients went away): they must end before a clean stop can be
+        // recorded. Reads and idle connections do not matter.
         self.exchanges.close();
         let exchanges_done = tokio::time::timeout_at(deadline, self.exchanges.wait())
             .await
             .is_ok();
-        if !(connections_drained && exchanges_done) {
+        if !exchanges_done {
             tracing::warn!(
-                "grace period over with requests still in flight: not marking a clean stop"
+                "grace period over with writes still in flight upstream: not marking a clean stop"
             );
             return false;
         }
@@ -480,6 +499,13 @@ impl Reloader {
 struct Gate {
     stop: CancellationToken,
     grace: Duration,
+    /// Cancelled when the grace period is over: connections still open
+    /// (idle, reading, or a peer that never acknowledges the HTTP/2
+    /// shutdown) are closed. Writes already forwarded run on as exchanges.
+    kill: CancellationToken,
+    /// Every connection task, so the stop can wait until none is left to
+    /// start a write.
+    connections: TaskTracker,
 }
 
 /// The TLS side of a listener.
@@ -581,15 +607,21 @@ where
                 // cuts short).
                 let watcher = graceful.watcher();
                 let builder = builder.clone();
-                let (tls, stop) = (tls.clone(), gate.stop.clone());
-                tokio::spawn(async move {
-                    match tls {
-                        None => serve_connection(builder, stream, service, watcher).await,
-                        Some(tls) => {
-                            if let Some(stream) = tls.handshake(stream, peer, &stop).await {
-                                serve_connection(builder, stream, service, watcher).await;
+                let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
+                gate.connections.spawn(async move {
+                    let serve = async move {
+                        match tls {
+                            None => serve_connection(builder, stream, service, watcher).await,
+                            Some(tls) => {
+                                if let Some(stream) = tls.handshake(stream, peer, &stop).await {
+                                    serve_connection(builder, stream, service, watcher).await;
+                                }
                             }
                         }
+                    };
+                    tokio::select! {
+                        _ = kill.cancelled() => {}
+                        _ = serve => {}
                     }
                 });
             }

@@ -348,3 +348,41 @@ async fn a_clean_stop_during_recovery_keeps_the_recovery_wait() {
         "refused attempts reached the backend"
     );
 }
+
+/// A stop is clean when no write is in flight upstream: a stalled HTTP/2
+/// client that never answers the shutdown, an idle connection and a slow
+/// read still open at the end of the grace period are closed, and the clean
+/// stop is recorded.
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_connections_and_reads_do_not_make_a_stop_unclean() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--shutdown-grace", "1s"])
+        .spawn();
+    assert_eq!(put(&p.url("/s"), "1").await.status, 200);
+    // An h2c client that sends its preface and settings, then nothing, and
+    // never reads (so never acknowledges anything).
+    let mut h2 = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let _idle = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    let url = p.url("/slow-read");
+    let read = tokio::spawn(async move {
+        send("GET", &url, &[("x-test-delay-ms", "5000")], "").await
+    });
+    eventually("the read reached the upstream", Duration::from_secs(5), || {
+        up.arrivals() == 2
+    })
+    .await;
+    let exit = p.sigterm();
+    assert!(exit.success(), "{exit:?}\n{}", p.stderr());
+    assert!(p.stderr().contains("clean stop recorded"), "{}", p.stderr());
+    let _ = read.await;
+    drop(h2);
+    p.restart();
+    // No recovery window: the stop was clean.
+    assert_eq!(put(&p.url("/s"), "2").await.status, 200);
+}

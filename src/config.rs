@@ -78,6 +78,7 @@ pub struct RawTls {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawLimits {
+    pub max_connections: Option<u64>,
     pub max_header_bytes: Option<u64>,
     pub max_key_bytes: Option<u64>,
     pub max_body_bytes: Option<u64>,
@@ -240,6 +241,8 @@ impl Route {
 /// Limits and client-side timeouts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
+    /// Open connections per listener; more are closed at once (counted).
+    pub max_connections: usize,
     pub max_header_bytes: usize,
     /// Longest fence key (`namespace:resource`), bytes: each key costs
     /// memory in the highest-token cache and a row in the store.
@@ -247,9 +250,9 @@ pub struct Limits {
     /// `None`: no limit.
     pub max_body_bytes: Option<u64>,
     /// A client that has not sent a complete request head within this is
-    /// dropped (slowloris). The clock also runs while a keep-alive
-    /// connection waits idle for its next request, so this is the idle
-    /// timeout too.
+    /// dropped (slowloris). A connection (HTTP/1 or HTTP/2) with no request
+    /// being served that reads and writes nothing for this long is closed
+    /// too: this is the idle timeout as well.
     pub header_read_timeout: Duration,
     /// Longest pause between two chunks of a request body.
     pub body_read_timeout: Duration,
@@ -693,6 +696,13 @@ impl TryFrom<RawConfig> for Config {
                 "must be between 8192 and 16777216",
             ));
         }
+        let max_connections = l.max_connections.unwrap_or(10_000);
+        if !(1..=1_000_000).contains(&max_connections) {
+            return Err(invalid(
+                "limits.max_connections",
+                "must be between 1 and 1000000",
+            ));
+        }
         let max_key_bytes = l.max_key_bytes.unwrap_or(1536);
         if !(64..=65536).contains(&max_key_bytes) {
             return Err(invalid(
@@ -725,6 +735,7 @@ impl TryFrom<RawConfig> for Config {
             )?,
             access_log: raw.access_log.unwrap_or(false),
             limits: Limits {
+                max_connections: max_connections as usize,
                 max_header_bytes: max_header_bytes as usize,
                 max_key_bytes: max_key_bytes as usize,
                 max_body_bytes,
@@ -792,6 +803,7 @@ impl Config {
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
             limits: RawLimits {
+                max_connections: Some(self.limits.max_connections as u64),
                 max_header_bytes: Some(self.limits.max_header_bytes as u64),
                 max_key_bytes: Some(self.limits.max_key_bytes as u64),
                 max_body_bytes: self.limits.max_body_bytes,

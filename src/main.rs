@@ -107,6 +107,9 @@ struct Opts {
     /// Largest request head, bytes (431 above).
     #[arg(long, env = "FENCEGATE_MAX_HEADER_BYTES", global = true)]
     max_header_bytes: Option<u64>,
+    /// Open connections per listener; more are closed at once.
+    #[arg(long, env = "FENCEGATE_MAX_CONNECTIONS", global = true)]
+    max_connections: Option<u64>,
     /// Longest fence key (namespace:resource), bytes (414 above).
     #[arg(long, env = "FENCEGATE_MAX_KEY_BYTES", global = true)]
     max_key_bytes: Option<u64>,
@@ -186,6 +189,7 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.admin_token_file, &opts.admin_token_file);
     set(&mut raw.limits.max_header_bytes, &opts.max_header_bytes);
     set(&mut raw.limits.max_key_bytes, &opts.max_key_bytes);
+    set(&mut raw.limits.max_connections, &opts.max_connections);
     set(&mut raw.limits.max_body_bytes, &opts.max_body_bytes);
     set(&mut raw.highest_cache_entries, &opts.highest_cache_entries);
     if let Some(upstream) = &opts.upstream {

@@ -47,6 +47,11 @@ pub struct Metrics {
     pub tls_handshake_failures: IntCounterVec,
     /// notAfter of the TLS listener's certificate, Unix seconds.
     pub tls_not_after: IntGauge,
+    /// Open client connections, by listener (proxy, tls, admin).
+    pub connections: IntGaugeVec,
+    /// Connections closed by fencegate, by listener and reason (limit: the
+    /// listener was full; idle: no progress within the header timeout).
+    pub connections_closed: IntCounterVec,
 }
 
 impl Metrics {
@@ -174,8 +179,26 @@ impl Metrics {
             "When the TLS listener's certificate expires (notAfter), Unix seconds.",
         )
         .expect("metric");
+        let connections = IntGaugeVec::new(
+            Opts::new(
+                "fencegate_connections",
+                "Open client connections, by listener.",
+            ),
+            &["listener"],
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(connections.clone()))
+            .expect("register");
+        let connections_closed = counter(
+            "fencegate_connections_closed_total",
+            "Client connections closed by fencegate: the listener was full (limit) or the connection made no progress within the header timeout (idle).",
+            &["listener", "reason"],
+        );
         store_up.set(1);
         Self {
+            connections,
+            connections_closed,
             tls_not_after,
             tls_handshake_failures,
             reloads,

@@ -19,7 +19,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -224,6 +224,12 @@ impl Server {
             kill: kill.clone(),
             connections: connections.clone(),
         };
+        let slots = |name: &'static str| Slots {
+            name,
+            free: Arc::new(tokio::sync::Semaphore::new(config.limits.max_connections)),
+            idle: config.limits.header_read_timeout,
+            metrics: metrics.clone(),
+        };
         let serve = |listener, tls: Option<TlsSide>| {
             let proxy = proxy.clone();
             let on_tls = tls.is_some();
@@ -232,6 +238,7 @@ impl Server {
                 builder.clone(),
                 tls,
                 gate.clone(),
+                slots(if on_tls { "tls" } else { "proxy" }),
                 move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
             ))
         };
@@ -250,6 +257,7 @@ impl Server {
             builder,
             None,
             gate,
+            slots("admin"),
             move |req, _peer| admin_handler.clone().handle(req),
         )));
         let tls_watcher = match (&tls, &config.tls) {
@@ -520,12 +528,15 @@ struct TlsSide {
 impl TlsSide {
     /// Runs the handshake; `None` if it failed, timed out or the drain
     /// started meanwhile (a half-open handshake must not hold the drain).
-    async fn handshake(
+    async fn handshake<I>(
         &self,
-        stream: TcpStream,
+        stream: I,
         peer: SocketAddr,
         stop: &CancellationToken,
-    ) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+    ) -> Option<tokio_rustls::server::TlsStream<I>>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
         let accept = self.terminator.acceptor().accept(stream);
         let reason = tokio::select! {
             _ = stop.cancelled() => return None,
@@ -543,6 +554,165 @@ impl TlsSide {
         };
         self.failures.with_label_values(&[reason]).inc();
         None
+    }
+}
+
+/// A listener's connection budget and progress rule.
+#[derive(Clone)]
+struct Slots {
+    name: &'static str,
+    free: Arc<tokio::sync::Semaphore>,
+    /// A connection with no request being served that reads and writes
+    /// nothing for this long is closed (HTTP/1 keep-alive, an HTTP/2
+    /// connection without streams, a preface that never completes).
+    idle: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl Slots {
+    fn closed(&self, reason: &str) {
+        self.metrics
+            .connections_closed
+            .with_label_values(&[self.name, reason])
+            .inc();
+    }
+
+    /// Counts an open connection until the guard is dropped.
+    fn open(&self) -> impl Drop {
+        struct Open(prometheus::IntGauge);
+        impl Drop for Open {
+            fn drop(&mut self) {
+                self.0.dec();
+            }
+        }
+        let g = self.metrics.connections.with_label_values(&[self.name]);
+        g.inc();
+        Open(g)
+    }
+}
+
+/// Whether a connection makes progress: bytes moved, or a request handler
+/// running (an upstream answer can take a while).
+#[derive(Default)]
+struct Activity {
+    moved: std::sync::atomic::AtomicBool,
+    busy: std::sync::atomic::AtomicUsize,
+}
+
+impl Activity {
+    /// Ends when the connection has been idle for at least `idle` (at most
+    /// half as long again): no bytes either way and no request in hand.
+    async fn watch(self: Arc<Self>, idle: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let tick = idle / 2;
+        let mut quiet = Duration::ZERO;
+        loop {
+            tokio::time::sleep(tick).await;
+            let moved = self.moved.swap(false, Relaxed);
+            if moved || self.busy.load(Relaxed) > 0 {
+                quiet = Duration::ZERO;
+            } else {
+                quiet += tick;
+                if quiet >= idle {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A request handler in progress on a connection.
+struct Busy(Arc<Activity>);
+
+impl Busy {
+    fn new(a: &Arc<Activity>) -> Self {
+        a.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Busy(a.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0.busy.fetch_sub(1, Relaxed);
+        self.0.moved.store(true, Relaxed);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection's socket, noting each time bytes move.
+    struct Tracked<I> {
+        #[pin]
+        inner: I,
+        activity: Arc<Activity>,
+    }
+}
+
+impl<I: tokio::io::AsyncRead> tokio::io::AsyncRead for Tracked<I> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let r = this.inner.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.activity
+                .moved
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<I: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Tracked<I> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let r = this.inner.poll_write(cx, buf);
+        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.activity
+                .moved
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let r = this.inner.poll_write_vectored(cx, bufs);
+        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.activity
+                .moved
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().inner.poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
     }
 }
 
@@ -576,6 +746,7 @@ async fn accept_loop<F, Fut>(
     builder: auto::Builder<TokioExecutor>,
     tls: Option<TlsSide>,
     gate: Gate,
+    slots: Slots,
     handler: F,
 ) -> bool
 where
@@ -599,9 +770,31 @@ where
                         continue;
                     }
                 };
+                // A full listener closes the connection at once: a flood of
+                // idle sockets cannot take the descriptors that real
+                // requests need.
+                let Ok(slot) = slots.free.clone().try_acquire_owned() else {
+                    slots.closed("limit");
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
+                let activity = Arc::new(Activity::default());
+                let stream = Tracked { inner: stream, activity: activity.clone() };
                 let handler = handler.clone();
-                let service = service_fn(move |req| handler(req, peer));
+                let busy = activity.clone();
+                let service = service_fn(move |req| {
+                    let guard = Busy::new(&busy);
+                    let answer = handler(req, peer);
+                    async move {
+                        let answer = answer.await;
+                        drop(guard);
+                        answer
+                    }
+                });
+                let open = slots.open();
+                let watchdog = activity.watch(slots.idle);
+                let idle_closed = slots.clone();
                 // Watched from accept on, so the drain also waits for a
                 // connection still in its TLS handshake (which the drain
                 // cuts short).
@@ -622,7 +815,9 @@ where
                     tokio::select! {
                         _ = kill.cancelled() => {}
                         _ = serve => {}
+                        _ = watchdog => idle_closed.closed("idle"),
                     }
+                    drop((open, slot));
                 });
             }
         }

@@ -370,12 +370,13 @@ async fn stalled_connections_and_reads_do_not_make_a_stop_unclean() {
         .unwrap();
     let _idle = tokio::net::TcpStream::connect(p.addr).await.unwrap();
     let url = p.url("/slow-read");
-    let read = tokio::spawn(async move {
-        send("GET", &url, &[("x-test-delay-ms", "5000")], "").await
-    });
-    eventually("the read reached the upstream", Duration::from_secs(5), || {
-        up.arrivals() == 2
-    })
+    let read =
+        tokio::spawn(async move { send("GET", &url, &[("x-test-delay-ms", "5000")], "").await });
+    eventually(
+        "the read reached the upstream",
+        Duration::from_secs(5),
+        || up.arrivals() == 2,
+    )
     .await;
     let exit = p.sigterm();
     assert!(exit.success(), "{exit:?}\n{}", p.stderr());

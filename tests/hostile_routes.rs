@@ -259,3 +259,73 @@ async fn keys_are_bounded_and_get_on_chunked_is_refused() {
     assert_eq!(s, 400, "{a}");
     assert_eq!(up.arrivals(), 1);
 }
+
+/// Reads until the peer closes; `true` if it did within `within`.
+async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_without_progress_are_closed_and_capped() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s", "--max-connections", "4"])
+        .spawn();
+    let connect = || tokio::net::TcpStream::connect(p.addr);
+    // Nothing at all; half an HTTP/2 preface; a preface and settings with
+    // no stream; an HTTP/2 HEADERS frame that never ends.
+    let mut silent = connect().await.unwrap();
+    let mut half = connect().await.unwrap();
+    half.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    let mut preface = connect().await.unwrap();
+    preface
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut headers = connect().await.unwrap();
+    headers
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00\x10\x01\x00\x00\x00\x00\x01")
+        .await
+        .unwrap();
+    // The listener is full: a fifth connection is closed at once.
+    let mut fifth = connect().await.unwrap();
+    assert!(closed_within(&mut fifth, Duration::from_millis(500)).await);
+    for (name, s) in [
+        ("silent", &mut silent),
+        ("half preface", &mut half),
+        ("preface only", &mut preface),
+        ("unfinished headers", &mut headers),
+    ] {
+        assert!(
+            closed_within(s, Duration::from_secs(4)).await,
+            "{name} was kept open"
+        );
+    }
+    // Room again: a write goes through.
+    assert_eq!(put(&p.url("/after"), "1").await.status, 200);
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(
+        m.contains("fencegate_connections_closed_total{listener=\"proxy\",reason=\"limit\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("fencegate_connections_closed_total{listener=\"proxy\",reason=\"idle\"} 4"),
+        "{m}"
+    );
+    assert!(
+        m.contains("fencegate_connections{listener=\"proxy\"}"),
+        "{m}"
+    );
+    assert_eq!(up.arrivals(), 1);
+}

@@ -44,7 +44,10 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
     let mnt = dir.path().join("mnt");
     let _fs = Tmpfs::mount(&mnt, "8m");
     let up = start_upstream().await;
-    let p = ProxyBuilder::new(&up.url(), &mnt).spawn();
+    // Long keys fill the small disk fast.
+    let p = ProxyBuilder::new(&up.url(), &mnt)
+        .args(&["--max-key-bytes", "8192"])
+        .spawn();
     assert_eq!(put(&p.url("/kept"), "7").await.status, 200);
 
     // Fill the disk, then advance new keys with long names until the store

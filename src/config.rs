@@ -661,11 +661,21 @@ impl TryFrom<RawConfig> for Config {
             .map(|(i, r)| route(i, r))
             .collect::<Result<Vec<_>, _>>()?;
         let mut names = BTreeSet::new();
+        let mut matches = BTreeSet::new();
         for (i, r) in routes.iter().enumerate() {
             if !names.insert(r.name.clone()) {
                 return Err(invalid(
                     format!("routes[{i}].name"),
                     format!("`{}` is used twice", r.name),
+                ));
+            }
+            // Two routes for the same requests: only one could ever be
+            // used, and which one would hang on their order in the file.
+            let prefix = r.path_prefix.trim_end_matches('/').to_string();
+            if !matches.insert((r.host.clone(), prefix)) {
+                return Err(invalid(
+                    format!("routes[{i}].path_prefix"),
+                    "another route has the same host and path_prefix",
                 ));
             }
         }
@@ -1034,6 +1044,14 @@ mod tests {
             (
                 |r| r.routes[0].write_methods = Some(vec!["P UT".into()]),
                 "routes[0].write_methods",
+            ),
+            (
+                |r| {
+                    let mut twin = r.routes[0].clone();
+                    twin.name = Some("twin".into());
+                    r.routes.push(twin);
+                },
+                "routes[1].path_prefix",
             ),
             (
                 |r| r.routes[0].host = Some("api.example:8080".into()),

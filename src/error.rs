@@ -43,6 +43,8 @@ pub enum ProxyError {
     NoRoute,
     #[error("method {0} is not supported by this proxy")]
     MethodNotAllowed(String),
+    #[error("an HTTP/2 write needs a content-length: a stream the client resets is otherwise indistinguishable from a complete body")]
+    LengthRequired,
     #[error("the fence key is {len} bytes, over the limit of {limit}")]
     KeyTooLong { len: usize, limit: usize },
     #[error("the request body exceeds the limit of {limit} bytes")]
@@ -77,6 +79,7 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
+            Self::LengthRequired => StatusCode::LENGTH_REQUIRED,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable(_) | Self::Recovering { .. } | Self::OlderInFlight { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -100,6 +103,7 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::KeyTooLong { .. } => "key-too-long",
+            Self::LengthRequired => "length-required",
             Self::BodyTimeout => "body-timeout",
             Self::StoreUnavailable(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
@@ -123,6 +127,7 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => "Method not allowed",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::KeyTooLong { .. } => "Fence key too long",
+            Self::LengthRequired => "Content-Length required",
             Self::BodyTimeout => "Request body timeout",
             Self::StoreUnavailable(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",

@@ -385,12 +385,18 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
 /// route prefixes are plain ASCII, so that cannot change a match). Every
 /// spelling of a resource, in either mode, has this one form, so it meets
 /// one route, and that route's parse then gives the key.
-pub fn route_form(target: &str) -> Result<String, KeyError> {
+pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
     let (path, _query) = split_target(target)?;
     if !path.starts_with('/') {
         return Err(KeyError::NotAPath);
     }
-    Ok(String::from_utf8_lossy(&percent_decode(path)?).into_owned())
+    if !path.contains('%') {
+        // Nothing to decode: the common case costs no allocation.
+        return Ok(std::borrow::Cow::Borrowed(path));
+    }
+    Ok(std::borrow::Cow::Owned(
+        String::from_utf8_lossy(&percent_decode(path)?).into_owned(),
+    ))
 }
 
 /// Decodes every `%XX` escape; a `%` not followed by two hex digits is an

@@ -442,6 +442,12 @@ fn main() -> ExitCode {
         print!("{}", config.to_toml());
         return ExitCode::SUCCESS;
     }
+    // A proxy holds two descriptors per request (client and upstream): a
+    // soft limit of 1024 would cap it long before the hard limit does.
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => tracing::debug!(nofile = n, "file-descriptor limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the file-descriptor limit"),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -224,9 +224,10 @@ impl Server {
             kill: kill.clone(),
             connections: connections.clone(),
         };
+        let per_listener = connection_budget(config.limits.max_connections);
         let slots = |name: &'static str| Slots {
             name,
-            free: Arc::new(tokio::sync::Semaphore::new(config.limits.max_connections)),
+            free: Arc::new(tokio::sync::Semaphore::new(per_listener)),
             idle: config.limits.header_read_timeout,
             metrics: metrics.clone(),
         };
@@ -555,6 +556,36 @@ impl TlsSide {
         self.failures.with_label_values(&[reason]).inc();
         None
     }
+}
+
+/// Connections a listener may hold: the configured limit, but never more
+/// than the process's file-descriptor limit allows with room to spare, so
+/// that a flood of client connections cannot leave no descriptor for the
+/// upstream connections and the store. Every proxied request may need one
+/// upstream connection besides its client's, so each listener gets a third
+/// of half of what is left after a reserve.
+fn connection_budget(configured: usize) -> usize {
+    let nofile = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|soft| soft.parse::<usize>().ok())
+        });
+    let Some(nofile) = nofile else {
+        return configured;
+    };
+    let budget = (nofile.saturating_sub(64) / 2 / 3).max(8);
+    if budget < configured {
+        tracing::info!(
+            configured,
+            budget,
+            nofile,
+            "limiting connections per listener to what the file-descriptor limit allows"
+        );
+    }
+    configured.min(budget)
 }
 
 /// A listener's connection budget and progress rule.

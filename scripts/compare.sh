@@ -15,6 +15,9 @@
 # ratios, the proxy's CPU per request, and the disk's fsync rate.
 #
 # Usage: scripts/compare.sh [ROUNDS] [SECONDS]
+# With BASELINE_BIN=path/to/an/older/fencegate, two more rows (steady-base,
+# newkey-base) run that binary in the same rounds: what a change costs on
+# the request path, measured in one run.
 # Needs: wrk nginx haproxy taskset python3 curl, and for the shared-store
 # rows redis-server and postgresql (as root: PostgreSQL runs via runuser).
 # It installs nothing: it says what is missing.
@@ -103,7 +106,7 @@ for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT; do wait_port "
 
 start_fencegate() { # name store [extra flags...]
   local name=$1 store=$2; shift 2
-  taskset -c 1 "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+  taskset -c 1 "${FG_BIN:-$BIN}" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
     --upstream "http://127.0.0.1:$UP_PORT" --store "$store" "$@" > "$WORK/$name.out" 2> "$WORK/$name.err" &
   local pid=$!; PIDS+=("$pid")
   for _ in $(seq 100); do grep -q listening "$WORK/$name.out" 2>/dev/null && break; sleep 0.1; done
@@ -119,6 +122,10 @@ read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_POR
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
 # start_fencegate runs in a subshell here: its PIDS+= never reached us.
 PIDS+=("$FG_PID" "$FGR_PID" "$FGP_PID")
+if [ -n "${BASELINE_BIN:-}" ]; then
+  read -r FGB_PID FGB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate baseline "$WORK/baseline.redb")
+  PIDS+=("$FGB_PID")
+fi
 sleep 1
 
 cat > "$WORK/steady.lua" <<'LUA'
@@ -139,6 +146,7 @@ cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
 SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls)
+[ -n "${BASELINE_BIN:-}" ] && SYSTEMS+=(steady-base newkey-base)
 declare -A RES
 for r in $(seq "$ROUNDS"); do
   for sys in "${SYSTEMS[@]}"; do
@@ -153,6 +161,8 @@ for r in $(seq "$ROUNDS"); do
       newkey-postgres) url="http://$FGP_ADDR/"; script=newkey; pid=$FGP_PID;;
       nginx-tls) url="https://127.0.0.1:$NGINX_TLS_PORT/k"; script=steady; pid=$NGINX_TLS_WORKER;;
       steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
+      steady-base) url="http://$FGB_ADDR/k"; script=steady; pid=$FGB_PID;;
+      newkey-base) url="http://$FGB_ADDR/"; script=newkey; pid=$FGB_PID;;
     esac
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
@@ -189,3 +199,7 @@ echo "new-key durable advances per disk fsync: $(python3 -c "print(f'{$NK/$FSYNC
 echo "redis steady vs embedded steady: $(python3 -c "print(f'{$STR/$ST:.2f}x')")"
 NT=$(median $(col nginx-tls 1)); FT=$(median $(col steady-tls 1))
 echo "fencegate over TLS vs its plain listener: $(python3 -c "print(f'{$FT/$ST:.2f}x')"); vs nginx terminating TLS: $(python3 -c "print(f'{$FT/$NT:.2f}x')")"
+if [ -n "${BASELINE_BIN:-}" ]; then
+  SB=$(median $(col steady-base 1)); NB=$(median $(col newkey-base 1))
+  echo "this build vs the baseline binary: steady $(python3 -c "print(f'{$ST/$SB:.2f}x')") (CPU/req $(median $(col steady 4)) vs $(median $(col steady-base 4)) us), new key $(python3 -c "print(f'{$NK/$NB:.2f}x')") (CPU/req $(median $(col newkey 4)) vs $(median $(col newkey-base 4)) us)"
+fi

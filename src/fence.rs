@@ -68,7 +68,10 @@ struct GateState {
     /// Highest token known durable for this key, if known.
     highest: Option<u64>,
     /// Admitted writes still in flight: per token, the deadline of each.
-    inflight: BTreeMap<u64, Vec<Instant>>,
+    /// (token, deadline) -> how many writes share both. Ordered by token,
+    /// so the older writes are a prefix; no allocation per write beyond the
+    /// map's own node.
+    inflight: BTreeMap<(u64, Instant), u32>,
 }
 
 /// How long after a write's deadline newer writes still wait for it. The
@@ -92,7 +95,8 @@ impl GateState {
     fn older(&self, token: u64, now: Instant) -> Older {
         let mut any = false;
         let mut latest = None;
-        for d in self.inflight.range(..token).flat_map(|(_, ds)| ds) {
+        let older = self.inflight.keys().take_while(|(t, _)| *t < token);
+        for (_, d) in older {
             any = true;
             if *d > now && latest.is_none_or(|l| *d > l) {
                 latest = Some(*d);
@@ -106,7 +110,7 @@ impl GateState {
     }
 
     fn enter(&mut self, token: u64, deadline: Instant) {
-        self.inflight.entry(token).or_default().push(deadline);
+        *self.inflight.entry((token, deadline)).or_default() += 1;
     }
 }
 
@@ -693,13 +697,11 @@ impl Drop for Permit {
         let Some(gate) = self.gate.take() else { return };
         {
             let mut st = gate.state.lock().expect("gate lock");
-            if let Some(ds) = st.inflight.get_mut(&self.token) {
-                let registered = self.deadline + CUT_GRACE;
-                if let Some(i) = ds.iter().position(|d| *d == registered) {
-                    ds.swap_remove(i);
-                }
-                if ds.is_empty() {
-                    st.inflight.remove(&self.token);
+            let entry = (self.token, self.deadline + CUT_GRACE);
+            if let Some(n) = st.inflight.get_mut(&entry) {
+                *n -= 1;
+                if *n == 0 {
+                    st.inflight.remove(&entry);
                 }
             }
         }

@@ -995,10 +995,15 @@ fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Optio
             .ok()
             .and_then(|b| String::from_utf8(b).ok())
     };
-    query.split('&').filter_map(move |pair| {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (decode(k).as_deref() == Some(name)).then(|| decode(v))
-    })
+    // Most queries name no `_method` in any spelling: skip the decoding.
+    let maybe = query.contains(name) || query.contains('%');
+    query
+        .split('&')
+        .filter(move |_| maybe)
+        .filter_map(move |pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k).as_deref() == Some(name)).then(|| decode(v))
+        })
 }
 
 /// A form body (`application/x-www-form-urlencoded` or

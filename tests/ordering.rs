@@ -186,27 +186,7 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake() {
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;
     let cfg = dir.path().join("routes.toml");
-    write_config(
-        &cfg,
-        &format!(
-            r#"
-[[routes]]
-name = "slow"
-path_prefix = "/d/slow"
-upstream = "{u}"
-key = "/{{s}}"
-upstream_timeout = "10s"
-
-[[routes]]
-name = "fast"
-path_prefix = "/d"
-upstream = "{u}"
-key = "/{{s}}"
-upstream_timeout = "1s"
-"#,
-            u = up.url()
-        ),
-    );
+    write_config(&cfg, &two_routes_sharing_keys(&up.url()));
     let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
     let old = slow_put(p.url("/d/slow/x"), "1", "3000");
     eventually("token 1 arrived", Duration::from_secs(5), || {

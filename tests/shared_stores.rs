@@ -454,27 +454,7 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake_across_replicas() 
     let store = StoreServer::start(StoreKind::Redis);
     let up = start_upstream().await;
     let cfg = store.dir.path().join("routes.toml");
-    write_config(
-        &cfg,
-        &format!(
-            r#"
-[[routes]]
-name = "slow"
-path_prefix = "/d/slow"
-upstream = "{u}"
-key = "/{{s}}"
-upstream_timeout = "10s"
-
-[[routes]]
-name = "fast"
-path_prefix = "/d"
-upstream = "{u}"
-key = "/{{s}}"
-upstream_timeout = "1s"
-"#,
-            u = up.url()
-        ),
-    );
+    write_config(&cfg, &two_routes_sharing_keys(&up.url()));
     let replica = || {
         ProxyBuilder::with_config(&cfg, store.dir.path())
             .store_url(&store.url())

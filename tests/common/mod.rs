@@ -640,6 +640,28 @@ impl http_body::Body for ChunkBody {
 
 /// Writes a config file the way config management tools do: write, then
 /// rename.
+/// Two routes in front of `upstream` that fence the same keys (`/d/slow/x`
+/// and `/d/y` are both `/d`) with upstream timeouts of 10 s and 1 s.
+pub fn two_routes_sharing_keys(upstream: &str) -> String {
+    format!(
+        r#"
+[[routes]]
+name = "slow"
+path_prefix = "/d/slow"
+upstream = "{upstream}"
+key = "/{{s}}"
+upstream_timeout = "10s"
+
+[[routes]]
+name = "fast"
+path_prefix = "/d"
+upstream = "{upstream}"
+key = "/{{s}}"
+upstream_timeout = "1s"
+"#
+    )
+}
+
 pub fn write_config(path: &std::path::Path, text: &str) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).unwrap();

@@ -832,23 +832,28 @@ where
                 let watcher = graceful.watcher();
                 let builder = builder.clone();
                 let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
-                gate.connections.spawn(async move {
-                    let serve = async move {
-                        match tls {
-                            None => serve_connection(builder, stream, service, watcher).await,
-                            Some(tls) => {
-                                if let Some(stream) = tls.handshake(stream, peer, &stop).await {
-                                    serve_connection(builder, stream, service, watcher).await;
-                                }
+                let mut connection = gate.connections.spawn(async move {
+                    let _held = (open, slot);
+                    match tls {
+                        None => serve_connection(builder, stream, service, watcher).await,
+                        Some(tls) => {
+                            if let Some(stream) = tls.handshake(stream, peer, &stop).await {
+                                serve_connection(builder, stream, service, watcher).await;
                             }
                         }
-                    };
+                    }
+                });
+                // A supervisor beside the connection, not around it: it
+                // wakes only on its timer, the stop or the connection's end,
+                // so the request path does not poll it.
+                tokio::spawn(async move {
                     tokio::select! {
+                        _ = &mut connection => return,
                         _ = kill.cancelled() => {}
-                        _ = serve => {}
                         _ = watchdog => idle_closed.closed("idle"),
                     }
-                    drop((open, slot));
+                    connection.abort();
+                    let _ = connection.await;
                 });
             }
         }

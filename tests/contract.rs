@@ -165,6 +165,9 @@ async fn method_override_headers_make_a_write() {
         assert_problem(&a, 428, "missing-token");
         let a = send("POST", &p.url("/o"), &[(h, "not a method")], "").await;
         assert_problem(&a, 400, "bad-request");
+        // A write method line stays a write whatever the override says.
+        let a = send("PUT", &p.url("/o"), &[(h, "GET")], "").await;
+        assert_problem(&a, 428, "missing-token");
     }
     assert_eq!(
         up.arrivals(),
@@ -227,6 +230,18 @@ async fn copy_and_move_fence_the_destination() {
     )
     .await;
     assert_eq!(a.status, 200, "{}", a.text());
+    // The backend got the destination in the form it was fenced as.
+    let copy = up
+        .records()
+        .into_iter()
+        .find(|r| r.method == "COPY")
+        .expect("the COPY was applied");
+    assert_eq!(
+        copy.headers
+            .get("destination")
+            .and_then(|v| v.to_str().ok()),
+        Some("/dst")
+    );
     // Both keys were raised.
     assert_problem(&put(&p.url("/dst"), "5").await, 409, "stale-token");
     assert_problem(&put(&p.url("/src"), "5").await, 409, "stale-token");
@@ -944,4 +959,46 @@ async fn request_ids_forwarded_for_and_the_access_log() {
         admitted["fields"]["latency_ms"].as_f64().unwrap()
             >= admitted["fields"]["upstream_ms"].as_f64().unwrap()
     );
+}
+
+/// Hop-by-hop headers an upstream sends back do not reach the client.
+#[tokio::test(flavor = "multi_thread")]
+async fn hop_by_hop_headers_are_not_returned() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = start_upstream_with(|mut s: tokio::net::TcpStream, _| {
+        Box::pin(async move {
+            // One request: read its head and its (small) body, answer, close.
+            let mut buf = vec![0u8; 8192];
+            let mut got = 0;
+            while !buf[..got].windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf[got..]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got += n,
+                }
+            }
+            let _ = s
+                .write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: x-private-resp, close\r\n\
+X-Private-Resp: secret\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\n\
+Trailer: x-checksum\r\nX-End-To-End: kept\r\n\r\nok",
+                )
+                .await;
+        })
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    let a = send("GET", &p.url("/hop"), &[], "").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.text(), "ok");
+    for gone in [
+        "x-private-resp",
+        "keep-alive",
+        "proxy-connection",
+        "trailer",
+        "connection",
+    ] {
+        assert!(a.header(gone).is_none(), "{gone} was returned");
+    }
+    assert_eq!(a.header("x-end-to-end"), Some("kept"));
 }

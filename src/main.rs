@@ -333,6 +333,20 @@ async fn run(
     Ok(clean)
 }
 
+/// Runs a one-shot subcommand's future on a single-threaded runtime.
+fn block_on(f: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(f),
+        Err(e) => {
+            eprintln!("fencegate: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `fencegate init-store`: marks the shared store named by `--store` (or
 /// the config file) as fencegate's. Exit 0 if it is marked afterwards.
 fn init_store(opts: &Opts) -> ExitCode {
@@ -353,13 +367,7 @@ fn init_store(opts: &Opts) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return ExitCode::FAILURE;
-    };
-    runtime.block_on(async {
+    block_on(async {
         let result = async {
             let store = fencegate::store::connect_shared(&shared)?;
             Ok::<_, anyhow::Error>(store.initialise().await?)
@@ -387,13 +395,7 @@ fn probe(url: &str) -> ExitCode {
     use http_body_util::Empty;
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::TokioExecutor;
-    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return ExitCode::FAILURE;
-    };
-    runtime.block_on(async {
+    block_on(async {
         let Ok(uri) = url.parse::<http::Uri>() else {
             eprintln!("fencegate probe: `{url}` is not a URL");
             return ExitCode::from(2);

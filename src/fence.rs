@@ -129,6 +129,11 @@ struct HighestCache {
 /// header and the token.
 const ENTRY_OVERHEAD: usize = 64;
 
+/// What an entry for `key` counts against the byte budget.
+fn entry_cost(key: &str) -> usize {
+    key.len() + ENTRY_OVERHEAD
+}
+
 /// The default byte budget of the highest-token cache.
 pub const DEFAULT_CACHE_BYTES: usize = 96 << 20;
 
@@ -146,7 +151,7 @@ impl HighestCache {
             *v = (*v).max(value);
             return;
         }
-        let cost = key.len() + ENTRY_OVERHEAD;
+        let cost = entry_cost(key);
         if self.map.len() >= self.capacity || self.bytes.load(Relaxed) + cost > self.max_bytes {
             // Evict an arbitrary eighth. Cheap, and correct whatever is
             // evicted: the store is the authority.
@@ -156,7 +161,7 @@ impl HighestCache {
                     return true;
                 }
                 budget -= 1;
-                self.bytes.fetch_sub(k.len() + ENTRY_OVERHEAD, Relaxed);
+                self.bytes.fetch_sub(entry_cost(k), Relaxed);
                 false
             });
         }
@@ -175,10 +180,8 @@ impl HighestCache {
 
     fn remove(&self, key: &str) {
         if let Some((k, _)) = self.map.remove(key) {
-            self.bytes.fetch_sub(
-                k.len() + ENTRY_OVERHEAD,
-                std::sync::atomic::Ordering::Relaxed,
-            );
+            self.bytes
+                .fetch_sub(entry_cost(&k), std::sync::atomic::Ordering::Relaxed);
         }
     }
 }

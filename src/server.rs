@@ -631,6 +631,13 @@ struct Activity {
 }
 
 impl Activity {
+    /// Records that bytes moved, if they did.
+    fn note(&self, moved: bool) {
+        if moved {
+            self.moved.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Ends when the connection has been idle for at least `idle` (at most
     /// half as long again): no bytes either way and no request in hand.
     async fn watch(self: Arc<Self>, idle: Duration) {
@@ -688,11 +695,7 @@ impl<I: tokio::io::AsyncRead> tokio::io::AsyncRead for Tracked<I> {
         let this = self.project();
         let before = buf.filled().len();
         let r = this.inner.poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.activity
-                .moved
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        this.activity.note(buf.filled().len() > before);
         r
     }
 }
@@ -705,11 +708,8 @@ impl<I: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Tracked<I> {
     ) -> std::task::Poll<std::io::Result<usize>> {
         let this = self.project();
         let r = this.inner.poll_write(cx, buf);
-        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
-            this.activity
-                .moved
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        this.activity
+            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
         r
     }
 
@@ -720,11 +720,8 @@ impl<I: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Tracked<I> {
     ) -> std::task::Poll<std::io::Result<usize>> {
         let this = self.project();
         let r = this.inner.poll_write_vectored(cx, bufs);
-        if matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0) {
-            this.activity
-                .moved
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        this.activity
+            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
         r
     }
 

@@ -364,3 +364,54 @@ async fn http2_writes_need_a_declared_length() {
     // No body at all needs no length.
     assert_eq!(curl(&["-X", "DELETE"]), "200");
 }
+
+/// Under a small descriptor limit, a flood of idle connections cannot keep
+/// a real write out: the listener takes only what the limit leaves room for
+/// (closing the rest at once), and the idle ones it took are closed within
+/// the header timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_flood_under_a_small_descriptor_limit_does_not_starve_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .nofile(200)
+        .spawn();
+    let mut idle = Vec::new();
+    for _ in 0..250 {
+        if let Ok(s) = tokio::net::TcpStream::connect(p.addr).await {
+            idle.push(s);
+        }
+    }
+    // Within a few header timeouts the write goes through (bounded: 50
+    // tries, 100 ms apart), and the process is still serving.
+    let mut status = 0;
+    for _ in 0..50 {
+        // A connection closed at once (the listener is full) is an error
+        // here, not a panic: the client retries.
+        let req = http::Request::put(p.url("/real"))
+            .header("x-fence-token", "1")
+            .body(full("x"))
+            .unwrap();
+        if let Ok(Ok(a)) = tokio::time::timeout(Duration::from_secs(2), client().request(req)).await
+        {
+            status = a.status().as_u16();
+            if status == 200 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, 200, "{}", p.stderr());
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    let limited: f64 = m
+        .lines()
+        .find(|l| {
+            l.starts_with("fencegate_connections_closed_total{listener=\"proxy\",reason=\"limit\"}")
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(limited >= 200.0, "{limited} closed for the limit\n{m}");
+    drop(idle);
+}

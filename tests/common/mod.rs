@@ -320,6 +320,11 @@ impl ProxyBuilder {
         self.listen = addr.to_string();
         self
     }
+    /// Runs the process under a file-descriptor limit (soft and hard), as
+    /// `ulimit -n` would: via util-linux's `prlimit`.
+    pub fn nofile(self, n: u32) -> Self {
+        self.env(NOFILE, &n.to_string())
+    }
     /// An environment variable for the process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
@@ -368,6 +373,31 @@ pub fn bin() -> &'static str {
     }
 }
 
+/// The builder's [`ProxyBuilder::nofile`] setting, carried with the
+/// environment so that a restart keeps it.
+const NOFILE: &str = "FENCEGATE_TEST_NOFILE";
+
+/// The command that starts fencegate: under `prlimit` if a descriptor limit
+/// was asked for.
+fn command(env: &[(String, String)]) -> Command {
+    match env.iter().find(|(k, _)| k == NOFILE) {
+        Some((_, n)) => {
+            let mut c = Command::new(require_prlimit());
+            c.arg(format!("--nofile={n}:{n}")).arg("--").arg(bin());
+            c
+        }
+        None => Command::new(bin()),
+    }
+}
+
+fn require_prlimit() -> &'static str {
+    assert!(
+        Command::new("prlimit").arg("--version").output().is_ok(),
+        "prlimit not found: install the Debian package `util-linux`"
+    );
+    "prlimit"
+}
+
 impl Proxy {
     fn spawn_with(args: Vec<String>, env: Vec<(String, String)>, log_dir: PathBuf) -> Proxy {
         let stderr_log = log_dir.join(format!(
@@ -377,7 +407,7 @@ impl Proxy {
                 .unwrap()
                 .as_nanos()
         ));
-        let mut child = Command::new(bin())
+        let mut child = command(&env)
             .args(&args)
             .env("FENCEGATE_LOG", "info")
             .envs(env.iter().map(|(k, v)| (k, v)))

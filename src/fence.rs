@@ -199,6 +199,26 @@ pub struct Fence {
     /// The store's own latency bound (its timeout, plus a second): an
     /// acquire whose answer was lost may be applied up to this late.
     lease_margin: Duration,
+    /// Writes waiting now behind an older write in flight on their key
+    /// (registered by the server as `fencegate_writes_waiting`): a queue
+    /// behind a slow backend shows here before it shows as 503s.
+    waiting: prometheus::IntGauge,
+}
+
+/// Counts a write in [`Fence::waiting`] while it lives.
+struct Waiting(prometheus::IntGauge);
+
+impl Waiting {
+    fn new(g: &prometheus::IntGauge) -> Self {
+        g.inc();
+        Self(g.clone())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// What an admitted write holds while it is in flight. Dropping it ends the
@@ -269,7 +289,17 @@ impl Fence {
             recovering_until,
             lease_ttl: recovery_window + lease_margin,
             lease_margin,
+            waiting: prometheus::IntGauge::new(
+                "fencegate_writes_waiting",
+                "Writes waiting now behind an older in-flight write on their key.",
+            )
+            .expect("metric"),
         })
+    }
+
+    /// The gauge of writes waiting behind older ones, for the registry.
+    pub fn waiting(&self) -> &prometheus::IntGauge {
+        &self.waiting
     }
 
     pub fn store(&self) -> &Arc<dyn FenceStore> {
@@ -454,6 +484,7 @@ impl Fence {
                     // Woken by a write ending or the highest rising, or at
                     // the older writes' deadline or our own limit: decide
                     // again in every case.
+                    let _waiting = Waiting::new(&self.waiting);
                     let _ = tokio::time::timeout_at(until, notified).await;
                 }
             }
@@ -500,6 +531,7 @@ impl Fence {
         // more than that is the longest a wait can legitimately take.
         let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
         let mut pause = Duration::from_millis(2);
+        let mut waiting = None;
         loop {
             match outcome {
                 LeaseOutcome::Stale { highest } => {
@@ -534,6 +566,7 @@ impl Fence {
                         )
                         .into());
                     }
+                    waiting.get_or_insert_with(|| Waiting::new(&self.waiting));
                     tokio::time::sleep_until(
                         (Instant::now() + retry_after.min(pause)).min(wait_until),
                     )

@@ -170,6 +170,10 @@ impl Server {
             config.max_upstream_timeout(),
             lease_margin,
         );
+        metrics
+            .registry
+            .register(Box::new(fence.waiting().clone()))
+            .expect("register");
         let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone())?);
         let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();

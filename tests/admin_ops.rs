@@ -50,7 +50,7 @@ async fn a_token_far_above_the_highest_is_refused() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn fence_ahead_cuts_off_the_old_holder_before_the_new_one_writes() {
-    let (_d, up, p) = setup(&[]).await;
+    let (_d, up, mut p) = setup(&["--upstream-timeout", "1s"]).await;
     assert_eq!(put(&p.url("/doc"), "33").await.status, 200);
     // The lock service grants token 34: fence ahead at grant time.
     let a = send(
@@ -98,12 +98,30 @@ async fn fence_ahead_cuts_off_the_old_holder_before_the_new_one_writes() {
     )
     .await;
     assert_eq!(a.status, 400);
-    assert_eq!(up.count(), 2);
+    assert_eq!(up.arrivals(), 2, "a refused write reached the backend");
+    // A fence raised ahead on a key no write has touched yet is as durable
+    // as one raised by a write: it survives kill -9.
+    let a = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Ffresh"),
+        &[("authorization", &auth())],
+        r#"{"token":"50"}"#,
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    p.kill9();
+    p.restart();
+    // Past the 1 s recovery window.
+    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
+    assert_eq!(put(&p.url("/fresh"), "49").await.status, 409);
+    assert_eq!(put(&p.url("/doc"), "33").await.status, 409);
+    assert_eq!(put(&p.url("/fresh"), "50").await.status, 200);
+    assert_eq!(up.arrivals(), 3, "a refused write reached the backend");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_reset_unlocks_an_inflated_key_and_is_audited() {
-    let (_d, _up, p) = setup(&[]).await;
+    let (_d, up, p) = setup(&[]).await;
     assert_eq!(
         put(&p.url("/locked"), "18446744073709551615").await.status,
         200
@@ -136,6 +154,16 @@ async fn an_operator_reset_unlocks_an_inflated_key_and_is_audited() {
         "the key is usable again"
     );
     assert_eq!(put(&p.url("/locked"), "6").await.status, 409);
+    let tokens: Vec<_> = up.records().into_iter().map(|r| r.token).collect();
+    assert_eq!(
+        tokens,
+        [
+            Some("18446744073709551615".to_string()),
+            Some("7".to_string())
+        ],
+        "only the admitted writes reached the backend"
+    );
+    assert_eq!(up.arrivals(), 2);
     assert!(p.stderr().contains("AUDIT: fence reset"), "{}", p.stderr());
 }
 

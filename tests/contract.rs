@@ -390,6 +390,54 @@ async fn upstream_unreachable_is_502_and_timeout_is_504_never_retried() {
     assert_eq!(up.arrivals(), 1, "the write was sent exactly once");
 }
 
+/// An upstream that reads each request head, then hangs up without an
+/// answer, counting the heads it got.
+async fn hang_up_upstream() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let heads = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                // Dropped here: the connection closes with no answer.
+            });
+        }
+    });
+    (url, heads)
+}
+
+/// A write the upstream received and dropped without answering is a 502 and
+/// is not sent again (it may have been applied); nor is an idempotent one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_the_upstream_dropped_is_a_502_and_never_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, heads) = hang_up_upstream().await;
+    let p = ProxyBuilder::new(&url, dir.path()).spawn();
+    for (i, method) in ["PUT", "DELETE", "POST"].into_iter().enumerate() {
+        let a = send(method, &p.url("/x"), &[("x-fence-token", "1")], "body").await;
+        assert_eq!(a.status, 502, "{method}: {}", a.text());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            heads.load(std::sync::atomic::Ordering::SeqCst),
+            i + 1,
+            "{method} was sent more than once"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn path_aliases_share_one_key_and_the_canonical_target_goes_upstream() {
     let (_d, up, p) = setup().await;
@@ -501,36 +549,82 @@ async fn oversized_headers_get_431_and_bodies_over_the_limit_413() {
     assert_eq!(up.count(), 0, "a truncated body is never applied");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn slowloris_is_dropped_within_the_header_timeout() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = start_upstream().await;
-    let p = ProxyBuilder::new(&up.url(), dir.path())
-        .args(&["--header-read-timeout", "1s"])
-        .spawn();
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
-    s.write_all(b"PUT /x HTTP/1.1\r\nHost: x\r\n")
-        .await
-        .unwrap();
+/// Reads `s` until the peer closes it: how long that took from `since`, or
+/// None if it was still open after 6 s.
+async fn closed_after(
+    s: &mut tokio::net::TcpStream,
+    since: std::time::Instant,
+) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
     let mut buf = [0u8; 1024];
-    // Bounded: the proxy must close the connection well before 10 s.
-    let r = tokio::time::timeout(Duration::from_secs(10), async {
+    tokio::time::timeout(Duration::from_secs(6), async {
         loop {
             match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return since.elapsed(),
                 Ok(_) => {}
             }
         }
     })
-    .await;
-    assert!(r.is_ok(), "connection still open");
+    .await
+    .ok()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slowloris_is_dropped_within_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    // 1 s, far from the 10 s default: a proxy that ignored the setting
+    // would keep these connections open past the 6 s bound below.
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .spawn();
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    let started = std::time::Instant::now();
+    s.write_all(b"PUT /x HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let took = closed_after(&mut s, started).await;
+    let took = took.expect("a head that never ends left the connection open");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+        "closed after {took:?}, not at the 1 s header timeout"
+    );
     assert_eq!(up.arrivals(), 0);
+
+    // The same clock closes an idle keep-alive connection after an answer.
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"GET /y HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&head).contains("applied GET /y") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before answering: {}",
+            String::from_utf8_lossy(&head)
+        );
+        head.extend_from_slice(&buf[..n]);
+    }
+    let answered = std::time::Instant::now();
+    assert!(String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"));
+    let took = closed_after(&mut s, answered)
+        .await
+        .expect("an idle keep-alive connection was left open");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+        "idle keep-alive closed after {took:?}, not at the 1 s header timeout"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn admin_endpoints() {
-    let (_d, _up, p) = setup().await;
+    let (_d, up, p) = setup().await;
     assert_eq!(put(&p.url("/bucket/obj"), "42").await.status, 200);
     assert_problem(&put(&p.url("/bucket/obj"), "41").await, 409, "stale-token");
     assert_problem(
@@ -573,6 +667,25 @@ async fn admin_endpoints() {
     )
     .await;
     assert_eq!(a.status, 401, "mutations need the admin token");
+    for auth in [None, Some("Bearer wrong")] {
+        let headers: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+        let a = send(
+            "POST",
+            &p.admin_url("/v1/store/confirm-reset"),
+            &headers,
+            "",
+        )
+        .await;
+        assert_eq!(
+            a.status,
+            401,
+            "confirm-reset needs the admin token: {}",
+            a.text()
+        );
+    }
+    // Of the four writes above, only the admitted one reached the backend.
+    assert_eq!(up.arrivals(), 1, "a refused write reached the backend");
+    assert_eq!(up.records()[0].token.as_deref(), Some("42"));
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await;
     let text = m.text();
     for line in [
@@ -636,6 +749,44 @@ async fn admin_binds_loopback_by_default() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("admin_listen = \"127.0.0.1:9090\""), "{text}");
+    // And the running process really listens there, on loopback only.
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(bin())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:1",
+        ])
+        .arg("--store")
+        .arg(dir.path().join("f.redb"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let listening = listening_addresses(child.id());
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        line.contains("admin=127.0.0.1:9090"),
+        "did not start on the default admin address (is port 9090 taken on this machine?): {line:?} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 127.0.0.1:9090 as /proc/net/tcp writes it; never 0.0.0.0 or [::].
+    assert!(
+        listening.iter().any(|a| a == "0100007F:2382"),
+        "{listening:?}"
+    );
+    assert!(
+        listening.iter().all(|a| a.starts_with("0100007F:")),
+        "a listener is not on loopback: {listening:?}"
+    );
 }
 
 /// `fencegate.toml` in `dir`.
@@ -725,6 +876,24 @@ key = "/{{bucket}}"
     assert_eq!(a.json()["key"], "ledger:acct-1");
     let a = send("PATCH", &p.url("/ledger/y"), &[("x-fence-token", "2")], "").await;
     assert_problem(&a, 400, "bad-target");
+    // Empty, comma-list and repeated key headers name no single key.
+    let before = up.arrivals();
+    for account in [
+        &[""][..],
+        &["acct-1, acct-2"],
+        &["acct-1,acct-2"],
+        &["acct-1", "acct-2"],
+    ] {
+        let mut headers = vec![("x-fence-token", "9")];
+        headers.extend(account.iter().map(|a| ("x-account", *a)));
+        let a = send("PATCH", &p.url("/ledger/y"), &headers, "").await;
+        assert_problem(&a, 400, "bad-target");
+    }
+    assert_eq!(
+        up.arrivals(),
+        before,
+        "a write without one key reached the backend"
+    );
     // The key header reaches the backend even if listed in Connection.
     let a = send(
         "PATCH",
@@ -777,7 +946,16 @@ async fn literal_routes_forward_the_raw_target_byte_for_byte() {
     assert_problem(&a, 409, "stale-token");
     assert_eq!(a.json()["key"], "default:/bucket/a//b/c/d");
     assert_problem(&put(&p.url("/bucket/%zz"), "9").await, 400, "bad-target");
-    assert_eq!(up.count(), 1);
+    // Names that are not UTF-8 once decoded, and an encoded NUL.
+    for bad in [
+        "/bucket/%FF",
+        "/bucket/a%C3%28",
+        "/bucket/%ED%A0%80",
+        "/bucket/a%00b",
+    ] {
+        assert_problem(&put(&p.url(bad), "9").await, 400, "bad-target");
+    }
+    assert_eq!(up.arrivals(), 1, "a refused name reached the backend");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -387,3 +387,304 @@ async fn stalled_connections_and_reads_do_not_make_a_stop_unclean() {
     // No recovery window: the stop was clean.
     assert_eq!(put(&p.url("/s"), "2").await.status, 200);
 }
+
+/// Builds the power-cut shim (tests/powercut/powercut.c): with it preloaded,
+/// `FILE.synced` holds what `FILE` would hold after a power cut, the
+/// content of its last fsync.
+fn powercut_shim(dir: &std::path::Path) -> std::path::PathBuf {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/powercut/powercut.c");
+    let out = dir.join("powercut.so");
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("cc not found: install a C compiler (Debian package `gcc`)");
+    assert!(status.success(), "the power-cut shim did not build");
+    out
+}
+
+/// An upstream that, the moment each request head arrives, copies what a
+/// power cut would leave of the store (`synced`) to `cuts/N.redb`, then
+/// answers 200. Requests must have no body.
+async fn cutting_upstream(synced: std::path::PathBuf, cuts: std::path::PathBuf) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let n = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (synced, cuts, n) = (synced.clone(), cuts.clone(), n.clone());
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        got.drain(..end + 4);
+                        let i = n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        // No snapshot yet means nothing was ever synced.
+                        let _ = std::fs::copy(&synced, cuts.join(format!("{i}.redb")));
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => got.extend_from_slice(&buf[..k]),
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+/// "Durable before forwarded", with the power cut that `kill -9` does not
+/// make (it keeps the page cache): at the instant the backend receives each
+/// write, the store as of its last fsync must already hold that write's
+/// token. Fails if the commit were not synced, or synced after forwarding.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_power_cut_keeps_every_token_already_forwarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let shim = powercut_shim(dir.path());
+    let store = dir.path().join("fences.redb");
+    let cuts = dir.path().join("cuts");
+    std::fs::create_dir(&cuts).unwrap();
+    let up = cutting_upstream(dir.path().join("fences.redb.synced"), cuts.clone()).await;
+    let mut p = ProxyBuilder::new(&up, dir.path())
+        .args(&["--upstream-timeout", "1s"])
+        .env("LD_PRELOAD", shim.to_str().unwrap())
+        .env("POWERCUT_FILE", store.to_str().unwrap())
+        .spawn();
+    // New keys (an advance each) and a key raised again and again.
+    let writes: Vec<(String, u64)> = (1..=12u64)
+        .flat_map(|i| [(format!("/k/{i}"), 100 + i), ("/hot".to_string(), i)])
+        .collect();
+    for (path, token) in &writes {
+        let a = send(
+            "PUT",
+            &p.url(path),
+            &[("x-fence-token", &token.to_string())],
+            "",
+        )
+        .await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+    }
+    // Cut the power at each forward in turn: a fencegate started on what
+    // the disk held then knows that write's token.
+    for (i, (path, token)) in writes.iter().enumerate() {
+        let cut = cuts.join(format!("{i}.redb"));
+        assert!(
+            cut.exists(),
+            "nothing was synced when {path} (token {token}) reached the backend"
+        );
+        let restored = tempfile::tempdir().unwrap();
+        std::fs::copy(&cut, restored.path().join("fences.redb")).unwrap();
+        let q = ProxyBuilder::new(&up, restored.path()).spawn();
+        let key = format!("default%3A{}", path.replace('/', "%2F"));
+        let a = send("GET", &q.admin_url(&format!("/v1/fences/{key}")), &[], "").await;
+        assert_eq!(
+            a.status,
+            200,
+            "{path} (token {token}) was forwarded before its fence was on disk: {}",
+            a.text()
+        );
+        assert_eq!(a.json()["highest"], token.to_string(), "{path}");
+    }
+    // And the whole story once: power cut after the last forward, restart
+    // on what the disk kept; once the recovery window has passed, a token
+    // below any forwarded one is refused.
+    p.kill9();
+    std::fs::copy(cuts.join(format!("{}.redb", writes.len() - 1)), &store).unwrap();
+    p.restart();
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    for (path, token) in writes.iter().rev().take(6) {
+        let a = put(&p.url(path), &(token - 1).to_string()).await;
+        assert_eq!(
+            a.status,
+            409,
+            "{path} lost its fence in the power cut: {}",
+            a.text()
+        );
+    }
+}
+
+/// A grace period that ends with a write still being applied upstream
+/// records no clean stop: the process exits 3 and the next start waits a
+/// recovery window, so a newer write cannot overtake the one left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grace_period_ending_with_a_write_in_flight_records_no_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "4s", "--shutdown-grace", "300ms"])
+        .spawn();
+    let old = slow_put(p.url("/g"), "1", "2500");
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    let exit = p.sigterm();
+    assert_eq!(exit.code(), Some(3), "{exit:?}\n{}", p.stderr());
+    assert_eq!(up.count(), 0, "the grace period outlasted the write");
+    assert!(
+        p.stderr().contains("not marking a clean stop")
+            && !p.stderr().contains("clean stop recorded"),
+        "{}",
+        p.stderr()
+    );
+    let _ = old.await;
+    p.restart();
+    let a = put(&p.url("/g"), "2").await;
+    assert_eq!(
+        a.status,
+        503,
+        "no recovery wait after an unclean stop: {}",
+        a.text()
+    );
+    assert_eq!(a.json()["type"], "urn:fencegate:problem:recovering");
+}
+
+/// A drain waits for a forwarded write whose client has hung up: the write
+/// is still being applied, and a clean mark before it ends would let the
+/// next start forward a newer write at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_waits_for_a_write_whose_client_hung_up() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "10s"])
+        .spawn();
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"PUT /h HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-Test-Delay-Ms: 1000\r\nContent-Length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    drop(s);
+    let exit = p.sigterm();
+    // The backend had finished applying it before the process was gone.
+    assert_eq!(up.count(), 1, "the drain did not wait for the write");
+    assert!(exit.success(), "{exit:?}\n{}", p.stderr());
+    assert!(p.stderr().contains("clean stop recorded"), "{}", p.stderr());
+}
+
+/// Every flag in `--help` has its `FENCEGATE_*` variable, and the variable
+/// does exactly what the flag does: the same effective config, or the same
+/// error. A flag added without a value in this table fails the test.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_flag_works_as_a_fencegate_variable() {
+    // A value that changes what check-config prints (or makes it fail);
+    // None for a switch.
+    const VALUES: &[(&str, Option<&str>)] = &[
+        ("--config", Some("/nonexistent/fencegate.toml")),
+        ("--listen", Some("127.0.0.1:7000")),
+        ("--admin-listen", Some("127.0.0.1:7001")),
+        ("--upstream", Some("http://127.0.0.1:7002")),
+        ("--store", Some("/nonexistent/f.redb")),
+        ("--store-timeout", Some("3s")),
+        ("--accept-store-reset", None),
+        ("--admin-token-file", Some("/nonexistent/token")),
+        ("--key", Some("/{bucket}")),
+        ("--namespace", Some("ns1")),
+        ("--literal-keys", None),
+        ("--strip-token", None),
+        ("--max-token-step", Some("77")),
+        ("--upstream-timeout", Some("7s")),
+        ("--connect-timeout", Some("2s")),
+        ("--header-read-timeout", Some("3s")),
+        ("--body-read-timeout", Some("4s")),
+        ("--max-header-bytes", Some("9999")),
+        ("--max-connections", Some("55")),
+        ("--max-key-bytes", Some("777")),
+        ("--max-body-bytes", Some("1234")),
+        ("--shutdown-grace", Some("9s")),
+        ("--highest-cache-entries", Some("4321")),
+        ("--tls-listen", Some("127.0.0.1:7443")),
+        ("--tls-cert", Some("/nonexistent/c.pem")),
+        ("--tls-key", Some("/nonexistent/k.pem")),
+        ("--tls-client-ca", Some("/nonexistent/ca.pem")),
+        ("--upstream-ca", Some("/nonexistent/ca.pem")),
+        ("--upstream-client-cert", Some("/nonexistent/c.pem")),
+        ("--upstream-client-key", Some("/nonexistent/k.pem")),
+        ("--access-log", None),
+        ("--log-format", Some("xml")),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("f.redb");
+    let help = std::process::Command::new(bin())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let flags: Vec<&str> = help
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("--").map(|_| l.trim_start()))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|f| !matches!(*f, "--help" | "--version"))
+        .collect();
+    assert!(flags.len() >= VALUES.len(), "{help}");
+    for flag in flags {
+        let value = VALUES
+            .iter()
+            .find(|(f, _)| *f == flag)
+            .unwrap_or_else(|| panic!("{flag} is new: give it a value in this test's table"))
+            .1;
+        let var = format!(
+            "FENCEGATE_{}",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_uppercase()
+        );
+        assert!(
+            help.contains(&format!("[env: {var}=")),
+            "{flag}: no {var} in --help"
+        );
+        // The shared-store settings only show with a shared store; --config
+        // is read by the server, not by check-config (which names its file).
+        let shared = matches!(flag, "--store-timeout" | "--accept-store-reset");
+        let run = |extra: &[&str], env: Option<(&str, &str)>| {
+            let mut c = std::process::Command::new(bin());
+            if flag != "--config" {
+                c.args(["check-config", "/dev/null"]);
+            }
+            if flag != "--upstream" {
+                c.args(["--upstream", "http://127.0.0.1:1"]);
+            }
+            if flag != "--store" {
+                c.arg("--store");
+                if shared {
+                    c.arg("redis://127.0.0.1:1");
+                } else {
+                    c.arg(&store);
+                }
+            }
+            c.args(extra);
+            if let Some((k, v)) = env {
+                c.env(k, v);
+            }
+            let out = c.output().unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let mut args = vec![flag];
+        args.extend(value);
+        let by_flag = run(&args, None);
+        let by_env = run(&[], Some((&var, value.unwrap_or("true"))));
+        assert_eq!(by_env, by_flag, "{var} does not act like {flag}");
+        if flag == "--config" {
+            // Without it the server would start: compare with the error.
+            assert!(by_flag.2.contains("cannot read config file"), "{by_flag:?}");
+        } else {
+            assert_ne!(by_flag, run(&[], None), "{flag} {value:?} changed nothing");
+        }
+    }
+}

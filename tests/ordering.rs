@@ -7,20 +7,18 @@ use std::time::Duration;
 
 use common::*;
 
-fn slow_put(
-    url: String,
-    token: &'static str,
-    delay_ms: &'static str,
-) -> tokio::task::JoinHandle<Answer> {
-    tokio::spawn(async move {
-        send(
-            "PUT",
-            &url,
-            &[("x-fence-token", token), ("x-test-delay-ms", delay_ms)],
-            "x",
-        )
-        .await
+/// Waits until `n` writes are queued behind an older write on their key:
+/// the proxy's own signal, not a guess at a sleep.
+async fn queued(p: &Proxy, n: u32) {
+    let line = format!("fencegate_writes_waiting {n}");
+    eventually_async(&line.clone(), || {
+        let line = line.clone();
+        async move {
+            let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+            m.lines().any(|l| l == line)
+        }
     })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -66,7 +64,7 @@ async fn queued_older_writes_get_409_once_a_newer_token_is_admitted() {
     .await;
     // Token 2 is admitted (raised) but must wait behind token 1.
     let t2 = slow_put(p.url("/q"), "2", "0");
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    queued(&p, 1).await;
     assert_eq!(up.arrivals(), 1, "token 2 must not be forwarded yet");
     // Token 3 arrives: token 2, still queued, is now stale.
     let t3 = slow_put(p.url("/q"), "3", "0");
@@ -110,11 +108,37 @@ async fn the_wait_is_bounded_by_the_upstream_timeout() {
         .spawn();
     // The old write outlives the timeout: the proxy answers 504 and stops
     // holding the key; the newer write then goes.
+    let admitted = std::time::Instant::now();
     let old = slow_put(p.url("/b"), "1", "2000");
     eventually("old arrived", Duration::from_secs(5), || up.arrivals() == 1).await;
     let new = slow_put(p.url("/b"), "2", "0");
+    queued(&p, 1).await;
     assert_eq!(old.await.unwrap().status, 504);
     assert_eq!(new.await.unwrap().status, 200);
+    let r = up.records();
+    let newer = r.iter().find(|r| r.token.as_deref() == Some("2")).unwrap();
+    // Not before the old write's deadline (its 500 ms)...
+    assert!(
+        newer.arrived >= admitted + Duration::from_millis(450),
+        "token 2 went {:?} after token 1 was sent, before its deadline",
+        newer.arrived - admitted
+    );
+    // ...and not held until the backend finished it either (2 s).
+    assert!(
+        newer.arrived < admitted + Duration::from_millis(1800),
+        "token 2 waited for the backend, not for the deadline"
+    );
+    // The old write ended at its deadline (504), so token 2 did not have
+    // to go ahead of a write still registered in flight.
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert!(
+        m.contains("fencegate_admission_waited_out_total{route=\"default\"} 0"),
+        "{m}"
+    );
+    assert!(
+        m.contains("fencegate_writes_total{decision=\"admitted\",route=\"default\"} 2"),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -164,7 +188,7 @@ async fn a_copy_overtaken_on_one_key_while_waiting_on_another_is_refused() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    queued(&p, 1).await;
     // A newer holder takes /a meanwhile.
     let newer = slow_put(p.url("/a"), "7", "0");
     let c = copy.await.unwrap();

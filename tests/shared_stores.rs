@@ -117,6 +117,7 @@ async fn tokens_across_replicas(kind: StoreKind) {
             .map(|r| r.token.clone().unwrap())
             .collect();
     assert_eq!(tokens, ["5", "5", "7"]);
+    assert_eq!(c.up.arrivals(), 3, "a refused write reached the backend");
 }
 
 async fn full_u64_range(kind: StoreKind) {
@@ -140,6 +141,7 @@ async fn full_u64_range(kind: StoreKind) {
     )
     .await;
     assert_eq!(f.json()["highest"], max);
+    assert_eq!(c.up.arrivals(), 4, "the refused write reached the backend");
 }
 
 async fn ordering_across_replicas(kind: StoreKind) {
@@ -170,6 +172,8 @@ async fn ordering_across_replicas(kind: StoreKind) {
     );
     // An older token is now refused on both.
     assert_eq!(put(&c.a.url("/o"), "1").await.status, 409);
+    assert_eq!(put(&c.b().url("/o"), "1").await.status, 409);
+    assert_eq!(c.up.arrivals(), 2, "a refused write reached the backend");
 }
 
 async fn concurrent_advances_then_kill_9(kind: StoreKind) {
@@ -200,6 +204,7 @@ async fn concurrent_advances_then_kill_9(kind: StoreKind) {
         assert_eq!(a.status, 409, "key {i} lost its fence: {}", a.text());
         assert_eq!(a.header("x-fence-token-highest"), Some("100"));
     }
+    assert_eq!(c.up.arrivals(), 300, "a refused write reached the backend");
 }
 
 async fn racing_tokens_on_one_key(kind: StoreKind) {
@@ -259,12 +264,17 @@ async fn racing_tokens_on_one_key(kind: StoreKind) {
     let max = admitted.iter().max().unwrap();
     let a = put(&c.a.url("/hot"), &(max - 1).to_string()).await;
     assert_eq!(a.status, 409);
+    assert_eq!(
+        c.up.arrivals(),
+        admitted.len(),
+        "a refused write reached the backend"
+    );
 }
 
 async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
     let mut c = Cluster::start(kind, "2s").await;
     assert_eq!(put(&c.a.url("/s"), "5").await.status, 200);
-    let before = c.up.count();
+    let before = c.up.arrivals();
     c.store.kill9();
     for p in [&c.a, c.b()] {
         let a = put(&p.url("/s/new"), "9").await;
@@ -283,7 +293,7 @@ async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
         .text();
     assert!(m.contains("decision=\"store_error\""), "{m}");
     assert_eq!(
-        c.up.count(),
+        c.up.arrivals(),
         before + 2,
         "only the reads reached the backend"
     );
@@ -339,13 +349,14 @@ async fn replica_killed_mid_write(kind: StoreKind) {
         t2.arrived >= t1.completed,
         "token 2 overtook the dead replica's write"
     );
+    assert_eq!(c.up.arrivals(), 2, "a refused attempt reached the backend");
 }
 
 async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
     let c = Cluster::start(kind, "2s").await;
     assert_eq!(put(&c.a.url("/w"), "5").await.status, 200);
     assert_eq!(put(&c.b().url("/w"), "5").await.status, 200);
-    let applied = c.up.count();
+    let applied = c.up.arrivals();
     c.store.wipe().await;
     // A stale token would pass a store that forgot: it must not.
     let a = put(&c.b().url("/w"), "3").await;
@@ -355,7 +366,7 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
     let a = put(&c.a.url("/w/other"), "1").await;
     assert_eq!(a.status, 503, "{}", a.text());
     assert!(a.text().contains("lost data"), "{}", a.text());
-    assert_eq!(c.up.count(), applied, "nothing reached the backend");
+    assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
     assert_eq!(
         send("GET", &c.a.admin_url("/readyz"), &[], "").await.status,
         503
@@ -369,7 +380,7 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
     let (status, stderr) = c.a.start_refused();
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("init-store"), "{stderr}");
-    assert_eq!(c.up.count(), applied, "nothing reached the backend");
+    assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
     // Without the admin token, no confirmation.
     assert_eq!(
         send("POST", &c.a.admin_url("/v1/store/confirm-reset"), &[], "")
@@ -411,6 +422,7 @@ async fn a_new_store_needs_init_store(kind: StoreKind) {
     assert_eq!(put(&p.url("/n"), "4").await.status, 200);
     p.restart();
     assert_eq!(put(&p.url("/n"), "3").await.status, 409);
+    assert_eq!(c.up.arrivals(), 1, "a refused write reached the backend");
 }
 
 /// An acquire whose answer never came (the client gave up, the store call

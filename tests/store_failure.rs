@@ -86,9 +86,11 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
         "{}",
         p.stderr()
     );
-    let failed_target = format!("/fill/{i}/{long}");
-    assert!(
-        !up.records().iter().any(|r| r.target == failed_target),
+    // The kept write and the i admitted ones arrived; the refused one did
+    // not (arrivals count requests begun, not only completed ones).
+    assert_eq!(
+        up.arrivals(),
+        i + 1,
         "the refused write reached the backend"
     );
     // Reads still flow; readiness says no.
@@ -118,4 +120,6 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
         409,
         "fence kept through the outage"
     );
+    // Since: one read and one write arrived, not the stale one.
+    assert_eq!(up.arrivals(), i + 3, "a refused write reached the backend");
 }

@@ -436,6 +436,31 @@ async fn an_ip_literal_https_upstream_is_verified_by_its_ip_address() {
     assert_eq!(put(&p.url("/o"), "1").await.status, 200);
     // No SNI for an IP address (RFC 6066); the certificate's IP SAN matched.
     assert_eq!(conns.lock().unwrap()[0].sni, None);
+
+    // From the same CA, certificates that do not name 127.0.0.1 by IP: a
+    // DNS name only (even one that resolves to it), or another address.
+    for (file, names) in [
+        ("dns-only", &["localhost"][..]),
+        ("other-ip", &["localhost", "127.0.0.2"]),
+    ] {
+        let (up, _) = start_tls_upstream(&ca.server_for(file, names), None, false).await;
+        let d = tempfile::tempdir().unwrap();
+        let p = ProxyBuilder::new(&format!("https://{}", up.addr), d.path())
+            .args(&["--upstream-ca", &ca_path])
+            .spawn();
+        let a = put(&p.url("/o"), "1").await;
+        assert_eq!(a.status, 502, "{file}: {}", a.text());
+        assert_eq!(
+            up.arrivals(),
+            0,
+            "{file}: the write reached an unverified upstream"
+        );
+        assert!(
+            p.stderr().contains("invalid peer certificate"),
+            "{file}: {}",
+            p.stderr()
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

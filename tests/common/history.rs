@@ -167,6 +167,10 @@ pub struct Attempt {
     /// HTTP status, or 0 when the outcome is unknown (connection lost in a
     /// crash): such a write may or may not have been applied.
     pub status: u16,
+    /// Why the outcome is unknown (the client's error), when it is.
+    pub lost: Option<String>,
+    /// Sent by a client process stopped mid-body (SIGSTOP, SIGCONT).
+    pub paused: bool,
 }
 
 pub struct Run {
@@ -210,7 +214,8 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
     // could not map /slow/k1 and /k1 to one key).
     let resource = format!("{}/k{key}", run.prefix);
     let url = format!("http://{addr}{route}{resource}");
-    let status = if rng.chance(20) {
+    let paused = rng.chance(20);
+    let outcome = if paused {
         // A real client process, stopped in the middle of its body for
         // longer than its lease, then continued.
         let pause = run.locks.lease().min(Duration::from_millis(600))
@@ -234,24 +239,49 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
         )
         .await
     };
+    let (status, lost) = match outcome {
+        Ok(status) => (status, None),
+        Err(why) => (0, Some(why)),
+    };
     run.attempts.lock().unwrap().push(Attempt {
         id,
         token,
         latest_at_send,
         status,
+        lost,
+        paused,
     });
 }
 
-/// Sends with a bounded wait; a lost connection (a crash) is status 0.
-pub async fn send_or_lost(method: &str, url: &str, headers: &[(&str, &str)]) -> u16 {
+/// Marks a write that never reached fencegate (the replica was down): its
+/// outcome is known, it cannot have been applied.
+pub const NOT_CONNECTED: &str = "not connected";
+
+impl Attempt {
+    fn not_connected(&self) -> bool {
+        self.lost
+            .as_deref()
+            .is_some_and(|l| l.starts_with(NOT_CONNECTED))
+    }
+}
+
+/// Sends with a bounded wait: the status, or why there is none (a lost
+/// connection in a crash, a timeout).
+pub async fn send_or_lost(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+) -> Result<u16, String> {
     let mut req = http::Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
     let req = req.body(full("history")).unwrap();
     match tokio::time::timeout(Duration::from_secs(10), client().request(req)).await {
-        Ok(Ok(resp)) => resp.status().as_u16(),
-        _ => 0,
+        Ok(Ok(resp)) => Ok(resp.status().as_u16()),
+        Ok(Err(e)) if e.is_connect() => Err(format!("{NOT_CONNECTED}: {e}")),
+        Ok(Err(e)) => Err(format!("client error: {e}")),
+        Err(_) => Err("no answer within 10 s".into()),
     }
 }
 
@@ -264,7 +294,7 @@ pub fn curl_paused(
     token: u64,
     delay: u64,
     pause: Duration,
-) -> u16 {
+) -> Result<u16, String> {
     let mut child = Command::new("curl")
         .args([
             "-s",
@@ -303,10 +333,15 @@ pub fn curl_paused(
     let _ = stdin.write_all(b"second half");
     drop(stdin);
     let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .unwrap_or(0)
+    let code = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    match code.parse::<u16>() {
+        // An answer came (curl may still fail to send the rest of a body
+        // the proxy no longer wanted).
+        Ok(status) if status != 0 => Ok(status),
+        // curl's exit code 7: it could not connect.
+        _ if out.status.code() == Some(7) => Err(format!("{NOT_CONNECTED}: curl exit 7")),
+        _ => Err(format!("curl {} (http_code {code:?})", out.status)),
+    }
 }
 
 pub async fn client_loop(run: Arc<Run>, client: usize, seed: u64) {
@@ -339,6 +374,10 @@ pub struct Report {
     pub refused_503: usize,
     pub faults: usize,
     pub unknown: usize,
+    /// Writes from a client stopped mid-body, and how many of them got an
+    /// answer.
+    pub paused: usize,
+    pub paused_answered: usize,
 }
 
 impl Report {
@@ -353,15 +392,53 @@ impl Report {
             refused_409: attempts.iter().filter(|a| a.status == 409).count(),
             refused_503: attempts.iter().filter(|a| a.status == 503).count(),
             faults,
-            unknown: attempts.iter().filter(|a| a.status == 0).count(),
+            unknown: attempts
+                .iter()
+                .filter(|a| a.status == 0 && !a.not_connected())
+                .count(),
+            paused: attempts.iter().filter(|a| a.paused).count(),
+            paused_answered: attempts
+                .iter()
+                .filter(|a| a.paused && a.status != 0)
+                .count(),
         }
     }
 
     pub fn line(&self, name: &str, seed: u64) -> String {
         format!(
-            "history {name} (seed {seed}): {} writes, {} applied, {} stale attempts, {} refused with 409, {} with 503, {} faults injected, {} with unknown outcome",
-            self.attempts, self.applied, self.stale_attempts, self.refused_409, self.refused_503, self.faults, self.unknown
+            "history {name} (seed {seed}): {} writes, {} applied, {} stale attempts, {} refused with 409, {} with 503, {} faults injected, {} with unknown outcome, {} of {} paused-body writes answered",
+            self.attempts, self.applied, self.stale_attempts, self.refused_409, self.refused_503, self.faults, self.unknown, self.paused_answered, self.paused
         )
+    }
+
+    /// Unknown outcomes must come from the faults: each fault can cut at
+    /// most the writes in flight then, one per client. And the paused-body
+    /// path must work: most such writes get an answer.
+    pub fn check_unknowns(&self, attempts: &[Attempt]) -> Result<(), String> {
+        let bound = self.faults * CLIENTS;
+        let mut why: Vec<String> = attempts
+            .iter()
+            .filter(|a| !a.not_connected())
+            .filter_map(|a| a.lost.as_ref().map(|l| format!("{}: {l}", a.id)))
+            .collect();
+        why.truncate(10);
+        if self.unknown > bound {
+            return Err(format!(
+                "{} writes with unknown outcome, more than the {bound} that {} faults can explain; first ones:\n{}",
+                self.unknown,
+                self.faults,
+                why.join("\n")
+            ));
+        }
+        if self.paused == 0 || self.paused_answered * 2 < self.paused {
+            return Err(format!(
+                "only {} of {} paused-body writes got an answer:\n{}",
+                self.paused_answered,
+                self.paused,
+                why.join("\n")
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -383,6 +460,9 @@ pub fn check(attempts: &[Attempt], records: &[Record]) -> Result<(), String> {
             }
             400 | 409 | 428 | 503 if was_applied => {
                 errors.push(format!("{} answered {} but applied", a.id, a.status))
+            }
+            0 if a.not_connected() && was_applied => {
+                errors.push(format!("{} never connected but applied", a.id))
             }
             _ => {}
         }

@@ -615,6 +615,24 @@ pub async fn send_body(method: &str, url: &str, headers: &[(&str, &str)], body: 
     }
 }
 
+/// A PUT with `token` that the recording upstream holds for `delay_ms`
+/// before applying it, in its own task.
+pub fn slow_put(
+    url: String,
+    token: &'static str,
+    delay_ms: &'static str,
+) -> tokio::task::JoinHandle<Answer> {
+    tokio::spawn(async move {
+        send(
+            "PUT",
+            &url,
+            &[("x-fence-token", token), ("x-test-delay-ms", delay_ms)],
+            "x",
+        )
+        .await
+    })
+}
+
 /// Shorthand: a PUT with a token.
 pub async fn put(url: &str, token: &str) -> Answer {
     send("PUT", url, &[("x-fence-token", token)], "data").await
@@ -632,19 +650,30 @@ pub async fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bo
 /// Raw request over a socket; returns everything read until close or
 /// `read_for` has passed.
 pub async fn raw(addr: SocketAddr, bytes: &[u8], read_for: Duration) -> String {
+    raw_until_closed(addr, bytes, read_for).await.0
+}
+
+/// Like [`raw`], and whether the proxy closed the connection within
+/// `read_for`.
+pub async fn raw_until_closed(
+    addr: SocketAddr,
+    bytes: &[u8],
+    read_for: Duration,
+) -> (String, bool) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
     let deadline = tokio::time::Instant::now() + read_for;
-    loop {
+    let closed = loop {
         match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
-            Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Err(_) => break false,
             Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
         }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    };
+    (String::from_utf8_lossy(&out).into_owned(), closed)
 }
 
 /// A request body that yields prepared chunks one frame at a time (so the
@@ -726,6 +755,12 @@ where
 
 /// How many listening TCP sockets the process holds (from /proc).
 pub fn listening_sockets(pid: u32) -> usize {
+    listening_addresses(pid).len()
+}
+
+/// The local addresses of the sockets the process `pid` listens on, as
+/// /proc/net/tcp writes them (`0100007F:2382` is 127.0.0.1:9090).
+pub fn listening_addresses(pid: u32) -> Vec<String> {
     let mut inodes = std::collections::HashSet::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
@@ -748,8 +783,10 @@ pub fn listening_sockets(pid: u32) -> usize {
                 .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
                 .collect::<Vec<_>>()
         })
-        // Column 3 is the state (0A: LISTEN), column 9 the inode.
+        // Column 1 is the local address, 3 the state (0A: LISTEN), 9 the
+        // inode.
         .filter(|cols| cols.get(3).map(String::as_str) == Some("0A"))
         .filter(|cols| cols.get(9).is_some_and(|i| inodes.contains(i)))
-        .count()
+        .map(|cols| cols[1].clone())
+        .collect()
 }

@@ -59,6 +59,12 @@ impl TestCa {
         )
     }
 
+    /// A server certificate for exactly `names` (DNS names, or IP
+    /// addresses as IP SANs).
+    pub fn server_for(&self, file: &str, names: &[&str]) -> Leaf {
+        self.leaf(file, names, ExtendedKeyUsagePurpose::ServerAuth)
+    }
+
     /// A client certificate.
     pub fn client(&self, file: &str) -> Leaf {
         self.leaf(file, &[], ExtendedKeyUsagePurpose::ClientAuth)

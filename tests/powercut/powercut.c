@@ -1,0 +1,143 @@
+/*
+ * powercut.c - LD_PRELOAD shim that records what would survive a power cut.
+ *
+ *   cc -shared -fPIC -O2 -o powercut.so powercut.c -ldl -lpthread
+ *   LD_PRELOAD=/abs/powercut.so POWERCUT_FILE=/abs/path/f.redb ./fencegate ...
+ *
+ * Model: a disk that loses every unsynced write wholesale.  Whenever fsync()
+ * or fdatasync() succeeds on an fd whose inode is POWERCUT_FILE's, the file's
+ * whole content is copied to POWERCUT_FILE.synced (via .synced.tmp + fsync +
+ * rename, so the snapshot itself is never half-written).  The test then
+ * "cuts the power": SIGKILL the process, then put POWERCUT_FILE.synced in
+ * place of POWERCUT_FILE, or delete POWERCUT_FILE if there is no snapshot.
+ * Restore by *copying* the snapshot, not renaming it: a later run that dies
+ * before its first fsync must still find it.  Start each scenario with no
+ * stale .synced file.  Without POWERCUT_FILE set the shim only passes through.
+ *
+ * Limits - this is one pessimistic-but-plausible outcome, not all of them:
+ *  - no torn pages and no reordering/partial persistence of the writes made
+ *    between two syncs: either all of them survive (sync) or none do;
+ *  - a write racing with the copy (another thread, after the sync returned)
+ *    may land in the snapshot; callers that sync under their own write lock,
+ *    as redb commits do, are unaffected;
+ *  - directory entries are not modelled (create/rename/unlink are durable at
+ *    once), nor are O_SYNC/O_DSYNC writes, msync(), sync_file_range(),
+ *    syncfs() or sync(): those are not interposed, they reach libc untouched
+ *    and never update the snapshot;
+ *  - only syncs made through the dynamic libc symbols are seen (not raw
+ *    syscall(2), io_uring, or a statically linked/musl binary).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static int (*real_fsync)(int);
+static int (*real_fdatasync)(int);
+static const char *watched;             /* NULL: pass-through only */
+static char tmp_path[PATH_MAX], snap_path[PATH_MAX];
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void die(const char *what)
+{
+    /* A silently wrong snapshot would make a crash test lie, so stop hard. */
+    fprintf(stderr, "powercut: %s (%s): %s\n", what, watched, strerror(errno));
+    abort();
+}
+
+static void init(void)
+{
+    /* Resolved lazily, not in a constructor: a sync may come from another
+     * library's constructor before ours has run. */
+    real_fsync = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    real_fdatasync = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    if (!real_fsync || !real_fdatasync) {
+        fprintf(stderr, "powercut: dlsym: %s\n", dlerror());
+        abort();
+    }
+    const char *p = getenv("POWERCUT_FILE");
+    if (!p || !*p)
+        return;
+    watched = p;
+    if (snprintf(snap_path, sizeof snap_path, "%s.synced", p) >= (int)sizeof snap_path ||
+        snprintf(tmp_path, sizeof tmp_path, "%s.synced.tmp", p) >= (int)sizeof tmp_path) {
+        errno = ENAMETOOLONG;
+        die("path too long");
+    }
+}
+
+static void snapshot_if_watched(int fd)
+{
+    struct stat fst, pst;
+    /* Identify the file by inode, not by name: the fd may have been opened
+     * through a relative path, a symlink or a hard link. */
+    if (fstat(fd, &fst) != 0 || !S_ISREG(fst.st_mode))
+        return;
+    pthread_mutex_lock(&lock);
+    int src = open(watched, O_RDONLY | O_CLOEXEC);
+    if (src < 0) {
+        if (errno != ENOENT)
+            die("open watched file");
+        goto out;               /* path unlinked/renamed away: not our file */
+    }
+    if (fstat(src, &pst) != 0)
+        die("fstat watched file");
+    if (pst.st_dev != fst.st_dev || pst.st_ino != fst.st_ino)
+        goto close_src;         /* some other file, or a replaced inode */
+
+    int dst = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (dst < 0)
+        die("open snapshot tmp");
+    static char buf[1 << 16];   /* under the lock, so one buffer is enough */
+    for (;;) {
+        ssize_t n = read(src, buf, sizeof buf);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            die("read watched file");
+        if (n == 0)
+            break;
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(dst, buf + off, (size_t)(n - off));
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w < 0)
+                die("write snapshot tmp");
+            off += w;
+        }
+    }
+    /* Real fsync: the snapshot must not itself go through the shim. */
+    if (real_fsync(dst) != 0)
+        die("fsync snapshot tmp");
+    if (close(dst) != 0)
+        die("close snapshot tmp");
+    if (rename(tmp_path, snap_path) != 0)
+        die("rename snapshot");
+close_src:
+    close(src);
+out:
+    pthread_mutex_unlock(&lock);
+}
+
+static int wrap(int (**real)(int), int fd)
+{
+    pthread_once(&once, init);
+    int rc = (*real)(fd);
+    if (rc == 0 && watched) {
+        int saved = errno;      /* leave errno as the real call did */
+        snapshot_if_watched(fd);
+        errno = saved;
+    }
+    return rc;
+}
+
+int fsync(int fd) { return wrap(&real_fsync, fd); }
+int fdatasync(int fd) { return wrap(&real_fdatasync, fd); }

@@ -98,8 +98,8 @@ impl GateState {
         let older = self.inflight.keys().take_while(|(t, _)| *t < token);
         for (_, d) in older {
             any = true;
-            if *d > now && latest.is_none_or(|l| *d > l) {
-                latest = Some(*d);
+            if *d > now {
+                latest = latest.max(Some(*d));
             }
         }
         match (any, latest) {
@@ -441,15 +441,13 @@ impl Fence {
             let decision = {
                 let mut st = gate.state.lock().expect("gate lock");
                 let highest = st.highest.unwrap_or(token);
-                if highest > token {
-                    Step::Stale(highest)
-                } else if highest < token {
+                match highest.cmp(&token) {
+                    std::cmp::Ordering::Greater => Step::Stale(highest),
                     // Cannot follow an advance of this token (the highest
                     // is at least the token then); kept so that a missed
                     // raise asks the store again rather than admitting.
-                    Step::Retry
-                } else {
-                    match st.older(token, now) {
+                    std::cmp::Ordering::Less => Step::Retry,
+                    std::cmp::Ordering::Equal => match st.older(token, now) {
                         Older::Live(latest) if now >= wait_until => Step::Busy(latest - now),
                         Older::Live(latest) => {
                             notified.as_mut().enable();
@@ -461,7 +459,7 @@ impl Fence {
                                 waited_out: matches!(other, Older::Expired),
                             }
                         }
-                    }
+                    },
                 }
             };
             match decision {
@@ -761,6 +759,85 @@ mod tests {
         Fence::new(Arc::new(store), 1000, Duration::from_secs(1))
     }
 
+    #[test]
+    fn older_writes_have_lower_tokens_and_the_latest_live_deadline_counts() {
+        let now = Instant::now();
+        let at = |s: u64| now + Duration::from_secs(s);
+        let mut st = GateState::default();
+        assert!(matches!(st.older(5, now), Older::None));
+        // The same token is not older: equal tokens are not serialized.
+        st.enter(5, at(9));
+        assert!(matches!(st.older(5, now), Older::None));
+        st.enter(3, at(2));
+        st.enter(3, at(6));
+        st.enter(4, at(4));
+        // The latest deadline among the older writes, not the first or the
+        // earliest.
+        assert!(matches!(st.older(5, now), Older::Live(d) if d == at(6)));
+        assert!(matches!(st.older(4, now), Older::Live(d) if d == at(6)));
+        assert!(matches!(st.older(5, at(5)), Older::Live(d) if d == at(6)));
+        // A deadline that has come is past: only expired ones are left.
+        assert!(matches!(st.older(4, at(6)), Older::Expired));
+        assert!(matches!(st.older(5, at(7)), Older::Expired));
+        // Expired older writes do not hide a live one behind them.
+        assert!(matches!(st.older(6, at(7)), Older::Live(d) if d == at(9)));
+    }
+
+    fn cache(capacity: usize, max_bytes: usize) -> HighestCache {
+        HighestCache {
+            map: DashMap::new(),
+            capacity,
+            max_bytes,
+            bytes: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_cache_keeps_its_entries_within_the_byte_budget() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let per = 10 + ENTRY_OVERHEAD;
+        let c = cache(1000, 3 * per);
+        for k in ["key-000001", "key-000002", "key-000003"] {
+            c.raise(&Arc::from(k), 7);
+        }
+        assert_eq!(c.get("key-000002"), Some(7));
+        c.raise(&Arc::from("key-000002"), 6);
+        assert_eq!(c.get("key-000002"), Some(7), "never lowered");
+        assert_eq!(c.map.len(), 3, "three 10-byte keys fit a budget of three");
+        assert_eq!(c.bytes.load(Relaxed), 3 * per);
+        c.raise(&Arc::from("key-000004"), 7);
+        assert_eq!(
+            c.map.len(),
+            3,
+            "a fourth is over the byte budget: an eighth (at least one) goes"
+        );
+        assert_eq!(c.get("key-000004"), Some(7), "the new entry is kept");
+        assert_eq!(c.bytes.load(Relaxed), c.map.len() * per);
+        c.remove("key-000004");
+        assert_eq!(c.get("key-000004"), None);
+        assert_eq!(c.bytes.load(Relaxed), c.map.len() * per);
+        // The entry bound holds as well, and a capacity of 0 caches nothing.
+        let c = cache(2, usize::MAX);
+        for k in ["a", "b", "c"] {
+            c.raise(&Arc::from(k), 1);
+        }
+        assert!(c.map.len() <= 2, "{} entries in a cache of 2", c.map.len());
+        assert_eq!(c.get("c"), Some(1), "the newest entry is kept");
+        let c = cache(0, usize::MAX);
+        c.raise(&Arc::from("a"), 1);
+        assert_eq!(c.get("a"), None);
+    }
+
+    #[test]
+    fn the_default_byte_budget_holds_a_hundred_thousand_long_keys() {
+        let c = cache(1_000_000, DEFAULT_CACHE_BYTES);
+        for i in 0..100_000u64 {
+            c.raise(&Arc::from(format!("{i:0>200}")), i);
+        }
+        assert_eq!(c.map.len(), 100_000);
+        assert_eq!(c.get(&format!("{:0>200}", 99_999)), Some(99_999));
+    }
+
     #[tokio::test]
     async fn lower_is_stale_equal_and_higher_are_admitted() {
         let dir = tempfile::tempdir().unwrap();
@@ -788,6 +865,7 @@ mod tests {
         let f = fence(&dir);
         let w = Instant::now() + Duration::from_secs(30);
         let old = f.admit("k", 1, w, T).await.unwrap();
+        assert_eq!(f.active_keys(), 1, "a write in flight holds its key's gate");
         let f2 = f.clone();
         let mid = tokio::spawn(async move { f2.admit("k", 2, w, T).await.map(|p| p.token()) });
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -795,6 +873,14 @@ mod tests {
             !mid.is_finished(),
             "token 2 must wait for token 1 in flight"
         );
+        // Counted once it waits (its own store commit comes first).
+        for _ in 0..200 {
+            if f.waiting().get() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(f.waiting().get(), 1, "the waiting write is counted");
         let f3 = f.clone();
         let new = tokio::spawn(async move { f3.admit("k", 3, w, T).await.map(|p| p.token()) });
         let mid = mid.await.unwrap();
@@ -812,6 +898,109 @@ mod tests {
         );
         drop(old);
         assert_eq!(new.await.unwrap().unwrap(), 3);
+        assert_eq!(f.waiting().get(), 0, "no write is waiting any more");
+    }
+
+    /// A fence over a store that was not stopped cleanly refuses writes for
+    /// the recovery window (the longer of this run's and the crashed
+    /// run's), and reads the window as time left.
+    #[tokio::test]
+    async fn after_an_unclean_stop_writes_wait_out_the_recovery_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
+        let store = open(Duration::from_secs(3));
+        store.advance("k", 1).await.unwrap();
+        drop(store); // no clean-stop mark: a crash
+        let f = Fence::new(
+            Arc::new(open(Duration::from_secs(5))),
+            10,
+            Duration::from_secs(5),
+        );
+        let left = f.recovering_for().expect("recovering after a crash");
+        assert!(
+            left > Duration::from_secs(4) && left <= Duration::from_secs(5),
+            "{left:?}"
+        );
+        let w = Instant::now() + T;
+        match f.admit("k", 2, w, T).await {
+            Err(FenceError::Recovering { retry_after }) => {
+                assert!(retry_after > Duration::from_secs(4), "{retry_after:?}")
+            }
+            other => panic!("expected recovering, got {:?}", other.map(|p| p.token())),
+        }
+        drop(f); // a crash again, this run's window being 5 s
+                 // A restart with a shorter timeout still waits the crashed run's
+                 // window: its writes may run that long.
+        let f = Fence::new(
+            Arc::new(open(Duration::from_secs(1))),
+            10,
+            Duration::from_secs(1),
+        );
+        let left = f.recovering_for().expect("recovering after a crash");
+        assert!(left > Duration::from_secs(4), "{left:?}");
+        drop(f); // and a crash of that short run: the store kept the 5 s
+        let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
+        let left = f.recovering_for().expect("recovering after a crash");
+        assert!(left > Duration::from_secs(4), "{left:?}");
+        f.store().close_clean().await.unwrap();
+        drop(f);
+        let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
+        assert_eq!(f.recovering_for(), None, "after a clean stop");
+        drop(f); // a crash with a zero window: nothing to wait for
+        let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
+        assert_eq!(f.recovering_for(), None, "a zero window");
+        let w = Instant::now() + T;
+        assert_eq!(f.admit("k", 2, w, T).await.unwrap().token(), 2);
+    }
+
+    /// The steady path: once a key's highest is known, an equal or a stale
+    /// token is answered from memory, with no store call.
+    #[tokio::test]
+    async fn equal_and_stale_tokens_on_a_known_key_cost_no_store_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
+                .unwrap();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
+        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(1));
+        let advances = || {
+            metrics
+                .store_latency
+                .with_label_values(&["advance"])
+                .get_sample_count()
+        };
+        let w = Instant::now() + T;
+        // Held, so that the key's gate (and its highest) stays in memory.
+        let held = f.admit("k", 5, w, T).await.unwrap();
+        assert_eq!(advances(), 1);
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        assert!(matches!(
+            f.admit("k", 4, w, T).await,
+            Err(FenceError::Stale { .. })
+        ));
+        assert_eq!(advances(), 1, "equal and stale tokens went to the store");
+        drop(held);
+    }
+
+    /// Shared-store leases outlive the write's own limit by the store's
+    /// latency margin: a lease that expired before the write's deadline
+    /// would let a newer write on another replica overtake it.
+    #[tokio::test]
+    async fn leases_live_the_recovery_window_plus_the_margin() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
+                .unwrap();
+        let f = Fence::with_lease_margin(
+            Arc::new(store),
+            10,
+            Duration::from_secs(5),
+            Duration::from_secs(2),
+        );
+        assert_eq!(f.lease_ttl, Duration::from_secs(7));
+        assert_eq!(f.lease_margin, Duration::from_secs(2));
     }
 
     #[tokio::test(start_paused = true)]

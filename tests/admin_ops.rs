@@ -82,14 +82,29 @@ async fn fence_ahead_cuts_off_the_old_holder_before_the_new_one_writes() {
     )
     .await;
     assert_eq!(a.status, 401);
-    let a = send(
-        "POST",
-        &p.admin_url("/v1/fences/default%3A%2Fdoc"),
-        &[("authorization", "Bearer wrong-token-000000000")],
-        r#"{"token":"99"}"#,
-    )
-    .await;
-    assert_eq!(a.status, 401);
+    // Near misses: the same length, a prefix, the token with more after it,
+    // another scheme.
+    let same_length = format!("Bearer {}", "x".repeat(TOKEN.len()));
+    let prefix = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let longer = format!("Bearer {TOKEN}0");
+    let basic = format!("Basic {TOKEN}");
+    for wrong in [
+        "Bearer wrong-token-000000000",
+        &same_length,
+        &prefix,
+        &longer,
+        &basic,
+        "Bearer ",
+    ] {
+        let a = send(
+            "POST",
+            &p.admin_url("/v1/fences/default%3A%2Fdoc"),
+            &[("authorization", wrong)],
+            r#"{"token":"99"}"#,
+        )
+        .await;
+        assert_eq!(a.status, 401, "{wrong}");
+    }
     let a = send(
         "POST",
         &p.admin_url("/v1/fences/default%3A%2Fdoc"),

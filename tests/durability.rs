@@ -457,6 +457,9 @@ async fn a_power_cut_keeps_every_token_already_forwarded() {
         .args(&["--upstream-timeout", "1s"])
         .env("LD_PRELOAD", shim.to_str().unwrap())
         .env("POWERCUT_FILE", store.to_str().unwrap())
+        // A slow disk: a write forwarded before its commit's sync returned
+        // would reach the backend while the old snapshot is still in place.
+        .env("POWERCUT_DELAY_MS", "40")
         .spawn();
     // New keys (an advance each) and a key raised again and again.
     let writes: Vec<(String, u64)> = (1..=12u64)
@@ -567,6 +570,11 @@ async fn a_drain_waits_for_a_write_whose_client_hung_up() {
     })
     .await;
     drop(s);
+    // The proxy has seen the hang-up before the stop begins.
+    eventually_async("the client's connection closed", || async {
+        metric(&p, "fencegate_connections{listener=\"proxy\"}").await == Some(0.0)
+    })
+    .await;
     let exit = p.sigterm();
     // The backend had finished applying it before the process was gone.
     assert_eq!(up.count(), 1, "the drain did not wait for the write");
@@ -652,6 +660,10 @@ async fn every_flag_works_as_a_fencegate_variable() {
             let mut c = std::process::Command::new(bin());
             if flag != "--config" {
                 c.args(["check-config", "/dev/null"]);
+            } else {
+                // Should the variable be ignored, the server must not start
+                // (and hang this test): an address it cannot bind.
+                c.args(["--listen", "192.0.2.1:1"]);
             }
             if flag != "--upstream" {
                 c.args(["--upstream", "http://127.0.0.1:1"]);

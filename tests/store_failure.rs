@@ -47,6 +47,9 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
     // Long keys fill the small disk fast.
     let p = ProxyBuilder::new(&up.url(), &mnt)
         .args(&["--max-key-bytes", "8192"])
+        // No highest-token cache: the fence kept through the outage is
+        // read back from the store, not from memory.
+        .args(&["--highest-cache-entries", "0"])
         .spawn();
     assert_eq!(put(&p.url("/kept"), "7").await.status, 200);
 

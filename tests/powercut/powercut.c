@@ -42,6 +42,11 @@
 static int (*real_fsync)(int);
 static int (*real_fdatasync)(int);
 static const char *watched;             /* NULL: pass-through only */
+/* POWERCUT_DELAY_MS: a slow disk. A sync of the watched file takes this
+ * much longer before its snapshot is taken and it returns, so a caller that
+ * acts before its sync returned (a proxy forwarding before its commit is
+ * durable) deterministically sees the old snapshot. */
+static useconds_t delay_us;
 static char tmp_path[PATH_MAX], snap_path[PATH_MAX];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -63,6 +68,9 @@ static void init(void)
         fprintf(stderr, "powercut: dlsym: %s\n", dlerror());
         abort();
     }
+    const char *d = getenv("POWERCUT_DELAY_MS");
+    if (d && *d)
+        delay_us = (useconds_t)strtoul(d, NULL, 10) * 1000;
     const char *p = getenv("POWERCUT_FILE");
     if (!p || !*p)
         return;
@@ -92,6 +100,8 @@ static void snapshot_if_watched(int fd)
         die("fstat watched file");
     if (pst.st_dev != fst.st_dev || pst.st_ino != fst.st_ino)
         goto close_src;         /* some other file, or a replaced inode */
+    if (delay_us)
+        usleep(delay_us);
 
     int dst = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (dst < 0)

@@ -4,7 +4,9 @@
 # request classification in the proxy, must make a test fail.
 #
 #   scripts/mutants.sh              the full run (figures: docs/reliability.md)
-#   scripts/mutants.sh core         token, key and fence only (unit tests)
+#   scripts/mutants.sh core         token, key and fence (unit tests);
+#                                   CORE_FILES="src/fence.rs" narrows it
+#   scripts/mutants.sh shared       the fence's shared-store admission
 #   scripts/mutants.sh proxy        the classification in src/proxy.rs only
 #   scripts/mutants.sh --in-diff F  only mutants on lines a diff F changed
 #
@@ -12,10 +14,15 @@
 # survivors). Exits non-zero when a mutant survives.
 #
 # Scope, so that a run fits this 2-core machine: the core files are covered
-# by their unit tests (`--lib`), which run in seconds; the proxy's
+# by their unit tests (`--lib`), which run in seconds; the fence's
+# shared-store admission by the suite that runs it against real Redis,
+# PostgreSQL and etcd servers (tests/shared_stores.rs); the proxy's
 # classification functions by the integration tests that exercise them
-# against the real binary (contract, hostile, hostile_routes), one debug
-# build per mutant.
+# against the real binary (contract, hostile, hostile_routes). A mutant
+# costs one debug build plus its tests. The test selection is given as
+# --cargo-arg, not after `--`, so that each mutant's build compiles only
+# the test targets that run (after `--` it reaches `cargo test` alone, and
+# every integration test would be rebuilt for each mutant).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +33,7 @@ command -v cargo-mutants >/dev/null || cargo install --locked cargo-mutants@27.1
 export CARGO_PROFILE_DEV_DEBUG=0
 export CARGO_PROFILE_TEST_DEBUG=0
 
+SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease'
 CLASSIFY='Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
 
 # The verdict comes from missed.txt, not from cargo-mutants' exit status:
@@ -51,31 +59,39 @@ run() {
 }
 
 core() {
-  run core --timeout 120 \
-    --file src/token.rs --file src/key.rs --file src/fence.rs "$@" -- --lib
+  local files=()
+  for f in ${CORE_FILES:-src/token.rs src/key.rs src/fence.rs}; do files+=(--file "$f"); done
+  run core --timeout 120 "${files[@]}" --exclude-re "$SHARED" "$@" --cargo-arg=--lib
+}
+
+shared() {
+  run shared --timeout 600 --file src/fence.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
 }
 
 proxy() {
   run proxy --timeout 300 --file src/proxy.rs --re "$CLASSIFY" "$@" \
-    -- --test contract --test hostile --test hostile_routes
+    --cargo-arg=--test=contract --cargo-arg=--test=hostile --cargo-arg=--test=hostile_routes
 }
 
 case "${1:-all}" in
   core) shift; core "$@" ;;
+  shared) shift; shared "$@" ;;
   proxy) shift; proxy "$@" ;;
   --in-diff)
     # Each part on its own files: a diff that touches neither has no
     # mutant to test, which is a success.
     status=0
     core --in-diff "$2" || status=$?
+    shared --in-diff "$2" || status=$?
     proxy --in-diff "$2" || status=$?
     exit "$status"
     ;;
   all)
     status=0
     core || status=$?
+    shared || status=$?
     proxy || status=$?
     exit "$status"
     ;;
-  *) echo "usage: $0 [core|proxy|--in-diff FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|shared|proxy|--in-diff FILE]" >&2; exit 2 ;;
 esac

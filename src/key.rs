@@ -248,22 +248,17 @@ pub fn canonicalize(target: &str) -> Result<CanonicalPath, KeyError> {
     } else {
         body
     };
+    // Every segment is non-empty (`canonical_segment` refuses an empty
+    // one: "//", "/a//b" and "/a//" are refused); "/" has none.
     let mut segments = Vec::new();
     if !body.is_empty() || trailing_slash {
         for raw in body.split('/') {
             segments.push(canonical_segment(raw)?);
         }
     }
-    if trailing_slash && segments.last().is_some_and(String::is_empty) {
-        // "/" alone is fine; "/a//" is an empty segment.
-        if !(segments.len() == 1 && body.is_empty()) {
-            return Err(KeyError::EmptySegment);
-        }
-        segments.clear();
-    }
     let key_path = format!("/{}", segments.join("/"));
     let mut upstream_target = key_path.clone();
-    if trailing_slash && !segments.is_empty() {
+    if trailing_slash {
         upstream_target.push('/');
     }
     if let Some(q) = query {
@@ -520,6 +515,23 @@ mod tests {
         let c = canonicalize("/dir/").unwrap();
         assert_eq!(c.key_path, "/dir");
         assert_eq!(c.upstream_target, "/dir/");
+        let c = canonicalize("/dir").unwrap();
+        assert_eq!(c.upstream_target, "/dir", "no slash is added");
+        assert_eq!(c.segments, ["dir"]);
+        assert_eq!(canonicalize("//"), Err(KeyError::EmptySegment));
+        assert!(canonicalize("/").unwrap().segments.is_empty());
+    }
+
+    #[test]
+    fn raw_control_characters_and_half_escapes_after_a_percent_sign() {
+        assert_eq!(key("/a/b\u{1}c"), Err(KeyError::ControlCharacter));
+        assert_eq!(key("/a/\u{7f}"), Err(KeyError::ControlCharacter));
+        assert_eq!(key("/a/\tb"), Err(KeyError::ControlCharacter));
+        // `%25` then one hex digit is no second escape: a literal percent
+        // sign followed by text.
+        assert_eq!(key("/a/%25Az"), Ok("/a/%25Az".into()));
+        assert_eq!(key("/a/%25zA"), Ok("/a/%25zA".into()));
+        assert_eq!(key("/a/%25A"), Ok("/a/%25A".into()));
     }
 
     #[test]
@@ -552,11 +564,24 @@ mod tests {
         assert!(other.key_text(&c, &h).is_err());
         let short = canonicalize("/t1").unwrap();
         assert!(t.key_text(&short, &h).is_err());
+        // Exactly as many segments as the template has.
+        let exact = canonicalize("/t1/orders/42").unwrap();
+        assert_eq!(t.key_text(&exact, &h), Ok("/t1/orders/42".into()));
+        assert_eq!(bucket.key_text(&short, &h), Ok("/t1".into()));
         let hdr = KeyTemplate::parse("header:x-resource").unwrap();
         assert!(hdr.key_text(&c, &h).is_err());
         let mut h2 = http::HeaderMap::new();
         h2.insert("x-resource", " acct-9 ".parse().unwrap());
         assert_eq!(hdr.key_text(&c, &h2), Ok("acct-9".into()));
+        for bad in ["", "   ", "a,b", "a, b", ","] {
+            let mut h3 = http::HeaderMap::new();
+            h3.insert("x-resource", bad.parse().unwrap());
+            assert_eq!(
+                hdr.key_text(&c, &h3),
+                Err(KeyError::KeyHeader("x-resource".into())),
+                "{bad:?}"
+            );
+        }
         let mut twice = http::HeaderMap::new();
         twice.append("x-resource", "a".parse().unwrap());
         twice.append("x-resource", "b".parse().unwrap());

@@ -111,9 +111,19 @@ impl Admin {
         let get = req.method() == Method::GET || req.method() == Method::HEAD;
         let resp = match path.as_str() {
             "/metrics" if get => {
+                let left = self.fence.recovering_for();
+                self.metrics.recovering.set(i64::from(left.is_some()));
                 self.metrics
-                    .recovering
-                    .set(i64::from(self.fence.recovering_for().is_some()));
+                    .recovery_seconds_left
+                    .set(left.map_or(0.0, |d| d.as_secs_f64()));
+                self.metrics.recovery_held_keys.set(
+                    self.fence
+                        .held_keys()
+                        .map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX)),
+                );
+                self.metrics
+                    .in_flight_marks
+                    .set(i64::try_from(self.fence.store().in_flight_marks()).unwrap_or(i64::MAX));
                 self.metrics
                     .store_amnesia
                     .set(i64::from(self.fence.store().amnesia().is_some()));
@@ -269,7 +279,7 @@ impl Admin {
                 self.metrics.store_up.set(1);
                 json_response(
                     StatusCode::OK,
-                    json!({"status": "ready", "store": self.fence.store().kind(), "recovering_seconds": recovering}),
+                    json!({"status": "ready", "store": self.fence.store().kind(), "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
                 )
             }
             Err(e) => {

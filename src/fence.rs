@@ -13,10 +13,20 @@
 //! Once a newer token is admitted, every older write, queued or new, is
 //! stale.
 //!
-//! In-memory state is per key ([`KeyGate`]), created on demand and dropped
-//! when the key goes idle; a bounded cache of highest tokens answers the
-//! steady case (token equal to the highest) without touching the store, but
-//! only when the store says this process is its only writer.
+//! In-memory state is per key ([`KeyGate`]), created on demand; a bounded
+//! cache of highest tokens answers the steady case (token equal to the
+//! highest) without touching the store, but only when the store says this
+//! process is its only writer.
+//!
+//! Crash recovery (embedded store): before a key's first write in flight is
+//! forwarded, the key is *marked* in the store, in the same commit as the
+//! advance when there is one. The mark stays while the key is in use, so
+//! steady writes cost no disk write; [`Fence::sweep`] clears it once the
+//! key has been idle a while, and drops the gate. After an unclean stop
+//! only the marked keys are *held*: a token above their highest is refused
+//! (503, `Retry-After`) until the crashed run's writes can no longer be in
+//! flight, an upstream timeout after the restart. Every other key, and
+//! stale or equal tokens on a held key, behave as in normal running.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -54,6 +64,8 @@ struct KeyGate {
 enum Step {
     Stale(u64),
     Retry,
+    /// The key has no in-flight mark: write it, then decide again.
+    Mark,
     Go {
         waited_out: bool,
     },
@@ -72,7 +84,36 @@ struct GateState {
     /// so the older writes are a prefix; no allocation per write beyond the
     /// map's own node.
     inflight: BTreeMap<(u64, Instant), u32>,
+    /// Whether the store holds this key's in-flight mark. A gate whose
+    /// mark is not `None` stays in the map until [`Fence::sweep`] clears
+    /// the mark: the gate is where admission learns that the mark exists.
+    mark: Mark,
+    /// Since when nothing was in flight (`None`: in use, or not yet seen
+    /// idle by a sweep).
+    idle_since: Option<Instant>,
+    /// The key was marked at a crash: tokens above its highest are refused
+    /// until then.
+    held_until: Option<Instant>,
 }
+
+/// The store's in-flight mark for a key, as this process knows it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    #[default]
+    None,
+    /// A mark is being written; writers wait for it.
+    Pending,
+    /// Durable in the store.
+    Durable,
+}
+
+/// How long a key must have been idle before a sweep clears its mark: a
+/// key written again within this costs no second mark, and one idle longer
+/// (plus a sweep period) is not held after a crash.
+pub const MARK_IDLE: Duration = Duration::from_secs(1);
+
+/// How often the server's sweeper looks for idle marks.
+pub const SWEEP_EVERY: Duration = Duration::from_millis(250);
 
 /// How long after a write's deadline newer writes still wait for it. The
 /// proxy cuts the write at its deadline, but the cut runs when the write's
@@ -191,10 +232,16 @@ pub struct Fence {
     store: Arc<dyn FenceStore>,
     gates: DashMap<Arc<str>, Arc<KeyGate>>,
     cache: HighestCache,
-    /// After an unclean stop, writes are refused until this instant: a write
-    /// forwarded before the crash may still be applied upstream until the
-    /// upstream timeout has passed.
+    /// After an unclean stop, held keys refuse newer tokens until this
+    /// instant: a write forwarded before the crash may still be applied
+    /// upstream until the upstream timeout has passed. `None` when nothing
+    /// is held.
     recovering_until: Option<Instant>,
+    /// The crashed run kept no in-flight marks (an older fencegate): every
+    /// key is held.
+    hold_all: bool,
+    /// How many keys were held at the start.
+    held_keys: usize,
     lease_ttl: Duration,
     /// The store's own latency bound (its timeout, plus a second): an
     /// acquire whose answer was lost may be applied up to this late.
@@ -270,16 +317,47 @@ impl Fence {
         recovery_window: Duration,
         lease_margin: Duration,
     ) -> Arc<Self> {
-        let recovering_until = match store.start_state() {
+        let now = Instant::now();
+        let mut recovering_until = match store.start_state() {
             StartState::Unclean { previous_window } => {
                 let window = recovery_window.max(previous_window.unwrap_or_default());
-                (!window.is_zero()).then(|| Instant::now() + window)
+                (!window.is_zero()).then(|| now + window)
             }
             StartState::Clean => None,
         };
+        let crashed = store.in_flight_at_crash();
+        let hold_all = crashed.is_none();
+        // Each marked key gets its gate now, holding newer tokens off until
+        // the window ends; the mark stays until a sweep after that.
+        let gates = DashMap::new();
+        for (key, highest) in crashed.unwrap_or_default() {
+            let state = GateState {
+                highest,
+                mark: Mark::Durable,
+                held_until: recovering_until,
+                ..GateState::default()
+            };
+            gates.insert(
+                Arc::from(key),
+                Arc::new(KeyGate {
+                    state: Mutex::new(state),
+                    changed: Notify::new(),
+                }),
+            );
+        }
+        let held_keys = if recovering_until.is_some() {
+            gates.len()
+        } else {
+            0
+        };
+        if held_keys == 0 && !hold_all {
+            recovering_until = None;
+        }
         Arc::new(Self {
             store,
-            gates: DashMap::new(),
+            gates,
+            hold_all,
+            held_keys,
             cache: HighestCache {
                 map: DashMap::new(),
                 capacity: cache_capacity,
@@ -306,16 +384,135 @@ impl Fence {
         &self.store
     }
 
-    /// Time left in the crash-recovery window, if any.
+    /// Time left in the crash-recovery window, if any key is held.
     pub fn recovering_for(&self) -> Option<Duration> {
         let until = self.recovering_until?;
         let left = until.saturating_duration_since(Instant::now());
         (!left.is_zero()).then_some(left)
     }
 
-    /// Number of keys with in-memory gates (writes admitting or in flight).
+    /// Keys held since the start by the crash-recovery window (0 once it
+    /// has passed). `None`: every key is held (the crashed run kept no
+    /// in-flight marks).
+    pub fn held_keys(&self) -> Option<usize> {
+        match (self.recovering_for(), self.hold_all) {
+            (None, _) => Some(0),
+            (Some(_), true) => None,
+            (Some(_), false) => Some(self.held_keys),
+        }
+    }
+
+    /// Time left in the key's crash hold, if it is held.
+    fn held_for(&self, st: &GateState, now: Instant) -> Option<Duration> {
+        let until = match (self.hold_all, st.held_until) {
+            (true, _) => self.recovering_until,
+            (false, held) => held,
+        }?;
+        (until > now).then(|| until - now)
+    }
+
+    /// Refuses a token above a held key's highest while its hold lasts. A
+    /// key whose highest is not in memory (every key is held) is looked up
+    /// first, so that a stale token still gets its 409.
+    async fn check_held(
+        &self,
+        key: &Arc<str>,
+        gate: &KeyGate,
+        token: u64,
+    ) -> Result<(), FenceError> {
+        if self.recovering_until.is_none() {
+            return Ok(());
+        }
+        let (known, held) = {
+            let st = gate.state.lock().expect("gate lock");
+            (st.highest, self.held_for(&st, Instant::now()))
+        };
+        let Some(left) = held else { return Ok(()) };
+        let highest = match known {
+            Some(h) => Some(h),
+            None => {
+                let h = self.store.highest(key).await?;
+                let mut st = gate.state.lock().expect("gate lock");
+                st.highest = st.highest.max(h);
+                st.highest
+            }
+        };
+        if highest.is_none_or(|h| h < token) {
+            return Err(FenceError::Recovering { retry_after: left });
+        }
+        Ok(())
+    }
+
+    /// Number of keys with writes admitting or in flight.
     pub fn active_keys(&self) -> usize {
-        self.gates.len()
+        self.gates
+            .iter()
+            .filter(|g| Arc::strong_count(g.value()) > 1)
+            .count()
+    }
+
+    /// Number of keys whose in-flight mark this process holds in the store.
+    pub fn marked_keys(&self) -> usize {
+        self.gates
+            .iter()
+            .filter(|g| g.state.lock().expect("gate lock").mark != Mark::None)
+            .count()
+    }
+
+    /// Clears the in-flight marks of keys with nothing in flight for
+    /// `idle` (and past any crash hold), and drops their gates.
+    /// Returns how many marks it cleared. A key is idle only when nobody
+    /// holds its gate: the map's shard lock keeps new admissions out while
+    /// it decides, and the unmark is queued before the gate goes, so a
+    /// later admission's mark is applied after it.
+    pub fn sweep(&self, idle: Duration) -> usize {
+        let now = Instant::now();
+        let mut cleared = 0;
+        self.gates.retain(|key, gate| {
+            if Arc::strong_count(gate) > 1 {
+                return true;
+            }
+            let mut st = gate.state.lock().expect("gate lock");
+            if !st.inflight.is_empty() || st.held_until.is_some_and(|u| u > now) {
+                return true;
+            }
+            match st.idle_since {
+                None => {
+                    st.idle_since = Some(now);
+                    return true;
+                }
+                Some(t) if now.saturating_duration_since(t) < idle => return true,
+                Some(_) => {}
+            }
+            if st.mark == Mark::Durable {
+                self.store.unmark_in_flight(key);
+                cleared += 1;
+            }
+            st.mark = Mark::None;
+            false
+        });
+        cleared
+    }
+
+    /// Sweeps every [`SWEEP_EVERY`] until `stop`, clearing marks idle for
+    /// [`MARK_IDLE`]; the server owns it.
+    pub async fn sweep_marks(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        if !self.store.exclusive() {
+            return;
+        }
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {
+                    let cleared = self.sweep(MARK_IDLE);
+                    if cleared > 0 {
+                        tracing::debug!(cleared, "in-flight marks of idle keys cleared");
+                    }
+                }
+            }
+        }
     }
 
     fn gate(&self, key: &Arc<str>) -> Arc<KeyGate> {
@@ -328,7 +525,7 @@ impl Fence {
                 Arc::new(KeyGate {
                     state: Mutex::new(GateState {
                         highest,
-                        inflight: BTreeMap::new(),
+                        ..GateState::default()
                     }),
                     changed: Notify::new(),
                 })
@@ -336,24 +533,34 @@ impl Fence {
             .clone()
     }
 
+    /// Drops the gate if nobody holds it and it carries no mark (a marked
+    /// gate stays for [`sweep`](Self::sweep)).
     fn release_gate(&self, key: &str) {
-        self.gates.remove_if(key, |_, g| Arc::strong_count(g) == 1);
+        self.gates.remove_if(key, |_, g| {
+            Arc::strong_count(g) == 1 && g.state.lock().expect("gate lock").mark == Mark::None
+        });
     }
 
     /// Raises the key's highest to `token` in the store (durably) and records
     /// the answer in memory. Runs as its own task so that a client hanging up
     /// cannot leave memory behind a raise that did reach the disk.
+    /// With `mark`, the key's in-flight mark is written in the same commit.
     async fn advance(
         self: &Arc<Self>,
         key: &Arc<str>,
         gate: &Arc<KeyGate>,
         token: u64,
+        mark: bool,
     ) -> Result<u64, FenceError> {
         let fence = self.clone();
         let key = key.clone();
         let gate = gate.clone();
         let task = tokio::spawn(async move {
-            let answer = fence.store.advance(&key, token).await;
+            let answer = if mark {
+                fence.store.advance_marked(&key, token).await
+            } else {
+                fence.store.advance(&key, token).await
+            };
             let highest = answer.map(|answer| {
                 let highest = match answer {
                     Advance::Raised { .. } | Advance::Equal => token,
@@ -367,6 +574,9 @@ impl Fence {
                     let mut st = gate.state.lock().expect("gate lock");
                     let max = st.highest.map_or(highest, |h| h.max(highest));
                     st.highest = Some(max);
+                    if mark {
+                        st.mark = Mark::Durable;
+                    }
                     fence.cache.raise(&key, max);
                 }
                 // Queued older writes must now see that they are stale.
@@ -386,6 +596,30 @@ impl Fence {
         }
     }
 
+    /// Writes the key's in-flight mark (the gate is `Pending`), as its own
+    /// task for the same reason as [`advance`](Self::advance): a client
+    /// hanging up must not leave the gate pending.
+    async fn mark(self: &Arc<Self>, key: &Arc<str>, gate: &Arc<KeyGate>) -> Result<(), FenceError> {
+        let fence = self.clone();
+        let key = key.clone();
+        let gate = gate.clone();
+        let task = tokio::spawn(async move {
+            let answer = fence.store.mark_in_flight(&key).await;
+            gate.state.lock().expect("gate lock").mark = match answer {
+                Ok(()) => Mark::Durable,
+                Err(_) => Mark::None,
+            };
+            gate.changed.notify_waiters();
+            drop(gate);
+            fence.release_gate(&key);
+            answer
+        });
+        match task.await {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(StoreError::Unavailable(format!("store task failed: {e}")).into()),
+        }
+    }
+
     /// Admits a write of `token` to `key`. While an older-token write to the
     /// key is in flight (and within its own deadline) this waits, but not
     /// past `wait_until`: then it fails with [`FenceError::Busy`]. The permit
@@ -398,9 +632,6 @@ impl Fence {
         wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
-        if let Some(retry_after) = self.recovering_for() {
-            return Err(FenceError::Recovering { retry_after });
-        }
         let key: Arc<str> = Arc::from(key);
         if !self.store.exclusive() {
             return self
@@ -431,9 +662,13 @@ impl Fence {
         // so the in-memory highest (written only after the store committed)
         // answers "equal" and "stale" without I/O.
         loop {
-            let known = gate.state.lock().expect("gate lock").highest;
+            self.check_held(key, gate, token).await?;
+            let (known, marked) = {
+                let st = gate.state.lock().expect("gate lock");
+                (st.highest, st.mark == Mark::Durable)
+            };
             if known.is_none_or(|h| h < token) {
-                self.advance(key, gate, token).await?;
+                self.advance(key, gate, token, !marked).await?;
             }
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -453,18 +688,34 @@ impl Fence {
                             notified.as_mut().enable();
                             Step::Wait(latest.min(wait_until))
                         }
-                        other => {
-                            st.enter(token, now + upstream_timeout + CUT_GRACE);
-                            Step::Go {
-                                waited_out: matches!(other, Older::Expired),
+                        other => match st.mark {
+                            Mark::Durable => {
+                                st.enter(token, now + upstream_timeout + CUT_GRACE);
+                                st.idle_since = None;
+                                Step::Go {
+                                    waited_out: matches!(other, Older::Expired),
+                                }
                             }
-                        }
+                            // Another writer is marking the key.
+                            Mark::Pending if now >= wait_until => {
+                                Step::Busy(Duration::from_secs(1))
+                            }
+                            Mark::Pending => {
+                                notified.as_mut().enable();
+                                Step::Wait(wait_until)
+                            }
+                            Mark::None => {
+                                st.mark = Mark::Pending;
+                                Step::Mark
+                            }
+                        },
                     },
                 }
             };
             match decision {
                 Step::Stale(highest) => return Err(FenceError::Stale { token, highest }),
                 Step::Retry => continue,
+                Step::Mark => self.mark(key, gate).await?,
                 Step::Busy(retry_after) => return Err(FenceError::Busy { retry_after }),
                 Step::Go { waited_out } => {
                     return Ok(Permit {
@@ -597,9 +848,6 @@ impl Fence {
     /// write, so older holders are cut off at lock grant. Returns the
     /// highest afterwards; `Err(Stale)` if it was already above `token`.
     pub async fn raise(self: &Arc<Self>, key: &str, token: u64) -> Result<u64, FenceError> {
-        if let Some(retry_after) = self.recovering_for() {
-            return Err(FenceError::Recovering { retry_after });
-        }
         let highest = if self.store.exclusive() {
             let key: Arc<str> = Arc::from(key);
             let guard = GateGuard {
@@ -608,7 +856,10 @@ impl Fence {
                 gate: Some(self.gate(&key)),
             };
             let gate = guard.gate.as_ref().expect("set above");
-            self.advance(&key, gate, token).await?
+            // A raise on a held key would let a write of the new token
+            // overtake the crashed run's write as an equal one.
+            self.check_held(&key, gate, token).await?;
+            self.advance(&key, gate, token, false).await?
         } else {
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
@@ -638,6 +889,11 @@ impl Fence {
             let st = gate.state.lock().expect("gate lock");
             return Ok(st.highest.filter(|h| *h > permit.token));
         }
+        self.overtaken_shared(permit).await
+    }
+
+    /// [`overtaken`](Self::overtaken) on a shared store: asks the store.
+    async fn overtaken_shared(&self, permit: &Permit) -> Result<Option<u64>, FenceError> {
         let Some(lease) = &permit.lease else {
             return Ok(None);
         };
@@ -737,6 +993,9 @@ impl Drop for Permit {
                 if *n == 0 {
                     st.inflight.remove(&entry);
                 }
+            }
+            if st.inflight.is_empty() {
+                st.idle_since = Some(Instant::now());
             }
         }
         gate.changed.notify_waiters();
@@ -901,17 +1160,29 @@ mod tests {
         assert_eq!(f.waiting().get(), 0, "no write is waiting any more");
     }
 
-    /// A fence over a store that was not stopped cleanly refuses writes for
-    /// the recovery window (the longer of this run's and the crashed
-    /// run's), and reads the window as time left.
+    /// After an unclean stop only the keys marked in flight are held: a
+    /// token above a held key's highest is refused for the recovery window
+    /// (the longer of this run's and the crashed run's), with the time
+    /// left; equal and stale tokens on it, and every other key, are
+    /// answered as in normal running.
     #[tokio::test]
-    async fn after_an_unclean_stop_writes_wait_out_the_recovery_window() {
+    async fn after_an_unclean_stop_only_keys_marked_in_flight_are_held() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.redb");
         let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
-        let store = open(Duration::from_secs(3));
-        store.advance("k", 1).await.unwrap();
-        drop(store); // no clean-stop mark: a crash
+        let f = Fence::new(Arc::new(open(Duration::from_secs(3))), 10, T);
+        let w = Instant::now() + T;
+        // "quiet" had a write that ended and a sweep since; "busy" has one
+        // in flight at the crash.
+        drop(f.admit("quiet", 1, w, T).await.unwrap());
+        assert_eq!(f.marked_keys(), 1, "a written key is marked");
+        assert_eq!(f.sweep(Duration::ZERO), 1);
+        assert_eq!(f.marked_keys(), 0);
+        let busy = f.admit("busy", 1, w, T).await.unwrap();
+        assert_eq!(f.sweep(Duration::ZERO), 0, "a key in flight keeps its mark");
+        // A crash before any sweep sees it idle: the store keeps its mark.
+        drop(busy);
+        drop(f);
         let f = Fence::new(
             Arc::new(open(Duration::from_secs(5))),
             10,
@@ -922,23 +1193,44 @@ mod tests {
             left > Duration::from_secs(4) && left <= Duration::from_secs(5),
             "{left:?}"
         );
+        assert_eq!(f.held_keys(), Some(1));
         let w = Instant::now() + T;
-        match f.admit("k", 2, w, T).await {
+        match f.admit("busy", 2, w, T).await {
             Err(FenceError::Recovering { retry_after }) => {
                 assert!(retry_after > Duration::from_secs(4), "{retry_after:?}")
             }
             other => panic!("expected recovering, got {:?}", other.map(|p| p.token())),
         }
+        assert!(matches!(
+            f.raise("busy", 9).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        assert_eq!(f.sweep(Duration::ZERO), 0, "a held key keeps its mark");
+        assert_eq!(f.sweep(Duration::ZERO), 0, "a held key keeps its mark");
+        drop(f.admit("busy", 1, w, T).await.expect("equal, as usual"));
+        assert!(matches!(
+            f.admit("busy", 0, w, T).await,
+            Err(FenceError::Stale { highest: 1, .. })
+        ));
+        drop(
+            f.admit("quiet", 2, w, T)
+                .await
+                .expect("a quiet key is not held"),
+        );
+        drop(
+            f.admit("new", 1, w, T)
+                .await
+                .expect("a new key is not held"),
+        );
+        assert_eq!(f.raise("quiet", 3).await.unwrap(), 3);
         drop(f); // a crash again, this run's window being 5 s
                  // A restart with a shorter timeout still waits the crashed run's
-                 // window: its writes may run that long.
-        let f = Fence::new(
-            Arc::new(open(Duration::from_secs(1))),
-            10,
-            Duration::from_secs(1),
-        );
+                 // window: its writes may run that long. The held key's mark was
+                 // kept, and the keys written since were marked.
+        let f = Fence::new(Arc::new(open(Duration::from_secs(1))), 10, T);
         let left = f.recovering_for().expect("recovering after a crash");
         assert!(left > Duration::from_secs(4), "{left:?}");
+        assert_eq!(f.held_keys(), Some(3));
         drop(f); // and a crash of that short run: the store kept the 5 s
         let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
         let left = f.recovering_for().expect("recovering after a crash");
@@ -947,11 +1239,286 @@ mod tests {
         drop(f);
         let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
         assert_eq!(f.recovering_for(), None, "after a clean stop");
+        assert_eq!(f.held_keys(), Some(0));
+        let w = Instant::now() + T;
+        drop(f.admit("busy", 2, w, T).await.unwrap());
         drop(f); // a crash with a zero window: nothing to wait for
         let f = Fence::new(Arc::new(open(Duration::ZERO)), 10, Duration::ZERO);
         assert_eq!(f.recovering_for(), None, "a zero window");
+        assert_eq!(f.held_keys(), Some(0));
         let w = Instant::now() + T;
-        assert_eq!(f.admit("k", 2, w, T).await.unwrap().token(), 2);
+        assert_eq!(f.admit("busy", 3, w, T).await.unwrap().token(), 3);
+    }
+
+    /// A crash with nothing in flight holds nothing; a crashed run that
+    /// kept no marks (an older fencegate) holds every key.
+    #[tokio::test]
+    async fn a_crash_with_nothing_in_flight_holds_nothing_and_one_without_marks_holds_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
+        let f = Fence::new(
+            Arc::new(open(Duration::from_secs(5))),
+            10,
+            Duration::from_secs(5),
+        );
+        drop(f.admit("k", 1, Instant::now() + T, T).await.unwrap());
+        f.sweep(Duration::ZERO);
+        drop(f);
+        let f = Fence::new(
+            Arc::new(open(Duration::from_secs(5))),
+            10,
+            Duration::from_secs(5),
+        );
+        assert_eq!(f.recovering_for(), None, "nothing was in flight");
+        assert_eq!(f.held_keys(), Some(0));
+        drop(f);
+        crate::store::embedded::forget_marks_flag(&path);
+        let f = Fence::new(
+            Arc::new(open(Duration::from_secs(5))),
+            10,
+            Duration::from_secs(5),
+        );
+        assert!(f.recovering_for().is_some());
+        assert_eq!(f.held_keys(), None, "every key is held");
+        let w = Instant::now() + T;
+        assert!(matches!(
+            f.admit("other", 1, w, T).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        assert!(matches!(
+            f.admit("k", 0, w, T).await,
+            Err(FenceError::Stale { .. })
+        ));
+        drop(f.admit("k", 1, w, T).await.expect("equal, as usual"));
+    }
+
+    /// Marks cost a store write only when a key goes from idle to in use:
+    /// a key written again before a sweep finds it idle is not marked
+    /// again, and a sweep never clears a key in use.
+    #[tokio::test]
+    async fn a_key_is_marked_once_while_in_use_and_swept_once_idle() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
+                .unwrap();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
+        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(1));
+        let calls = |op| {
+            metrics
+                .store_latency
+                .with_label_values(&[op])
+                .get_sample_count()
+        };
+        let w = Instant::now() + T;
+        f.raise("k", 5).await.unwrap();
+        assert_eq!(f.marked_keys(), 0, "a raise forwards nothing");
+        assert_eq!(f.gates.len(), 0, "an unmarked gate is released");
+        assert!(matches!(
+            f.admit("k", 4, w, T).await,
+            Err(FenceError::Stale { .. })
+        ));
+        assert_eq!(f.gates.len(), 0, "a refused write leaves no gate");
+        let a = f.admit("k", 5, w, T).await.unwrap();
+        assert_eq!(
+            calls("mark_in_flight"),
+            1,
+            "an equal token on an unmarked key"
+        );
+        let b = f.admit("k", 5, w, T).await.unwrap();
+        drop(a);
+        assert_eq!(f.sweep(Duration::ZERO), 0, "one write is still in flight");
+        drop(b);
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        // Held by someone (an admission on its way): never swept.
+        let held = f.gates.get("k").unwrap().clone();
+        assert_eq!(f.sweep(Duration::ZERO), 0, "a gate in use is not swept");
+        drop(held);
+        assert_eq!(f.sweep(Duration::from_secs(60)), 0, "not idle long enough");
+        assert_eq!(calls("mark_in_flight"), 1, "marked once while in use");
+        assert_eq!(f.marked_keys(), 1);
+        assert_eq!(f.sweep(Duration::ZERO), 1);
+        assert_eq!(f.marked_keys(), 0);
+        assert_eq!(f.gates.len(), 0, "the swept gate is gone");
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        assert_eq!(calls("mark_in_flight"), 2, "marked again after the sweep");
+        // A newer token marks in the advance's own commit.
+        drop(f.admit("k2", 1, w, T).await.unwrap());
+        assert_eq!(calls("mark_in_flight"), 2);
+        assert_eq!(f.marked_keys(), 2);
+    }
+
+    /// Writers of one token on a key being marked wait for the mark, but
+    /// not past their own limit.
+    #[tokio::test]
+    async fn writers_wait_for_a_mark_in_progress_within_their_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        f.raise("k", 5).await.unwrap();
+        let later = Instant::now() + Duration::from_secs(30);
+        // Polled once: it has set the mark pending and waits for the store
+        // (on this one-thread runtime its task cannot run yet).
+        let first = f.admit("k", 5, later, T);
+        tokio::pin!(first);
+        tokio::select! {
+            biased;
+            _ = &mut first => panic!("marked without waiting for the store"),
+            _ = std::future::ready(()) => {}
+        }
+        match f.admit("k", 5, Instant::now(), T).await {
+            Err(FenceError::Busy { .. }) => {}
+            other => panic!("expected busy, got {:?}", other.map(|p| p.token())),
+        }
+        let second = f.admit("k", 5, later, T).await.expect("waits for the mark");
+        let first = first.await.unwrap();
+        assert_eq!((first.token(), second.token()), (5, 5));
+        assert_eq!(f.marked_keys(), 1);
+    }
+
+    /// The crash hold ends exactly at its instant, measured from the start,
+    /// and a sweep clears marks idle exactly the given time.
+    #[tokio::test(start_paused = true)]
+    async fn the_hold_and_the_idle_time_end_on_the_instant() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let open = || EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(5)).unwrap();
+        let store = open();
+        store.advance_marked("k", 1).await.unwrap();
+        drop(store); // a crash
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let store = crate::metrics::InstrumentedStore::new(Arc::new(open()), metrics.clone());
+        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(5));
+        tokio::time::advance(Duration::from_secs(5) - Duration::from_millis(1)).await;
+        let w = Instant::now() + T;
+        // The held key's highest came with it from the store.
+        assert!(matches!(
+            f.admit("k", 0, w, T).await,
+            Err(FenceError::Stale { highest: 1, .. })
+        ));
+        let lookups = metrics
+            .store_latency
+            .with_label_values(&["highest"])
+            .get_sample_count();
+        assert_eq!(lookups, 0, "a held key's highest was looked up again");
+        assert!(matches!(
+            f.admit("k", 2, w, T).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let p = f.admit("k", 2, Instant::now() + T, T).await.unwrap();
+        drop(p);
+        assert_eq!(f.sweep(Duration::from_secs(60)), 0);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(f.sweep(Duration::from_secs(60)), 1, "idle exactly 60 s");
+    }
+
+    /// The server's sweeper clears an idle key's mark within a few seconds
+    /// and leaves a key in use alone; it stops when told to.
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_clears_idle_marks_and_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let w = Instant::now() + Duration::from_secs(60);
+        drop(f.admit("idle", 1, w, T).await.unwrap());
+        let busy = f
+            .admit("busy", 1, w, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(f.marked_keys(), 2);
+        // Started after the store calls: paused time would jump ahead to
+        // its ticks while the store thread works.
+        let stop = tokio_util::sync::CancellationToken::new();
+        let sweeper = tokio::spawn(f.clone().sweep_marks(stop.clone()));
+        tokio::time::sleep(MARK_IDLE + Duration::from_secs(2)).await;
+        assert_eq!(
+            f.marked_keys(),
+            1,
+            "the idle key's mark is cleared, the busy one's kept"
+        );
+        drop(busy);
+        stop.cancel();
+        sweeper.await.unwrap();
+        tokio::time::sleep(MARK_IDLE * 3).await;
+        assert_eq!(f.marked_keys(), 1, "a stopped sweeper clears nothing");
+    }
+
+    /// Fence-ahead raises (and refuses to lower), the highest is read from
+    /// the gate, the cache or the store alike, a reset forgets, and a write
+    /// holding a key learns when a newer token took it over.
+    #[tokio::test]
+    async fn raise_highest_forget_and_overtaken() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
+                .unwrap();
+        let store: Arc<dyn FenceStore> = Arc::new(store);
+        // No cache: the highest of an idle key comes from the store.
+        let uncached = Fence::new(store.clone(), 0, T);
+        let f = Fence::new(store, 10, T);
+        assert_eq!(f.highest("k").await.unwrap(), None);
+        assert_eq!(f.raise("k", 5).await.unwrap(), 5);
+        assert_eq!(
+            f.raise("k", 5).await.unwrap(),
+            5,
+            "an equal raise is no error"
+        );
+        assert!(matches!(
+            f.raise("k", 3).await,
+            Err(FenceError::Stale {
+                token: 3,
+                highest: 5
+            })
+        ));
+        assert_eq!(f.raise("k", 7).await.unwrap(), 7);
+        assert_eq!(f.highest("k").await.unwrap(), Some(7), "from the cache");
+        assert_eq!(
+            uncached.highest("k").await.unwrap(),
+            Some(7),
+            "from the store"
+        );
+        let w = Instant::now() + T;
+        let p = f.admit("k", 7, w, T).await.unwrap();
+        assert_eq!(f.highest("k").await.unwrap(), Some(7), "from the gate");
+        assert_eq!(f.overtaken(&p).await.unwrap(), None, "its own token");
+        assert_eq!(f.raise("k", 9).await.unwrap(), 9);
+        assert_eq!(f.overtaken(&p).await.unwrap(), Some(9));
+        assert_eq!(f.highest("k").await.unwrap(), Some(9));
+        drop(p);
+        assert_eq!(f.forget("k").await.unwrap(), Some(9));
+        assert_eq!(f.forget("k").await.unwrap(), None);
+        assert_eq!(f.highest("k").await.unwrap(), None, "forgotten everywhere");
+        drop(
+            f.admit("k", 1, w, T)
+                .await
+                .expect("a reset key takes any token"),
+        );
+        assert_eq!(f.highest("k").await.unwrap(), Some(1));
+    }
+
+    /// An ended write no longer holds newer ones back, however many
+    /// writes shared its token and deadline.
+    #[tokio::test(start_paused = true)]
+    async fn ended_writes_release_their_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = fence(&dir);
+        let now = Instant::now();
+        let a = f.admit("k", 1, now, T).await.unwrap();
+        let b = f.admit("k", 1, now, T).await.unwrap();
+        drop(a);
+        assert!(
+            matches!(
+                f.admit("k", 2, Instant::now(), T).await,
+                Err(FenceError::Busy { .. })
+            ),
+            "one of two writes of token 1 is still in flight"
+        );
+        drop(b);
+        let p = f.admit("k", 2, Instant::now(), T).await.unwrap();
+        assert!(!p.waited_out, "nothing older was left registered");
+        drop(p);
+        let p = f.admit("k", 3, Instant::now(), T).await.unwrap();
+        assert!(!p.waited_out);
     }
 
     /// The steady path: once a key's highest is known, an equal or a stale

@@ -35,6 +35,13 @@ pub struct Metrics {
     pub store_up: IntGauge,
     /// 1 while in the crash-recovery window after an unclean stop.
     pub recovering: IntGauge,
+    /// Keys held by the crash-recovery window (-1: every key, the crashed
+    /// run kept no in-flight marks).
+    pub recovery_held_keys: IntGauge,
+    /// Seconds left in the crash-recovery window.
+    pub recovery_seconds_left: prometheus::Gauge,
+    /// Keys whose in-flight mark is in the embedded store now.
+    pub in_flight_marks: IntGauge,
     /// 1 while a shared store is suspected of having lost data.
     pub store_amnesia: IntGauge,
     /// Reloads by what (config, tls) and result (ok, error).
@@ -144,6 +151,30 @@ impl Metrics {
         registry
             .register(Box::new(recovering.clone()))
             .expect("register");
+        let recovery_held_keys = IntGauge::new(
+            "fencegate_recovery_held_keys",
+            "Keys whose newer tokens wait out the crash-recovery window (they may have had a write in flight at the crash); -1 while every key does.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(recovery_held_keys.clone()))
+            .expect("register");
+        let recovery_seconds_left = prometheus::Gauge::new(
+            "fencegate_recovery_seconds_left",
+            "Seconds left in the crash-recovery window after an unclean stop.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(recovery_seconds_left.clone()))
+            .expect("register");
+        let in_flight_marks = IntGauge::new(
+            "fencegate_in_flight_marks",
+            "Keys recorded in the embedded store as possibly having a write in flight (cleared a few seconds after a key goes idle).",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(in_flight_marks.clone()))
+            .expect("register");
         let store_amnesia = IntGauge::new(
             "fencegate_store_amnesia",
             "1 while writes are refused because the shared store may have lost data.",
@@ -217,6 +248,9 @@ impl Metrics {
             in_flight,
             store_up,
             recovering,
+            recovery_held_keys,
+            recovery_seconds_left,
+            in_flight_marks,
         }
     }
 
@@ -329,6 +363,31 @@ impl crate::store::FenceStore for InstrumentedStore {
         let r = self.inner.advance(key, token).await;
         self.observe("advance", t);
         r
+    }
+    async fn advance_marked(
+        &self,
+        key: &str,
+        token: u64,
+    ) -> Result<crate::store::Advance, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.advance_marked(key, token).await;
+        self.observe("advance", t);
+        r
+    }
+    async fn mark_in_flight(&self, key: &str) -> Result<(), crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.mark_in_flight(key).await;
+        self.observe("mark_in_flight", t);
+        r
+    }
+    fn unmark_in_flight(&self, key: &str) {
+        self.inner.unmark_in_flight(key)
+    }
+    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+        self.inner.in_flight_at_crash()
+    }
+    fn in_flight_marks(&self) -> u64 {
+        self.inner.in_flight_marks()
     }
     async fn acquire_lease(
         &self,

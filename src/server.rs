@@ -78,6 +78,8 @@ pub struct Server {
     listeners: Vec<JoinHandle<bool>>,
     /// The certificate file watcher; stops with `draining`.
     tls_watcher: Option<JoinHandle<()>>,
+    /// Clears in-flight marks of idle keys; stops with `draining`.
+    sweeper: JoinHandle<()>,
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
     exchanges: TaskTracker,
@@ -128,12 +130,7 @@ impl Server {
             }
             StoreConfig::Shared(shared) => crate::store::connect_shared(shared)?,
         };
-        if let StartState::Unclean { previous_window } = store.start_state() {
-            tracing::warn!(
-                window = ?config.max_upstream_timeout().max(previous_window.unwrap_or_default()),
-                "the last run did not stop cleanly: writes are refused (503) until writes forwarded before the crash can no longer be in flight"
-            );
-        }
+
         if let StoreConfig::Shared(shared) = &config.store {
             // Connect now, so schema setup, durability warnings and the
             // marker check happen at start. A store without a marker stops
@@ -174,6 +171,22 @@ impl Server {
             .registry
             .register(Box::new(fence.waiting().clone()))
             .expect("register");
+        if let StartState::Unclean { .. } = fence.store().start_state() {
+            match (fence.recovering_for(), fence.held_keys()) {
+                (Some(window), None) => tracing::warn!(
+                    ?window,
+                    "the last run did not stop cleanly and kept no record of its writes in flight: every write is refused (503) until writes forwarded before the crash can no longer be in flight"
+                ),
+                (Some(window), Some(keys)) => tracing::warn!(
+                    ?window,
+                    keys,
+                    "the last run did not stop cleanly: newer tokens on the keys that had writes in flight are refused (503) until those writes can no longer be in flight; every other write goes as usual"
+                ),
+                (None, _) => tracing::info!(
+                    "the last run did not stop cleanly, with no write in flight: nothing to wait for"
+                ),
+            }
+        }
         let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone())?);
         let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();
@@ -279,6 +292,7 @@ impl Server {
             }
             _ => None,
         };
+        let sweeper = tokio::spawn(fence.clone().sweep_marks(draining.clone()));
         tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
@@ -298,6 +312,7 @@ impl Server {
             draining,
             listeners,
             tls_watcher,
+            sweeper,
             exchanges,
             kill,
             connections,
@@ -325,6 +340,7 @@ impl Server {
         if let Some(watcher) = self.tls_watcher {
             let _ = watcher.await;
         }
+        let _ = self.sweeper.await;
         if !connections_drained {
             tracing::warn!("grace period over: closing the connections still open");
         }

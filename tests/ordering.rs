@@ -7,20 +7,6 @@ use std::time::Duration;
 
 use common::*;
 
-/// Waits until `n` writes are queued behind an older write on their key:
-/// the proxy's own signal, not a guess at a sleep.
-async fn queued(p: &Proxy, n: u32) {
-    let line = format!("fencegate_writes_waiting {n}");
-    eventually_async(&line.clone(), || {
-        let line = line.clone();
-        async move {
-            let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-            m.lines().any(|l| l == line)
-        }
-    })
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_newer_token_waits_for_the_older_write_in_flight() {
     let dir = tempfile::tempdir().unwrap();

@@ -5,7 +5,9 @@
 //! advances on many keys share one fsync. A batch that raised nothing is
 //! aborted: steady tokens cost no disk write. The file is locked by redb
 //! against a second process; a `meta` table carries our format version and a
-//! clean-stop flag used for crash recovery.
+//! clean-stop flag used for crash recovery, and an `in_flight` table the
+//! keys that may have a write in flight, so that after a crash only those
+//! keys wait for the crashed run's writes.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,6 +23,11 @@ use super::{Advance, FenceStore, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// Keys marked as possibly having a write in flight (the value is unused).
+const IN_FLIGHT: TableDefinition<&str, ()> = TableDefinition::new("in_flight");
+/// Set (1) by every run that keeps in-flight marks. A crashed run that did
+/// not (an older fencegate) recorded none, so every key must wait.
+const MARKS_KEY: &str = "in_flight_marks";
 const FORMAT_VERSION_KEY: &str = "format_version";
 const CLEAN_KEY: &str = "clean_stop";
 /// The crash-recovery window (ms) of the process that has the store open, so
@@ -50,8 +57,16 @@ enum Op {
     Advance {
         key: String,
         token: u64,
+        /// Also mark the key in flight, in the same commit.
+        mark: bool,
         reply: oneshot::Sender<Result<Advance, StoreError>>,
     },
+    Mark {
+        key: String,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+    /// Lazy: nobody waits for it.
+    Unmark { key: String },
     Get {
         key: String,
         reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
@@ -72,10 +87,15 @@ enum Op {
 pub struct EmbeddedStore {
     ops: mpsc::Sender<Op>,
     start: StartState,
+    /// Keys marked in flight when the last run stopped uncleanly (`None`:
+    /// that run kept no marks).
+    in_flight_at_crash: Option<Vec<(String, Option<u64>)>>,
     healthy: Arc<AtomicBool>,
     /// Durable commits (fsyncs) so far: group commit makes this grow slower
     /// than the number of advances.
     commits: Arc<AtomicU64>,
+    /// In-flight marks in the file as of the last commit.
+    marks: Arc<AtomicU64>,
     writer: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -107,15 +127,25 @@ fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
     }
 }
 
+/// What the store file said at open.
+struct Found {
+    start: StartState,
+    in_flight: Option<Vec<(String, Option<u64>)>>,
+}
+
 /// Reads the format version and clean flag, then marks the store as in use
 /// (durably) so that a crash from here on is detected at the next start.
-fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<StartState, OpenError> {
+/// After an unclean stop it reads the keys marked in flight, and keeps
+/// their marks (a second crash during recovery must still find them);
+/// after a clean one nothing was in flight, and the marks are dropped.
+fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, OpenError> {
     let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
         path: path.to_path_buf(),
         reason: e.to_string(),
     };
     let txn = db.begin_write().map_err(|e| corrupt(&e))?;
     let start;
+    let marked;
     {
         let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
         let version = meta
@@ -154,13 +184,37 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<StartState,
         // recovery must still wait for the first run's writes.
         let ms = u64::try_from(window.max(previous).as_millis()).unwrap_or(u64::MAX);
         meta.insert(WINDOW_KEY, ms).map_err(|e| corrupt(&e))?;
+        marked = meta.get(MARKS_KEY).map_err(|e| corrupt(&e))?.is_some();
+        meta.insert(MARKS_KEY, 1).map_err(|e| corrupt(&e))?;
     }
-    txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
+    let mut in_flight = Vec::new();
+    let mut kept = true;
+    {
+        let fences = txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
+        let mut marks = txn.open_table(IN_FLIGHT).map_err(|e| corrupt(&e))?;
+        if let StartState::Unclean { .. } = start {
+            kept = marked;
+            for entry in marks.iter().map_err(|e| corrupt(&e))? {
+                let (key, _) = entry.map_err(|e| corrupt(&e))?;
+                let key = key.value().to_string();
+                let highest = fences
+                    .get(key.as_str())
+                    .map_err(|e| corrupt(&e))?
+                    .map(|v| v.value());
+                in_flight.push((key, highest));
+            }
+        } else {
+            marks.retain(|_, _| false).map_err(|e| corrupt(&e))?;
+        }
+    }
     txn.commit().map_err(|e| OpenError::Io {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
-    Ok(start)
+    Ok(Found {
+        start,
+        in_flight: kept.then_some(in_flight),
+    })
 }
 
 impl EmbeddedStore {
@@ -174,11 +228,15 @@ impl EmbeddedStore {
         recovery_window: Duration,
     ) -> Result<Self, OpenError> {
         let db = open_db(path, cache_bytes)?;
-        let start = init_meta(&db, path, recovery_window)?;
+        let found = init_meta(&db, path, recovery_window)?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));
+        let marks = Arc::new(AtomicU64::new(
+            found.in_flight.as_ref().map_or(0, |k| k.len() as u64),
+        ));
         let worker = Writer {
+            marks: marks.clone(),
             db: Some(db),
             path: path.to_path_buf(),
             cache_bytes,
@@ -195,9 +253,11 @@ impl EmbeddedStore {
             })?;
         Ok(Self {
             ops: tx,
-            start,
+            start: found.start,
+            in_flight_at_crash: found.in_flight,
             healthy,
             commits,
+            marks,
             writer: std::sync::Mutex::new(Some(handle)),
         })
     }
@@ -250,7 +310,44 @@ impl FenceStore for EmbeddedStore {
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         let key = key.to_string();
-        self.call(|reply| Op::Advance { key, token, reply }).await
+        self.call(|reply| Op::Advance {
+            key,
+            token,
+            mark: false,
+            reply,
+        })
+        .await
+    }
+
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Advance {
+            key,
+            token,
+            mark: true,
+            reply,
+        })
+        .await
+    }
+
+    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Mark { key, reply }).await
+    }
+
+    fn unmark_in_flight(&self, key: &str) {
+        // One queue, applied in order: a later mark of the key comes after.
+        let _ = self.ops.send(Op::Unmark {
+            key: key.to_string(),
+        });
+    }
+
+    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+        self.in_flight_at_crash.clone()
+    }
+
+    fn in_flight_marks(&self) -> u64 {
+        self.marks.load(Ordering::Relaxed)
     }
 
     async fn forget(&self, key: &str) -> Result<Option<u64>, StoreError> {
@@ -277,6 +374,7 @@ struct Writer {
     cache_bytes: usize,
     healthy: Arc<AtomicBool>,
     commits: Arc<AtomicU64>,
+    marks: Arc<AtomicU64>,
     /// Set once a clean stop is recorded: no write may follow it.
     closed: bool,
 }
@@ -343,20 +441,38 @@ impl Writer {
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
         let mut answers = Vec::with_capacity(batch.len());
+        // Something changed that a commit must make durable.
         let mut raised = false;
+        // A raise or a mark: crash detection must be armed.
+        let mut arm = false;
         let mut closing = false;
+        // Marks added and removed by this batch.
+        let (mut added, mut removed) = (0u64, 0u64);
         {
             let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
+            let mut marks = txn.open_table(IN_FLIGHT).map_err(|e| self.fail(e))?;
             for op in batch {
                 let answer = match op {
-                    Op::Advance { .. } if closed || closing => Answer::Refused,
-                    Op::Advance { key, token, .. } => {
+                    Op::Advance { .. } | Op::Mark { .. } if closed || closing => Answer::Refused,
+                    Op::Advance {
+                        key, token, mark, ..
+                    } => {
                         let token = *token;
                         let current = table
                             .get(key.as_str())
                             .map_err(|e| self.fail(e))?
                             .map(|v| v.value());
+                        if *mark
+                            && marks
+                                .insert(key.as_str(), ())
+                                .map_err(|e| self.fail(e))?
+                                .is_none()
+                        {
+                            arm = true;
+                            raised = true;
+                            added += 1;
+                        }
                         Answer::Advance(match current {
                             Some(h) if h > token => Advance::Stale { highest: h },
                             Some(h) if h == token => Advance::Equal,
@@ -364,16 +480,34 @@ impl Writer {
                                 table
                                     .insert(key.as_str(), token)
                                     .map_err(|e| self.fail(e))?;
-                                if !raised {
-                                    // A write after a clean-stop mark (should
-                                    // not happen after a drain) re-arms crash
-                                    // detection.
-                                    meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
-                                }
+                                arm = true;
                                 raised = true;
                                 Advance::Raised { previous }
                             }
                         })
+                    }
+                    Op::Mark { key, .. } => {
+                        if marks
+                            .insert(key.as_str(), ())
+                            .map_err(|e| self.fail(e))?
+                            .is_none()
+                        {
+                            arm = true;
+                            raised = true;
+                            added += 1;
+                        }
+                        Answer::Done
+                    }
+                    Op::Unmark { key } => {
+                        if marks
+                            .remove(key.as_str())
+                            .map_err(|e| self.fail(e))?
+                            .is_some()
+                        {
+                            raised = true;
+                            removed += 1;
+                        }
+                        Answer::Done
                     }
                     Op::Get { key, .. } => Answer::Token(
                         table
@@ -399,6 +533,12 @@ impl Writer {
                 };
                 answers.push(answer);
             }
+            if arm && !closing {
+                // A raise or a mark after a clean-stop mark (should not
+                // happen after a drain) re-arms crash detection; one in
+                // front of this batch's clean stop is covered by its drain.
+                meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
+            }
             if needs_write && !raised {
                 // A probe write: proves the disk takes writes again.
                 let n = meta
@@ -412,6 +552,9 @@ impl Writer {
         if raised || needs_write {
             txn.commit().map_err(|e| self.fail(e))?;
             self.commits.fetch_add(1, Ordering::Relaxed);
+            let now = self.marks.load(Ordering::Relaxed) + added;
+            self.marks
+                .store(now.saturating_sub(removed), Ordering::Relaxed);
             self.healthy.store(true, Ordering::Release);
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
@@ -447,8 +590,23 @@ impl Op {
                 })))
             }
             Op::Ping { reply } | Op::CloseClean { reply } => drop(reply.send(result.map(|_| ()))),
+            Op::Mark { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Done => Ok(()),
+                _ => Err(StoreError::Closed),
+            }))),
+            Op::Unmark { .. } => {}
         }
     }
+}
+
+/// Makes the file look last used by a fencegate that kept no in-flight
+/// marks (for tests of the upgrade path).
+#[cfg(test)]
+pub(crate) fn forget_marks_flag(path: &Path) {
+    let db = Database::create(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    txn.open_table(META).unwrap().remove(MARKS_KEY).unwrap();
+    txn.commit().unwrap();
 }
 
 #[cfg(test)]
@@ -540,6 +698,62 @@ mod tests {
         let s = open(&dir);
         assert_eq!(s.start_state(), StartState::Clean);
         assert_eq!(s.highest("k").await.unwrap(), Some(1));
+    }
+
+    /// Marks share the advance's commit, cost nothing when already there,
+    /// survive a crash (and a second one), are applied in queue order with
+    /// unmarks, and are dropped by a clean stop.
+    #[tokio::test]
+    async fn in_flight_marks_survive_a_crash_and_a_clean_stop_drops_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), Some(vec![]), "a new file");
+        let before = s.commit_count();
+        assert!(matches!(
+            s.advance_marked("a", 3).await.unwrap(),
+            Advance::Raised { .. }
+        ));
+        assert_eq!(s.commit_count() - before, 1, "advance and mark: one commit");
+        s.mark_in_flight("a").await.unwrap();
+        assert_eq!(s.advance_marked("a", 3).await.unwrap(), Advance::Equal);
+        assert_eq!(
+            s.commit_count() - before,
+            1,
+            "a marked key is not marked again"
+        );
+        s.mark_in_flight("b").await.unwrap();
+        assert_eq!(s.commit_count() - before, 2, "a mark is durable on its own");
+        s.mark_in_flight("gone").await.unwrap();
+        // Queued in order: the unmark of "b" and then its mark again.
+        s.unmark_in_flight("b");
+        s.unmark_in_flight("gone");
+        s.mark_in_flight("b").await.unwrap();
+        drop(s); // a crash
+        let s = open(&dir);
+        let mut found = s.in_flight_at_crash().unwrap();
+        found.sort();
+        assert_eq!(
+            found,
+            vec![("a".to_string(), Some(3)), ("b".to_string(), None)]
+        );
+        drop(s); // a second crash, during recovery: the marks are kept
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash().unwrap().len(), 2);
+        s.close_clean().await.unwrap();
+        assert!(
+            matches!(s.mark_in_flight("c").await, Err(StoreError::Closed)),
+            "no mark after the clean-stop mark"
+        );
+        drop(s);
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), Some(vec![]), "after a clean stop");
+        drop(s); // and a crash now finds nothing in flight
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), Some(vec![]));
+        drop(s);
+        forget_marks_flag(&dir.path().join("f.redb"));
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), None, "a run that kept no marks");
     }
 
     #[test]

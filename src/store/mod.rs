@@ -142,6 +142,37 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Concurrent calls on one key are linearizable.
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
 
+    /// Exclusive stores: [`advance`](Self::advance), and in the same
+    /// commit the key's in-flight mark (see
+    /// [`mark_in_flight`](Self::mark_in_flight)), whatever the answer. One
+    /// fsync covers both, so a write to a new key costs no more disk writes
+    /// than before.
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
+
+    /// Exclusive stores: records durably, before it returns, that `key` may
+    /// have a write in flight. After an unclean stop
+    /// [`in_flight_at_crash`](Self::in_flight_at_crash) names every key
+    /// marked and not unmarked since, so that only those keys wait for the
+    /// crashed run's writes. Marking a marked key costs no disk write.
+    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError>;
+
+    /// Exclusive stores: removes the key's in-flight mark, lazily (no
+    /// answer, no durability promise: a mark that outlives its writes only
+    /// makes the key wait after a crash). It is applied after every
+    /// operation queued before it and before every one queued after it, so
+    /// a mark asked for after this call always stands.
+    fn unmark_in_flight(&self, key: &str);
+
+    /// Exclusive stores, read at open: after an unclean stop, the keys that
+    /// were marked in flight, each with its highest token; empty after a
+    /// clean stop. `None` when the crashed run kept no marks (a store last
+    /// used by a fencegate from before marks): then any key may have had a
+    /// write in flight.
+    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>>;
+
+    /// Exclusive stores: how many in-flight marks are durable now.
+    fn in_flight_marks(&self) -> u64;
+
     /// Cross-replica admission, for shared stores, in one atomic step:
     /// refuse if the stored highest is above `lease.token` (`Stale`); raise
     /// it durably if the token is higher; register `lease` (its id chosen by

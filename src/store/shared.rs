@@ -424,6 +424,32 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         Ok(a)
     }
 
+    // In-flight marks are for exclusive stores; a shared store keeps
+    // leases instead, and the fence never asks it for marks.
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        let _ = (key, token);
+        Err(StoreError::Unavailable(
+            "a shared store keeps leases, not in-flight marks".into(),
+        ))
+    }
+
+    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError> {
+        let _ = key;
+        Err(StoreError::Unavailable(
+            "a shared store keeps leases, not in-flight marks".into(),
+        ))
+    }
+
+    fn unmark_in_flight(&self, _key: &str) {}
+
+    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+        Some(Vec::new())
+    }
+
+    fn in_flight_marks(&self) -> u64 {
+        0
+    }
+
     async fn acquire_lease(
         &self,
         key: &str,

@@ -790,3 +790,17 @@ pub fn listening_addresses(pid: u32) -> Vec<String> {
         .map(|cols| cols[1].clone())
         .collect()
 }
+
+/// Waits until `n` writes are queued behind an older write on their key:
+/// the proxy's own signal, not a guess at a sleep.
+pub async fn queued(p: &Proxy, n: u32) {
+    let line = format!("fencegate_writes_waiting {n}");
+    eventually_async(&line.clone(), || {
+        let line = line.clone();
+        async move {
+            let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+            m.lines().any(|l| l == line)
+        }
+    })
+    .await;
+}

@@ -1405,7 +1405,12 @@ mod tests {
             f.admit("k", 2, w, T).await,
             Err(FenceError::Recovering { .. })
         ));
+        assert_eq!(f.sweep(Duration::ZERO), 0, "held: not even noted idle");
+        assert_eq!(f.sweep(Duration::ZERO), 0, "held");
         tokio::time::advance(Duration::from_millis(1)).await;
+        // The hold is over: two passes (the first notes it idle) clear it.
+        assert_eq!(f.sweep(Duration::ZERO), 0);
+        assert_eq!(f.sweep(Duration::ZERO), 1, "the hold ended on its instant");
         let p = f.admit("k", 2, Instant::now() + T, T).await.unwrap();
         drop(p);
         assert_eq!(f.sweep(Duration::from_secs(60)), 0);

@@ -297,7 +297,13 @@ async fn ten_crashes_under_load_lose_no_fence_and_hold_only_busy_keys() {
         let writes: Vec<(u64, Instant, Instant)> = records
             .iter()
             .filter(|r| r.target == target)
-            .map(|r| (r.token.as_deref().unwrap().parse().unwrap(), r.arrived, r.completed))
+            .map(|r| {
+                (
+                    r.token.as_deref().unwrap().parse().unwrap(),
+                    r.arrived,
+                    r.completed,
+                )
+            })
             .collect();
         for (i, (token, arrived, _)) in writes.iter().enumerate() {
             for (older, _, completed) in &writes[..i] {

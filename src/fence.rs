@@ -18,15 +18,18 @@
 //! highest) without touching the store, but only when the store says this
 //! process is its only writer.
 //!
-//! Crash recovery (embedded store): before a key's first write in flight is
-//! forwarded, the key is *marked* in the store, in the same commit as the
-//! advance when there is one. The mark stays while the key is in use, so
-//! steady writes cost no disk write; [`Fence::sweep`] clears it once the
-//! key has been idle a while, and drops the gate. After an unclean stop
-//! only the marked keys are *held*: a token above their highest is refused
-//! (503, `Retry-After`) until the crashed run's writes can no longer be in
-//! flight, an upstream timeout after the restart. Every other key, and
-//! stale or equal tokens on a held key, behave as in normal running.
+//! Crash recovery (embedded store): before a write is forwarded, its key
+//! must have a live *mark* in the store, written in the same commit as the
+//! advance when there is one. Marks carry a rising sequence number and live
+//! while they are at or above the fence's watermark; every
+//! [`ROTATE_EVERY`], [`Fence::rotate_marks`] raises the watermark, marking
+//! again only the keys with writes in flight, so a key in steady use costs
+//! one mark per rotation and an idle key's mark dies within two. After an
+//! unclean stop only the keys with live marks are *held*: a token above
+//! their highest is refused (503, `Retry-After`) until the crashed run's
+//! writes can no longer be in flight, an upstream timeout after the
+//! restart. Every other key, and stale or equal tokens on a held key,
+//! behave as in normal running.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -84,36 +87,21 @@ struct GateState {
     /// so the older writes are a prefix; no allocation per write beyond the
     /// map's own node.
     inflight: BTreeMap<(u64, Instant), u32>,
-    /// Whether the store holds this key's in-flight mark. A gate whose
-    /// mark is not `None` stays in the map until [`Fence::sweep`] clears
-    /// the mark: the gate is where admission learns that the mark exists.
-    mark: Mark,
-    /// Since when nothing was in flight (`None`: in use, or not yet seen
-    /// idle by a sweep).
-    idle_since: Option<Instant>,
+    /// Sequence number of the key's latest durable in-flight mark, if
+    /// known: live while at or above the fence's watermark.
+    mark: Option<u64>,
+    /// A mark is being written (by an admission or a rotation); writers
+    /// wait for it rather than write their own.
+    marking: bool,
     /// The key was marked at a crash: tokens above its highest are refused
     /// until then.
     held_until: Option<Instant>,
 }
 
-/// The store's in-flight mark for a key, as this process knows it.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-enum Mark {
-    #[default]
-    None,
-    /// A mark is being written; writers wait for it.
-    Pending,
-    /// Durable in the store.
-    Durable,
-}
-
-/// How long a key must have been idle before a sweep clears its mark: a
-/// key written again within this costs no second mark, and one idle longer
-/// (plus a sweep period) is not held after a crash.
-pub const MARK_IDLE: Duration = Duration::from_secs(1);
-
-/// How often the server's sweeper looks for idle marks.
-pub const SWEEP_EVERY: Duration = Duration::from_millis(250);
+/// How often the server raises the mark watermark: a key in steady use
+/// costs one mark per rotation, and a key idle for two rotations is not
+/// held after a crash.
+pub const ROTATE_EVERY: Duration = Duration::from_secs(1);
 
 /// How long after a write's deadline newer writes still wait for it. The
 /// proxy cuts the write at its deadline, but the cut runs when the write's
@@ -159,7 +147,10 @@ impl GateState {
 /// long). Entries only ever hold values that are durable in the store, so
 /// an evicted entry just costs one store lookup.
 struct HighestCache {
-    map: DashMap<Arc<str>, u64>,
+    /// Key -> highest token, and the sequence number of the key's latest
+    /// in-flight mark if known (so that a key written again soon after its
+    /// gate was dropped needs no new mark).
+    map: DashMap<Arc<str>, (u64, Option<u64>)>,
     capacity: usize,
     max_bytes: usize,
     /// Bytes held, counted as key length plus [`ENTRY_OVERHEAD`] each.
@@ -180,7 +171,18 @@ pub const DEFAULT_CACHE_BYTES: usize = 96 << 20;
 
 impl HighestCache {
     fn get(&self, key: &str) -> Option<u64> {
-        self.map.get(key).map(|v| *v)
+        self.map.get(key).map(|v| v.0)
+    }
+
+    fn mark(&self, key: &str) -> Option<u64> {
+        self.map.get(key).and_then(|v| v.1)
+    }
+
+    /// Records a key's newer mark, if the key is cached.
+    fn note_mark(&self, key: &str, seq: u64) {
+        if let Some(mut v) = self.map.get_mut(key) {
+            v.1 = v.1.max(Some(seq));
+        }
     }
 
     fn raise(&self, key: &Arc<str>, value: u64) {
@@ -189,7 +191,7 @@ impl HighestCache {
             return;
         }
         if let Some(mut v) = self.map.get_mut(&**key) {
-            *v = (*v).max(value);
+            v.0 = v.0.max(value);
             return;
         }
         let cost = entry_cost(key);
@@ -209,10 +211,10 @@ impl HighestCache {
         let mut added = false;
         self.map
             .entry(key.clone())
-            .and_modify(|v| *v = (*v).max(value))
+            .and_modify(|v| v.0 = v.0.max(value))
             .or_insert_with(|| {
                 added = true;
-                value
+                (value, None)
             });
         if added {
             self.bytes.fetch_add(cost, Relaxed);
@@ -240,8 +242,13 @@ pub struct Fence {
     /// The crashed run kept no in-flight marks (an older fencegate): every
     /// key is held.
     hold_all: bool,
+    /// Keys with live marks at the crash, with their highest tokens: their
+    /// gates are made held until `recovering_until`. Emptied after that.
+    held: DashMap<Arc<str>, Option<u64>>,
     /// How many keys were held at the start.
     held_keys: usize,
+    /// Marks below this are dead (see [`Fence::rotate_marks`]).
+    watermark: std::sync::atomic::AtomicU64,
     lease_ttl: Duration,
     /// The store's own latency bound (its timeout, plus a second): an
     /// acquire whose answer was lost may be applied up to this late.
@@ -327,37 +334,28 @@ impl Fence {
         };
         let crashed = store.in_flight_at_crash();
         let hold_all = crashed.is_none();
-        // Each marked key gets its gate now, holding newer tokens off until
-        // the window ends; the mark stays until a sweep after that.
-        let gates = DashMap::new();
-        for (key, highest) in crashed.unwrap_or_default() {
-            let state = GateState {
-                highest,
-                mark: Mark::Durable,
-                held_until: recovering_until,
-                ..GateState::default()
-            };
-            gates.insert(
-                Arc::from(key),
-                Arc::new(KeyGate {
-                    state: Mutex::new(state),
-                    changed: Notify::new(),
-                }),
-            );
+        // Each key with a live mark is held until the window ends; its mark
+        // is kept alive as long (a second crash must find it again).
+        let held = DashMap::new();
+        if recovering_until.is_some() {
+            for (key, highest) in crashed.unwrap_or_default() {
+                held.insert(Arc::from(key), highest);
+            }
         }
-        let held_keys = if recovering_until.is_some() {
-            gates.len()
-        } else {
-            0
-        };
+        let held_keys = held.len();
         if held_keys == 0 && !hold_all {
             recovering_until = None;
         }
+        // Every mark from before this start is dead to this run's writers
+        // (held keys are marked again by the rotations).
+        let watermark = std::sync::atomic::AtomicU64::new(store.next_mark());
         Arc::new(Self {
             store,
-            gates,
+            gates: DashMap::new(),
             hold_all,
+            held,
             held_keys,
+            watermark,
             cache: HighestCache {
                 map: DashMap::new(),
                 capacity: cache_capacity,
@@ -443,72 +441,82 @@ impl Fence {
         Ok(())
     }
 
-    /// Number of keys with writes admitting or in flight.
+    /// Number of keys with in-memory gates (writes admitting or in flight).
     pub fn active_keys(&self) -> usize {
-        self.gates
-            .iter()
-            .filter(|g| Arc::strong_count(g.value()) > 1)
-            .count()
+        self.gates.len()
     }
 
-    /// Number of keys whose in-flight mark this process holds in the store.
-    pub fn marked_keys(&self) -> usize {
-        self.gates
-            .iter()
-            .filter(|g| g.state.lock().expect("gate lock").mark != Mark::None)
-            .count()
+    /// Whether the key has a live mark: at or above the watermark.
+    fn live(&self, st: &GateState) -> bool {
+        st.mark
+            .is_some_and(|m| m >= self.watermark.load(std::sync::atomic::Ordering::Acquire))
     }
 
-    /// Clears the in-flight marks of keys with nothing in flight for
-    /// `idle` (and past any crash hold), and drops their gates.
-    /// Returns how many marks it cleared. A key is idle only when nobody
-    /// holds its gate: the map's shard lock keeps new admissions out while
-    /// it decides, and the unmark is queued before the gate goes, so a
-    /// later admission's mark is applied after it.
-    pub fn sweep(&self, idle: Duration) -> usize {
-        let now = Instant::now();
-        let mut cleared = 0;
-        self.gates.retain(|key, gate| {
-            if Arc::strong_count(gate) > 1 {
-                return true;
+    /// Raises the watermark to the store's next mark, marking again (in the
+    /// same commit) every key with a write in flight and, while the crash
+    /// hold lasts, every held key; the marks below die. Returns how many
+    /// keys it marked again.
+    ///
+    /// Why this is safe: the watermark is raised in memory first, so an
+    /// admission that decides after it needs a new mark. One that decided
+    /// before it entered its write in flight under the gate's lock, which
+    /// the scan takes next: the scan finds the write and marks its key
+    /// again. Writers on those keys wait for the rotation's commit
+    /// (`marking`) instead of writing marks of their own.
+    pub async fn rotate_marks(&self) -> Result<usize, FenceError> {
+        use std::sync::atomic::Ordering::AcqRel;
+        let watermark = self.store.next_mark();
+        self.watermark.fetch_max(watermark, AcqRel);
+        let mut keys = Vec::new();
+        let mut busy = Vec::new();
+        for entry in self.gates.iter() {
+            let mut st = entry.value().state.lock().expect("gate lock");
+            if !st.inflight.is_empty() {
+                st.marking = true;
+                keys.push(entry.key().to_string());
+                busy.push((entry.key().clone(), entry.value().clone()));
             }
-            let mut st = gate.state.lock().expect("gate lock");
-            if !st.inflight.is_empty() || st.held_until.is_some_and(|u| u > now) {
-                return true;
-            }
-            match st.idle_since {
-                None => {
-                    st.idle_since = Some(now);
-                    return true;
+        }
+        if self.recovering_for().is_some() {
+            keys.extend(self.held.iter().map(|h| h.key().to_string()));
+        } else if !self.held.is_empty() {
+            self.held.clear();
+        }
+        let answer = self.store.rotate_marks(keys, watermark).await;
+        for (i, (key, gate)) in busy.iter().enumerate() {
+            {
+                let mut st = gate.state.lock().expect("gate lock");
+                st.marking = false;
+                if let Ok(seqs) = &answer {
+                    st.mark = st.mark.max(Some(seqs[i]));
+                    self.cache.note_mark(key, seqs[i]);
                 }
-                Some(t) if now.saturating_duration_since(t) < idle => return true,
-                Some(_) => {}
             }
-            if st.mark == Mark::Durable {
-                self.store.unmark_in_flight(key);
-                cleared += 1;
-            }
-            st.mark = Mark::None;
-            false
-        });
-        cleared
+            gate.changed.notify_waiters();
+        }
+        let marked = busy.len();
+        for (key, gate) in busy {
+            drop(gate);
+            self.release_gate(&key);
+        }
+        answer?;
+        Ok(marked)
     }
 
-    /// Sweeps every [`SWEEP_EVERY`] until `stop`, clearing marks idle for
-    /// [`MARK_IDLE`]; the server owns it.
-    pub async fn sweep_marks(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+    /// Rotates the marks every [`ROTATE_EVERY`] until `stop`; the server
+    /// owns it.
+    pub async fn keep_marks(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         if !self.store.exclusive() {
             return;
         }
-        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        let mut tick = tokio::time::interval(ROTATE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {
-                    let cleared = self.sweep(MARK_IDLE);
-                    if cleared > 0 {
-                        tracing::debug!(cleared, "in-flight marks of idle keys cleared");
+                    if let Err(e) = self.rotate_marks().await {
+                        tracing::warn!(error = %e, "could not rotate the in-flight marks; writes mark their keys anew");
                     }
                 }
             }
@@ -521,10 +529,22 @@ impl Fence {
             .or_insert_with(|| {
                 // Gates are only made for the embedded store, whose only
                 // writer is this process: the cache cannot be behind it.
-                let highest = self.cache.get(key);
+                let mut highest = self.cache.get(key);
+                let mark = self.cache.mark(key);
+                // A key with a write in flight at the crash is held while
+                // the window lasts.
+                let held_until = match self.held.get(&**key) {
+                    Some(h) if self.recovering_for().is_some() => {
+                        highest = highest.max(*h);
+                        self.recovering_until
+                    }
+                    _ => None,
+                };
                 Arc::new(KeyGate {
                     state: Mutex::new(GateState {
                         highest,
+                        mark,
+                        held_until,
                         ..GateState::default()
                     }),
                     changed: Notify::new(),
@@ -533,12 +553,8 @@ impl Fence {
             .clone()
     }
 
-    /// Drops the gate if nobody holds it and it carries no mark (a marked
-    /// gate stays for [`sweep`](Self::sweep)).
     fn release_gate(&self, key: &str) {
-        self.gates.remove_if(key, |_, g| {
-            Arc::strong_count(g) == 1 && g.state.lock().expect("gate lock").mark == Mark::None
-        });
+        self.gates.remove_if(key, |_, g| Arc::strong_count(g) == 1);
     }
 
     /// Raises the key's highest to `token` in the store (durably) and records
@@ -557,11 +573,15 @@ impl Fence {
         let gate = gate.clone();
         let task = tokio::spawn(async move {
             let answer = if mark {
-                fence.store.advance_marked(&key, token).await
+                fence
+                    .store
+                    .advance_marked(&key, token)
+                    .await
+                    .map(|(a, seq)| (a, Some(seq)))
             } else {
-                fence.store.advance(&key, token).await
+                fence.store.advance(&key, token).await.map(|a| (a, None))
             };
-            let highest = answer.map(|answer| {
+            let highest = answer.map(|(answer, seq)| {
                 let highest = match answer {
                     Advance::Raised { .. } | Advance::Equal => token,
                     Advance::Stale { highest } => highest,
@@ -574,10 +594,11 @@ impl Fence {
                     let mut st = gate.state.lock().expect("gate lock");
                     let max = st.highest.map_or(highest, |h| h.max(highest));
                     st.highest = Some(max);
-                    if mark {
-                        st.mark = Mark::Durable;
-                    }
                     fence.cache.raise(&key, max);
+                    if let Some(seq) = seq {
+                        st.mark = st.mark.max(Some(seq));
+                        fence.cache.note_mark(&key, seq);
+                    }
                 }
                 // Queued older writes must now see that they are stale.
                 gate.changed.notify_waiters();
@@ -596,23 +617,27 @@ impl Fence {
         }
     }
 
-    /// Writes the key's in-flight mark (the gate is `Pending`), as its own
-    /// task for the same reason as [`advance`](Self::advance): a client
-    /// hanging up must not leave the gate pending.
+    /// Writes a mark of the key (the gate is `marking`), as its own task
+    /// for the same reason as [`advance`](Self::advance): a client hanging
+    /// up must not leave the gate marking.
     async fn mark(self: &Arc<Self>, key: &Arc<str>, gate: &Arc<KeyGate>) -> Result<(), FenceError> {
         let fence = self.clone();
         let key = key.clone();
         let gate = gate.clone();
         let task = tokio::spawn(async move {
             let answer = fence.store.mark_in_flight(&key).await;
-            gate.state.lock().expect("gate lock").mark = match answer {
-                Ok(()) => Mark::Durable,
-                Err(_) => Mark::None,
-            };
+            {
+                let mut st = gate.state.lock().expect("gate lock");
+                st.marking = false;
+                if let Ok(seq) = answer {
+                    st.mark = st.mark.max(Some(seq));
+                    fence.cache.note_mark(&key, seq);
+                }
+            }
             gate.changed.notify_waiters();
             drop(gate);
             fence.release_gate(&key);
-            answer
+            answer.map(|_| ())
         });
         match task.await {
             Ok(r) => Ok(r?),
@@ -665,7 +690,7 @@ impl Fence {
             self.check_held(key, gate, token).await?;
             let (known, marked) = {
                 let st = gate.state.lock().expect("gate lock");
-                (st.highest, st.mark == Mark::Durable)
+                (st.highest, self.live(&st))
             };
             if known.is_none_or(|h| h < token) {
                 self.advance(key, gate, token, !marked).await?;
@@ -688,24 +713,26 @@ impl Fence {
                             notified.as_mut().enable();
                             Step::Wait(latest.min(wait_until))
                         }
-                        other => match st.mark {
-                            Mark::Durable => {
+                        // The mark is checked, and the write entered, under
+                        // the gate's lock: a rotation's scan either finds
+                        // the write or raised the watermark before this.
+                        other => match (self.live(&st), st.marking) {
+                            (true, _) => {
                                 st.enter(token, now + upstream_timeout + CUT_GRACE);
-                                st.idle_since = None;
                                 Step::Go {
                                     waited_out: matches!(other, Older::Expired),
                                 }
                             }
-                            // Another writer is marking the key.
-                            Mark::Pending if now >= wait_until => {
+                            // Another writer, or a rotation, is marking it.
+                            (false, true) if now >= wait_until => {
                                 Step::Busy(Duration::from_secs(1))
                             }
-                            Mark::Pending => {
+                            (false, true) => {
                                 notified.as_mut().enable();
                                 Step::Wait(wait_until)
                             }
-                            Mark::None => {
-                                st.mark = Mark::Pending;
+                            (false, false) => {
+                                st.marking = true;
                                 Step::Mark
                             }
                         },
@@ -994,9 +1021,6 @@ impl Drop for Permit {
                     st.inflight.remove(&entry);
                 }
             }
-            if st.inflight.is_empty() {
-                st.idle_since = Some(Instant::now());
-            }
         }
         gate.changed.notify_waiters();
         drop(gate);
@@ -1160,7 +1184,7 @@ mod tests {
         assert_eq!(f.waiting().get(), 0, "no write is waiting any more");
     }
 
-    /// After an unclean stop only the keys marked in flight are held: a
+    /// After an unclean stop only the keys with live marks are held: a
     /// token above a held key's highest is refused for the recovery window
     /// (the longer of this run's and the crashed run's), with the time
     /// left; equal and stale tokens on it, and every other key, are
@@ -1172,17 +1196,15 @@ mod tests {
         let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
         let f = Fence::new(Arc::new(open(Duration::from_secs(3))), 10, T);
         let w = Instant::now() + T;
-        // "quiet" had a write that ended and a sweep since; "busy" has one
-        // in flight at the crash.
+        // "quiet" had a write that ended before a rotation; "busy" has one
+        // in flight through it.
         drop(f.admit("quiet", 1, w, T).await.unwrap());
-        assert_eq!(f.marked_keys(), 1, "a written key is marked");
-        assert_eq!(f.sweep(Duration::ZERO), 1);
-        assert_eq!(f.marked_keys(), 0);
+        assert_eq!(f.store().in_flight_marks(), 1, "a written key is marked");
         let busy = f.admit("busy", 1, w, T).await.unwrap();
-        assert_eq!(f.sweep(Duration::ZERO), 0, "a key in flight keeps its mark");
-        // A crash before any sweep sees it idle: the store keeps its mark.
+        assert_eq!(f.rotate_marks().await.unwrap(), 1, "the key in flight");
+        assert_eq!(f.store().in_flight_marks(), 1, "the idle key's mark died");
         drop(busy);
-        drop(f);
+        drop(f); // a crash before the next rotation
         let f = Fence::new(
             Arc::new(open(Duration::from_secs(5))),
             10,
@@ -1205,8 +1227,10 @@ mod tests {
             f.raise("busy", 9).await,
             Err(FenceError::Recovering { .. })
         ));
-        assert_eq!(f.sweep(Duration::ZERO), 0, "a held key keeps its mark");
-        assert_eq!(f.sweep(Duration::ZERO), 0, "a held key keeps its mark");
+        // Rotations keep a held key's mark while the hold lasts.
+        f.rotate_marks().await.unwrap();
+        f.rotate_marks().await.unwrap();
+        assert_eq!(f.store().in_flight_marks(), 1, "a held key keeps its mark");
         drop(f.admit("busy", 1, w, T).await.expect("equal, as usual"));
         assert!(matches!(
             f.admit("busy", 0, w, T).await,
@@ -1257,28 +1281,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.redb");
         let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
-        let f = Fence::new(
-            Arc::new(open(Duration::from_secs(5))),
-            10,
-            Duration::from_secs(5),
-        );
+        let five = Duration::from_secs(5);
+        let f = Fence::new(Arc::new(open(five)), 10, five);
         drop(f.admit("k", 1, Instant::now() + T, T).await.unwrap());
-        f.sweep(Duration::ZERO);
+        f.rotate_marks().await.unwrap();
         drop(f);
-        let f = Fence::new(
-            Arc::new(open(Duration::from_secs(5))),
-            10,
-            Duration::from_secs(5),
-        );
+        let f = Fence::new(Arc::new(open(five)), 10, five);
         assert_eq!(f.recovering_for(), None, "nothing was in flight");
         assert_eq!(f.held_keys(), Some(0));
         drop(f);
         crate::store::embedded::forget_marks_flag(&path);
-        let f = Fence::new(
-            Arc::new(open(Duration::from_secs(5))),
-            10,
-            Duration::from_secs(5),
-        );
+        let f = Fence::new(Arc::new(open(five)), 10, five);
         assert!(f.recovering_for().is_some());
         assert_eq!(f.held_keys(), None, "every key is held");
         let w = Instant::now() + T;
@@ -1293,11 +1306,12 @@ mod tests {
         drop(f.admit("k", 1, w, T).await.expect("equal, as usual"));
     }
 
-    /// Marks cost a store write only when a key goes from idle to in use:
-    /// a key written again before a sweep finds it idle is not marked
-    /// again, and a sweep never clears a key in use.
+    /// Marks cost a store write only when a key has no live mark: writes
+    /// while it is live (even after its gate was dropped) add none, a
+    /// rotation marks again the keys in flight (so their writers add none)
+    /// and lets the idle ones' marks die.
     #[tokio::test]
-    async fn a_key_is_marked_once_while_in_use_and_swept_once_idle() {
+    async fn a_key_is_marked_once_per_rotation_while_in_use() {
         let dir = tempfile::tempdir().unwrap();
         let store =
             EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
@@ -1313,8 +1327,8 @@ mod tests {
         };
         let w = Instant::now() + T;
         f.raise("k", 5).await.unwrap();
-        assert_eq!(f.marked_keys(), 0, "a raise forwards nothing");
-        assert_eq!(f.gates.len(), 0, "an unmarked gate is released");
+        assert_eq!(f.store().in_flight_marks(), 0, "a raise forwards nothing");
+        assert_eq!(f.gates.len(), 0, "the gate is released");
         assert!(matches!(
             f.admit("k", 4, w, T).await,
             Err(FenceError::Stale { .. })
@@ -1327,26 +1341,23 @@ mod tests {
             "an equal token on an unmarked key"
         );
         let b = f.admit("k", 5, w, T).await.unwrap();
-        drop(a);
-        assert_eq!(f.sweep(Duration::ZERO), 0, "one write is still in flight");
-        drop(b);
+        drop((a, b));
+        assert_eq!(f.gates.len(), 0);
         drop(f.admit("k", 5, w, T).await.unwrap());
-        // Held by someone (an admission on its way): never swept.
-        let held = f.gates.get("k").unwrap().clone();
-        assert_eq!(f.sweep(Duration::ZERO), 0, "a gate in use is not swept");
+        assert_eq!(calls("mark_in_flight"), 1, "the cache knew the live mark");
+        assert_eq!(f.rotate_marks().await.unwrap(), 0, "nothing in flight");
+        assert_eq!(f.store().in_flight_marks(), 0);
+        let held = f.admit("k", 5, w, T).await.unwrap();
+        assert_eq!(calls("mark_in_flight"), 2, "its mark died: marked again");
+        assert_eq!(f.rotate_marks().await.unwrap(), 1, "marked again in flight");
+        drop(f.admit("k", 5, w, T).await.unwrap());
+        assert_eq!(calls("mark_in_flight"), 2, "the rotation's mark serves");
+        assert_eq!(f.store().in_flight_marks(), 1);
         drop(held);
-        assert_eq!(f.sweep(Duration::from_secs(60)), 0, "not idle long enough");
-        assert_eq!(calls("mark_in_flight"), 1, "marked once while in use");
-        assert_eq!(f.marked_keys(), 1);
-        assert_eq!(f.sweep(Duration::ZERO), 1);
-        assert_eq!(f.marked_keys(), 0);
-        assert_eq!(f.gates.len(), 0, "the swept gate is gone");
-        drop(f.admit("k", 5, w, T).await.unwrap());
-        assert_eq!(calls("mark_in_flight"), 2, "marked again after the sweep");
         // A newer token marks in the advance's own commit.
         drop(f.admit("k2", 1, w, T).await.unwrap());
         assert_eq!(calls("mark_in_flight"), 2);
-        assert_eq!(f.marked_keys(), 2);
+        assert_eq!(f.store().in_flight_marks(), 2);
     }
 
     /// Writers of one token on a key being marked wait for the mark, but
@@ -1373,13 +1384,13 @@ mod tests {
         let second = f.admit("k", 5, later, T).await.expect("waits for the mark");
         let first = first.await.unwrap();
         assert_eq!((first.token(), second.token()), (5, 5));
-        assert_eq!(f.marked_keys(), 1);
+        assert_eq!(f.store().in_flight_marks(), 1, "one mark for both");
     }
 
-    /// The crash hold ends exactly at its instant, measured from the start,
-    /// and a sweep clears marks idle exactly the given time.
+    /// The crash hold ends exactly at its instant, measured from the start;
+    /// rotations keep the held keys' marks until then, and not after.
     #[tokio::test(start_paused = true)]
-    async fn the_hold_and_the_idle_time_end_on_the_instant() {
+    async fn the_hold_ends_on_its_instant() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.redb");
         let open = || EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(5)).unwrap();
@@ -1405,23 +1416,23 @@ mod tests {
             f.admit("k", 2, w, T).await,
             Err(FenceError::Recovering { .. })
         ));
-        assert_eq!(f.sweep(Duration::ZERO), 0, "held: not even noted idle");
-        assert_eq!(f.sweep(Duration::ZERO), 0, "held");
+        f.rotate_marks().await.unwrap();
+        assert_eq!(f.store().in_flight_marks(), 1, "held: its mark is kept");
         tokio::time::advance(Duration::from_millis(1)).await;
-        // The hold is over: two passes (the first notes it idle) clear it.
-        assert_eq!(f.sweep(Duration::ZERO), 0);
-        assert_eq!(f.sweep(Duration::ZERO), 1, "the hold ended on its instant");
-        let p = f.admit("k", 2, Instant::now() + T, T).await.unwrap();
-        drop(p);
-        assert_eq!(f.sweep(Duration::from_secs(60)), 0);
-        tokio::time::advance(Duration::from_secs(60)).await;
-        assert_eq!(f.sweep(Duration::from_secs(60)), 1, "idle exactly 60 s");
+        f.rotate_marks().await.unwrap();
+        assert_eq!(
+            f.store().in_flight_marks(),
+            0,
+            "the hold ended on its instant"
+        );
+        assert_eq!(f.held_keys(), Some(0));
+        drop(f.admit("k", 2, Instant::now() + T, T).await.unwrap());
     }
 
-    /// The server's sweeper clears an idle key's mark within a few seconds
-    /// and leaves a key in use alone; it stops when told to.
-    #[tokio::test(start_paused = true)]
-    async fn the_sweeper_clears_idle_marks_and_stops() {
+    /// The server's rotator lets an idle key's mark die within two
+    /// rotations and keeps a busy one's; it stops when told to.
+    #[tokio::test]
+    async fn the_rotator_keeps_busy_marks_and_stops() {
         let dir = tempfile::tempdir().unwrap();
         let f = fence(&dir);
         let w = Instant::now() + Duration::from_secs(60);
@@ -1430,22 +1441,27 @@ mod tests {
             .admit("busy", 1, w, Duration::from_secs(60))
             .await
             .unwrap();
-        assert_eq!(f.marked_keys(), 2);
-        // Started after the store calls: paused time would jump ahead to
-        // its ticks while the store thread works.
+        assert_eq!(f.store().in_flight_marks(), 2);
         let stop = tokio_util::sync::CancellationToken::new();
-        let sweeper = tokio::spawn(f.clone().sweep_marks(stop.clone()));
-        tokio::time::sleep(MARK_IDLE + Duration::from_secs(2)).await;
-        assert_eq!(
-            f.marked_keys(),
-            1,
-            "the idle key's mark is cleared, the busy one's kept"
-        );
+        let rotator = tokio::spawn(f.clone().keep_marks(stop.clone()));
+        let deadline = std::time::Instant::now() + ROTATE_EVERY * 5;
+        while f.store().in_flight_marks() != 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the idle mark never died"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         drop(busy);
         stop.cancel();
-        sweeper.await.unwrap();
-        tokio::time::sleep(MARK_IDLE * 3).await;
-        assert_eq!(f.marked_keys(), 1, "a stopped sweeper clears nothing");
+        rotator.await.unwrap();
+        drop(f.admit("later", 1, w, T).await.unwrap());
+        tokio::time::sleep(ROTATE_EVERY * 2).await;
+        assert_eq!(
+            f.store().in_flight_marks(),
+            2,
+            "a stopped rotator rotates nothing"
+        );
     }
 
     /// Fence-ahead raises (and refuses to lower), the highest is read from

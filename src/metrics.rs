@@ -368,20 +368,30 @@ impl crate::store::FenceStore for InstrumentedStore {
         &self,
         key: &str,
         token: u64,
-    ) -> Result<crate::store::Advance, crate::store::StoreError> {
+    ) -> Result<(crate::store::Advance, u64), crate::store::StoreError> {
         let t = std::time::Instant::now();
         let r = self.inner.advance_marked(key, token).await;
         self.observe("advance", t);
         r
     }
-    async fn mark_in_flight(&self, key: &str) -> Result<(), crate::store::StoreError> {
+    async fn mark_in_flight(&self, key: &str) -> Result<u64, crate::store::StoreError> {
         let t = std::time::Instant::now();
         let r = self.inner.mark_in_flight(key).await;
         self.observe("mark_in_flight", t);
         r
     }
-    fn unmark_in_flight(&self, key: &str) {
-        self.inner.unmark_in_flight(key)
+    fn next_mark(&self) -> u64 {
+        self.inner.next_mark()
+    }
+    async fn rotate_marks(
+        &self,
+        keys: Vec<String>,
+        watermark: u64,
+    ) -> Result<Vec<u64>, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.rotate_marks(keys, watermark).await;
+        self.observe("rotate_marks", t);
+        r
     }
     fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
         self.inner.in_flight_at_crash()

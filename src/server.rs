@@ -78,7 +78,7 @@ pub struct Server {
     listeners: Vec<JoinHandle<bool>>,
     /// The certificate file watcher; stops with `draining`.
     tls_watcher: Option<JoinHandle<()>>,
-    /// Clears in-flight marks of idle keys; stops with `draining`.
+    /// Rotates the in-flight marks (embedded store); stops with `draining`.
     sweeper: JoinHandle<()>,
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
@@ -292,7 +292,7 @@ impl Server {
             }
             _ => None,
         };
-        let sweeper = tokio::spawn(fence.clone().sweep_marks(draining.clone()));
+        let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
         tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,

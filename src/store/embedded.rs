@@ -5,9 +5,12 @@
 //! advances on many keys share one fsync. A batch that raised nothing is
 //! aborted: steady tokens cost no disk write. The file is locked by redb
 //! against a second process; a `meta` table carries our format version and a
-//! clean-stop flag used for crash recovery, and an `in_flight` table the
+//! clean-stop flag used for crash recovery, and an `in_flight_log` table the
 //! keys that may have a write in flight, so that after a crash only those
-//! keys wait for the crashed run's writes.
+//! keys wait for the crashed run's writes. The log is keyed by a sequence
+//! number: a mark is an append at its right edge and marks die wholesale
+//! below a watermark, so a commit touches a few pages of it however random
+//! the keys are.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,8 +26,10 @@ use super::{Advance, FenceStore, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-/// Keys marked as possibly having a write in flight (the value is unused).
-const IN_FLIGHT: TableDefinition<&str, ()> = TableDefinition::new("in_flight");
+/// In-flight marks: sequence number -> key. Marks below the watermark
+/// ([`WATERMARK_KEY`]) are dead.
+const MARKS: TableDefinition<u64, &str> = TableDefinition::new("in_flight_log");
+const WATERMARK_KEY: &str = "in_flight_watermark";
 /// Set (1) by every run that keeps in-flight marks. A crashed run that did
 /// not (an older fencegate) recorded none, so every key must wait.
 const MARKS_KEY: &str = "in_flight_marks";
@@ -57,16 +62,23 @@ enum Op {
     Advance {
         key: String,
         token: u64,
-        /// Also mark the key in flight, in the same commit.
-        mark: bool,
         reply: oneshot::Sender<Result<Advance, StoreError>>,
+    },
+    /// An advance and a mark of the key, in one commit.
+    AdvanceMarked {
+        key: String,
+        token: u64,
+        reply: oneshot::Sender<Result<(Advance, u64), StoreError>>,
     },
     Mark {
         key: String,
-        reply: oneshot::Sender<Result<(), StoreError>>,
+        reply: oneshot::Sender<Result<u64, StoreError>>,
     },
-    /// Lazy: nobody waits for it.
-    Unmark { key: String },
+    Rotate {
+        keys: Vec<String>,
+        watermark: u64,
+        reply: oneshot::Sender<Result<Vec<u64>, StoreError>>,
+    },
     Get {
         key: String,
         reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
@@ -96,6 +108,8 @@ pub struct EmbeddedStore {
     commits: Arc<AtomicU64>,
     /// In-flight marks in the file as of the last commit.
     marks: Arc<AtomicU64>,
+    /// The sequence number the next mark gets.
+    next_mark: Arc<AtomicU64>,
     writer: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -131,6 +145,9 @@ fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
 struct Found {
     start: StartState,
     in_flight: Option<Vec<(String, Option<u64>)>>,
+    /// Marks left in the log.
+    marks: u64,
+    next_mark: u64,
 }
 
 /// Reads the format version and clean flag, then marks the store as in use
@@ -189,14 +206,30 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
     }
     let mut in_flight = Vec::new();
     let mut kept = true;
+    let (left, next_mark);
     {
+        use redb::ReadableTableMetadata;
         let fences = txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
-        let mut marks = txn.open_table(IN_FLIGHT).map_err(|e| corrupt(&e))?;
+        let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
+        let mut marks = txn.open_table(MARKS).map_err(|e| corrupt(&e))?;
+        let watermark = meta
+            .get(WATERMARK_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map_or(0, |v| v.value());
+        let last = marks
+            .last()
+            .map_err(|e| corrupt(&e))?
+            .map_or(0, |(k, _)| k.value() + 1);
+        next_mark = last.max(watermark);
         if let StartState::Unclean { .. } = start {
             kept = marked;
-            for entry in marks.iter().map_err(|e| corrupt(&e))? {
-                let (key, _) = entry.map_err(|e| corrupt(&e))?;
+            let mut seen = std::collections::HashSet::new();
+            for entry in marks.range(watermark..).map_err(|e| corrupt(&e))? {
+                let (_, key) = entry.map_err(|e| corrupt(&e))?;
                 let key = key.value().to_string();
+                if !seen.insert(key.clone()) {
+                    continue;
+                }
                 let highest = fences
                     .get(key.as_str())
                     .map_err(|e| corrupt(&e))?
@@ -204,8 +237,12 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
                 in_flight.push((key, highest));
             }
         } else {
+            // Nothing was in flight at a clean stop.
             marks.retain(|_, _| false).map_err(|e| corrupt(&e))?;
+            meta.insert(WATERMARK_KEY, next_mark)
+                .map_err(|e| corrupt(&e))?;
         }
+        left = marks.len().map_err(|e| corrupt(&e))?;
     }
     txn.commit().map_err(|e| OpenError::Io {
         path: path.to_path_buf(),
@@ -214,6 +251,8 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
     Ok(Found {
         start,
         in_flight: kept.then_some(in_flight),
+        marks: left,
+        next_mark,
     })
 }
 
@@ -232,11 +271,11 @@ impl EmbeddedStore {
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));
-        let marks = Arc::new(AtomicU64::new(
-            found.in_flight.as_ref().map_or(0, |k| k.len() as u64),
-        ));
+        let marks = Arc::new(AtomicU64::new(found.marks));
+        let next_mark = Arc::new(AtomicU64::new(found.next_mark));
         let worker = Writer {
             marks: marks.clone(),
+            next_mark: next_mark.clone(),
             db: Some(db),
             path: path.to_path_buf(),
             cache_bytes,
@@ -258,6 +297,7 @@ impl EmbeddedStore {
             healthy,
             commits,
             marks,
+            next_mark,
             writer: std::sync::Mutex::new(Some(handle)),
         })
     }
@@ -310,36 +350,35 @@ impl FenceStore for EmbeddedStore {
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         let key = key.to_string();
-        self.call(|reply| Op::Advance {
-            key,
-            token,
-            mark: false,
-            reply,
-        })
-        .await
+        self.call(|reply| Op::Advance { key, token, reply }).await
     }
 
-    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<(Advance, u64), StoreError> {
         let key = key.to_string();
-        self.call(|reply| Op::Advance {
-            key,
-            token,
-            mark: true,
-            reply,
-        })
-        .await
+        self.call(|reply| Op::AdvanceMarked { key, token, reply })
+            .await
     }
 
-    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError> {
+    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError> {
         let key = key.to_string();
         self.call(|reply| Op::Mark { key, reply }).await
     }
 
-    fn unmark_in_flight(&self, key: &str) {
-        // One queue, applied in order: a later mark of the key comes after.
-        let _ = self.ops.send(Op::Unmark {
-            key: key.to_string(),
-        });
+    fn next_mark(&self) -> u64 {
+        self.next_mark.load(Ordering::Acquire)
+    }
+
+    async fn rotate_marks(
+        &self,
+        keys: Vec<String>,
+        watermark: u64,
+    ) -> Result<Vec<u64>, StoreError> {
+        self.call(|reply| Op::Rotate {
+            keys,
+            watermark,
+            reply,
+        })
+        .await
     }
 
     fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
@@ -375,6 +414,7 @@ struct Writer {
     healthy: Arc<AtomicBool>,
     commits: Arc<AtomicU64>,
     marks: Arc<AtomicU64>,
+    next_mark: Arc<AtomicU64>,
     /// Set once a clean stop is recorded: no write may follow it.
     closed: bool,
 }
@@ -448,32 +488,34 @@ impl Writer {
         let mut closing = false;
         // Marks added and removed by this batch.
         let (mut added, mut removed) = (0u64, 0u64);
+        let mut next = self.next_mark.load(Ordering::Relaxed);
         {
             let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
-            let mut marks = txn.open_table(IN_FLIGHT).map_err(|e| self.fail(e))?;
+            let mut marks = txn.open_table(MARKS).map_err(|e| self.fail(e))?;
+            // Appends a mark and returns its sequence number.
+            let mut mark =
+                |marks: &mut redb::Table<u64, &str>, key: &str| -> Result<u64, StoreError> {
+                    let seq = next;
+                    marks.insert(seq, key).map_err(|e| self.fail(e))?;
+                    next += 1;
+                    added += 1;
+                    Ok(seq)
+                };
             for op in batch {
                 let answer = match op {
-                    Op::Advance { .. } | Op::Mark { .. } if closed || closing => Answer::Refused,
-                    Op::Advance {
-                        key, token, mark, ..
-                    } => {
+                    Op::Advance { .. } | Op::AdvanceMarked { .. } | Op::Mark { .. }
+                        if closed || closing =>
+                    {
+                        Answer::Refused
+                    }
+                    Op::Advance { key, token, .. } | Op::AdvanceMarked { key, token, .. } => {
                         let token = *token;
                         let current = table
                             .get(key.as_str())
                             .map_err(|e| self.fail(e))?
                             .map(|v| v.value());
-                        if *mark
-                            && marks
-                                .insert(key.as_str(), ())
-                                .map_err(|e| self.fail(e))?
-                                .is_none()
-                        {
-                            arm = true;
-                            raised = true;
-                            added += 1;
-                        }
-                        Answer::Advance(match current {
+                        let advance = match current {
                             Some(h) if h > token => Advance::Stale { highest: h },
                             Some(h) if h == token => Advance::Equal,
                             previous => {
@@ -484,30 +526,40 @@ impl Writer {
                                 raised = true;
                                 Advance::Raised { previous }
                             }
-                        })
-                    }
-                    Op::Mark { key, .. } => {
-                        if marks
-                            .insert(key.as_str(), ())
-                            .map_err(|e| self.fail(e))?
-                            .is_none()
-                        {
+                        };
+                        if let Op::AdvanceMarked { .. } = op {
                             arm = true;
                             raised = true;
-                            added += 1;
+                            Answer::Marked(advance, mark(&mut marks, key)?)
+                        } else {
+                            Answer::Advance(advance)
                         }
-                        Answer::Done
                     }
-                    Op::Unmark { key } => {
-                        if marks
-                            .remove(key.as_str())
-                            .map_err(|e| self.fail(e))?
-                            .is_some()
-                        {
-                            raised = true;
-                            removed += 1;
+                    Op::Mark { key, .. } => {
+                        arm = true;
+                        raised = true;
+                        Answer::Seq(mark(&mut marks, key)?)
+                    }
+                    Op::Rotate {
+                        keys, watermark, ..
+                    } => {
+                        // In one commit: the keys still in flight marked
+                        // again above the watermark, the watermark, and the
+                        // dead marks gone.
+                        let mut seqs = Vec::with_capacity(keys.len());
+                        for key in keys {
+                            seqs.push(mark(&mut marks, key)?);
                         }
-                        Answer::Done
+                        meta.insert(WATERMARK_KEY, *watermark)
+                            .map_err(|e| self.fail(e))?;
+                        marks
+                            .retain_in(..*watermark, |_, _| {
+                                removed += 1;
+                                false
+                            })
+                            .map_err(|e| self.fail(e))?;
+                        raised = true;
+                        Answer::Seqs(seqs)
                     }
                     Op::Get { key, .. } => Answer::Token(
                         table
@@ -559,6 +611,9 @@ impl Writer {
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
         }
+        // (A failed transaction returned above: its numbers, never made
+        // durable or answered, are taken again.)
+        self.next_mark.store(next, Ordering::Release);
         // Only a durable clean mark closes the store to further advances.
         self.closed |= closing;
         Ok(answers)
@@ -568,6 +623,10 @@ impl Writer {
 /// One operation's result inside a committed batch.
 enum Answer {
     Advance(Advance),
+    /// An advance and the sequence number of its mark.
+    Marked(Advance, u64),
+    Seq(u64),
+    Seqs(Vec<u64>),
     Token(Option<u64>),
     Done,
     /// An advance after the clean-stop mark.
@@ -590,11 +649,18 @@ impl Op {
                 })))
             }
             Op::Ping { reply } | Op::CloseClean { reply } => drop(reply.send(result.map(|_| ()))),
-            Op::Mark { reply, .. } => drop(reply.send(result.and_then(|a| match a {
-                Answer::Done => Ok(()),
+            Op::AdvanceMarked { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Marked(a, seq) => Ok((a, seq)),
                 _ => Err(StoreError::Closed),
             }))),
-            Op::Unmark { .. } => {}
+            Op::Mark { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Seq(seq) => Ok(seq),
+                _ => Err(StoreError::Closed),
+            }))),
+            Op::Rotate { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Seqs(seqs) => Ok(seqs),
+                _ => Err(StoreError::Closed),
+            }))),
         }
     }
 }
@@ -700,56 +766,56 @@ mod tests {
         assert_eq!(s.highest("k").await.unwrap(), Some(1));
     }
 
-    /// Marks share the advance's commit, cost nothing when already there,
-    /// survive a crash (and a second one), are applied in queue order with
-    /// unmarks, and are dropped by a clean stop.
+    /// Marks share the advance's commit, rise, survive a crash (and a
+    /// second one) until a rotation lets them die, and are dropped by a
+    /// clean stop; numbers keep rising across opens.
     #[tokio::test]
     async fn in_flight_marks_survive_a_crash_and_a_clean_stop_drops_them() {
         let dir = tempfile::tempdir().unwrap();
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash(), Some(vec![]), "a new file");
         let before = s.commit_count();
-        assert!(matches!(
-            s.advance_marked("a", 3).await.unwrap(),
-            Advance::Raised { .. }
-        ));
+        let (a, first) = s.advance_marked("a", 3).await.unwrap();
+        assert!(matches!(a, Advance::Raised { .. }));
         assert_eq!(s.commit_count() - before, 1, "advance and mark: one commit");
-        s.mark_in_flight("a").await.unwrap();
-        assert_eq!(s.advance_marked("a", 3).await.unwrap(), Advance::Equal);
-        assert_eq!(
-            s.commit_count() - before,
-            1,
-            "a marked key is not marked again"
-        );
-        s.mark_in_flight("b").await.unwrap();
-        assert_eq!(s.commit_count() - before, 2, "a mark is durable on its own");
-        s.mark_in_flight("gone").await.unwrap();
-        // Queued in order: the unmark of "b" and then its mark again.
-        s.unmark_in_flight("b");
-        s.unmark_in_flight("gone");
-        s.mark_in_flight("b").await.unwrap();
+        assert_eq!(s.advance_marked("a", 3).await.unwrap().0, Advance::Equal);
+        let b = s.mark_in_flight("b").await.unwrap();
+        assert!(b > first, "marks rise");
+        assert_eq!(s.in_flight_marks(), 3);
+        let watermark = s.next_mark();
+        assert!(watermark > b);
+        let again = s.rotate_marks(vec!["b".into()], watermark).await.unwrap();
+        assert_eq!(again.len(), 1);
+        assert!(again[0] >= watermark, "marked again above the watermark");
+        assert_eq!(s.in_flight_marks(), 1, "the marks below it are gone");
+        let c = s.mark_in_flight("c").await.unwrap();
+        assert!(c > again[0]);
         drop(s); // a crash
         let s = open(&dir);
         let mut found = s.in_flight_at_crash().unwrap();
         found.sort();
         assert_eq!(
             found,
-            vec![("a".to_string(), Some(3)), ("b".to_string(), None)]
+            vec![("b".to_string(), None), ("c".to_string(), None)],
+            "only the live marks"
         );
         drop(s); // a second crash, during recovery: the marks are kept
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash().unwrap().len(), 2);
+        assert!(s.next_mark() > c, "numbers keep rising across opens");
         s.close_clean().await.unwrap();
         assert!(
-            matches!(s.mark_in_flight("c").await, Err(StoreError::Closed)),
+            matches!(s.mark_in_flight("d").await, Err(StoreError::Closed)),
             "no mark after the clean-stop mark"
         );
         drop(s);
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash(), Some(vec![]), "after a clean stop");
-        drop(s); // and a crash now finds nothing in flight
+        assert_eq!(s.in_flight_marks(), 0);
+        assert!(s.mark_in_flight("e").await.unwrap() > c);
+        drop(s); // and a crash now finds that one mark
         let s = open(&dir);
-        assert_eq!(s.in_flight_at_crash(), Some(vec![]));
+        assert_eq!(s.in_flight_at_crash(), Some(vec![("e".to_string(), None)]));
         drop(s);
         forget_marks_flag(&dir.path().join("f.redb"));
         let s = open(&dir);

@@ -143,25 +143,31 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
 
     /// Exclusive stores: [`advance`](Self::advance), and in the same
-    /// commit the key's in-flight mark (see
+    /// commit an in-flight mark of the key (see
     /// [`mark_in_flight`](Self::mark_in_flight)), whatever the answer. One
     /// fsync covers both, so a write to a new key costs no more disk writes
     /// than before.
-    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<(Advance, u64), StoreError>;
 
     /// Exclusive stores: records durably, before it returns, that `key` may
-    /// have a write in flight. After an unclean stop
-    /// [`in_flight_at_crash`](Self::in_flight_at_crash) names every key
-    /// marked and not unmarked since, so that only those keys wait for the
-    /// crashed run's writes. Marking a marked key costs no disk write.
-    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError>;
+    /// have a write in flight, and returns the mark's sequence number
+    /// (rising, never reused once answered). A mark lives until a
+    /// [`rotate_marks`](Self::rotate_marks) to a watermark above it is
+    /// durable. After an unclean stop
+    /// [`in_flight_at_crash`](Self::in_flight_at_crash) names every key with
+    /// a live mark, so that only those keys wait for the crashed run's
+    /// writes.
+    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError>;
 
-    /// Exclusive stores: removes the key's in-flight mark, lazily (no
-    /// answer, no durability promise: a mark that outlives its writes only
-    /// makes the key wait after a crash). It is applied after every
-    /// operation queued before it and before every one queued after it, so
-    /// a mark asked for after this call always stands.
-    fn unmark_in_flight(&self, key: &str);
+    /// Exclusive stores: the sequence number the next mark will get. Every
+    /// mark asked for after this call gets at least this number.
+    fn next_mark(&self) -> u64;
+
+    /// Exclusive stores, in one commit: marks `keys` again (their new
+    /// sequence numbers, in order, are at least `watermark`), makes
+    /// `watermark` durable, and drops every mark below it.
+    async fn rotate_marks(&self, keys: Vec<String>, watermark: u64)
+        -> Result<Vec<u64>, StoreError>;
 
     /// Exclusive stores, read at open: after an unclean stop, the keys that
     /// were marked in flight, each with its highest token; empty after a

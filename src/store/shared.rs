@@ -387,6 +387,10 @@ impl<B: Backend> SharedStore<B> {
     }
 }
 
+fn no_marks() -> StoreError {
+    StoreError::Unavailable("a shared store keeps leases, not in-flight marks".into())
+}
+
 #[async_trait]
 impl<B: Backend> FenceStore for SharedStore<B> {
     fn kind(&self) -> &'static str {
@@ -426,21 +430,28 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     // In-flight marks are for exclusive stores; a shared store keeps
     // leases instead, and the fence never asks it for marks.
-    async fn advance_marked(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<(Advance, u64), StoreError> {
         let _ = (key, token);
-        Err(StoreError::Unavailable(
-            "a shared store keeps leases, not in-flight marks".into(),
-        ))
+        Err(no_marks())
     }
 
-    async fn mark_in_flight(&self, key: &str) -> Result<(), StoreError> {
+    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError> {
         let _ = key;
-        Err(StoreError::Unavailable(
-            "a shared store keeps leases, not in-flight marks".into(),
-        ))
+        Err(no_marks())
     }
 
-    fn unmark_in_flight(&self, _key: &str) {}
+    fn next_mark(&self) -> u64 {
+        0
+    }
+
+    async fn rotate_marks(
+        &self,
+        keys: Vec<String>,
+        watermark: u64,
+    ) -> Result<Vec<u64>, StoreError> {
+        let _ = (keys, watermark);
+        Err(no_marks())
+    }
 
     fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
         Some(Vec::new())

@@ -18,7 +18,8 @@
 # shared-store admission by the suite that runs it against real Redis,
 # PostgreSQL and etcd servers (tests/shared_stores.rs); the proxy's
 # classification functions by the integration tests that exercise them
-# against the real binary (contract, hostile, hostile_routes). A mutant
+# against the real binary (contract, hostile, hostile_routes, and reload
+# for the key-mapping barrier a request holds). A mutant
 # costs one debug build plus its tests. The test selection is given as
 # --cargo-arg, not after `--`, so that each mutant's build compiles only
 # the test targets that run (after `--` it reaches `cargo test` alone, and
@@ -70,7 +71,8 @@ shared() {
 
 proxy() {
   run proxy --timeout 300 --file src/proxy.rs --re "$CLASSIFY" "$@" \
-    --cargo-arg=--test=contract --cargo-arg=--test=hostile --cargo-arg=--test=hostile_routes
+    --cargo-arg=--test=contract --cargo-arg=--test=hostile --cargo-arg=--test=hostile_routes \
+    --cargo-arg=--test=reload
 }
 
 case "${1:-all}" in

@@ -267,6 +267,44 @@ async fn copy_and_move_fence_the_destination() {
     assert_eq!(up.count(), 2);
 }
 
+/// Only COPY and MOVE fence their `Destination`: another write carrying
+/// one is fenced on its own target alone. A destination that another route
+/// serves is refused: this route cannot fence it.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_copy_and_move_fence_a_destination_and_only_on_their_route() {
+    let (_d, up, p) = setup().await;
+    let a = send(
+        "PUT",
+        &p.url("/p1"),
+        &[("destination", "/p2"), ("x-fence-token", "5")],
+        "x",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(
+        put(&p.url("/p2"), "1").await.status,
+        200,
+        "a PUT fenced its Destination"
+    );
+    assert_eq!(up.count(), 2);
+
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let cfg = dir.path().join("routes.toml");
+    write_config(&cfg, &two_routes_sharing_keys(&up.url()));
+    let p = ProxyBuilder::with_config(&cfg, dir.path()).spawn();
+    let a = send(
+        "COPY",
+        &p.url("/d/slow/x"),
+        &[("destination", "/d/y"), ("x-fence-token", "1")],
+        "",
+    )
+    .await;
+    assert_problem(&a, 400, "bad-request");
+    assert!(a.text().contains("same route"), "{}", a.text());
+    assert_eq!(up.arrivals(), 0, "the refused COPY reached the backend");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn reads_flow_without_a_token_and_ignore_one() {
     let (_d, up, p) = setup().await;

@@ -219,4 +219,12 @@ async fn the_control_case_is_accepted() {
     let answer = raw(p.addr, ok.as_bytes(), Duration::from_millis(800)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(up.count(), 1);
+    // No Content-Length at all is fine: a chunked write, a bodiless read.
+    let chunked = "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n";
+    let (answer, _) = raw_answer(p.addr, chunked.as_bytes(), false).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let read = "GET /s HTTP/1.1\r\nHost: x\r\n\r\n";
+    let (answer, _) = raw_answer(p.addr, read.as_bytes(), false).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(up.count(), 3);
 }

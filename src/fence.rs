@@ -93,9 +93,10 @@ struct GateState {
     /// A mark is being written (by an admission or a rotation); writers
     /// wait for it rather than write their own.
     marking: bool,
-    /// The key was marked at a crash: tokens above its highest are refused
-    /// until then.
+    /// The key was marked at a crash: until then, a token above the lowest
+    /// one its marks were for (`held_lowest`) is refused.
     held_until: Option<Instant>,
+    held_lowest: u64,
 }
 
 /// How often the server raises the mark watermark: a key in steady use
@@ -242,9 +243,10 @@ pub struct Fence {
     /// The crashed run kept no in-flight marks (an older fencegate): every
     /// key is held.
     hold_all: bool,
-    /// Keys with live marks at the crash, with their highest tokens: their
-    /// gates are made held until `recovering_until`. Emptied after that.
-    held: DashMap<Arc<str>, Option<u64>>,
+    /// Keys with live marks at the crash, with their highest token and the
+    /// lowest token their marks were for: their gates are made held until
+    /// `recovering_until`. Emptied after that.
+    held: DashMap<Arc<str>, (Option<u64>, u64)>,
     /// How many keys were held at the start.
     held_keys: usize,
     /// Marks below this are dead (see [`Fence::rotate_marks`]).
@@ -338,8 +340,8 @@ impl Fence {
         // is kept alive as long (a second crash must find it again).
         let held = DashMap::new();
         if recovering_until.is_some() {
-            for (key, highest) in crashed.unwrap_or_default() {
-                held.insert(Arc::from(key), highest);
+            for k in crashed.unwrap_or_default() {
+                held.insert(Arc::from(k.key), (k.highest, k.lowest));
             }
         }
         let held_keys = held.len();
@@ -409,9 +411,12 @@ impl Fence {
         (until > now).then(|| until - now)
     }
 
-    /// Refuses a token above a held key's highest while its hold lasts. A
-    /// key whose highest is not in memory (every key is held) is looked up
-    /// first, so that a stale token still gets its 409.
+    /// While a key's crash hold lasts, refuses a token that is not stale
+    /// and is above the lowest token the crashed run may still have had in
+    /// flight on it (with every key held, that lowest is unknown: every
+    /// token that is not stale). A stale token passes, to get its 409 from
+    /// admission; a key whose highest is not in memory (every key is held)
+    /// is looked up first for that.
     async fn check_held(
         &self,
         key: &Arc<str>,
@@ -421,9 +426,13 @@ impl Fence {
         if self.recovering_until.is_none() {
             return Ok(());
         }
-        let (known, held) = {
+        let (known, held, lowest) = {
             let st = gate.state.lock().expect("gate lock");
-            (st.highest, self.held_for(&st, Instant::now()))
+            (
+                st.highest,
+                self.held_for(&st, Instant::now()),
+                st.held_lowest,
+            )
         };
         let Some(left) = held else { return Ok(()) };
         let highest = match known {
@@ -435,7 +444,10 @@ impl Fence {
                 st.highest
             }
         };
-        if highest.is_none_or(|h| h < token) {
+        if highest.is_some_and(|h| token < h) {
+            return Ok(());
+        }
+        if self.hold_all || token > lowest {
             return Err(FenceError::Recovering { retry_after: left });
         }
         Ok(())
@@ -471,14 +483,16 @@ impl Fence {
         let mut busy = Vec::new();
         for entry in self.gates.iter() {
             let mut st = entry.value().state.lock().expect("gate lock");
-            if !st.inflight.is_empty() {
+            // The oldest write in flight: a crash now must hold newer ones
+            // off until it can no longer be in flight.
+            if let Some(&(lowest, _)) = st.inflight.keys().next() {
                 st.marking = true;
-                keys.push(entry.key().to_string());
+                keys.push((entry.key().to_string(), lowest));
                 busy.push((entry.key().clone(), entry.value().clone()));
             }
         }
         if self.recovering_for().is_some() {
-            keys.extend(self.held.iter().map(|h| h.key().to_string()));
+            keys.extend(self.held.iter().map(|h| (h.key().to_string(), h.value().1)));
         } else if !self.held.is_empty() {
             self.held.clear();
         }
@@ -533,18 +547,19 @@ impl Fence {
                 let mark = self.cache.mark(key);
                 // A key with a write in flight at the crash is held while
                 // the window lasts.
-                let held_until = match self.held.get(&**key) {
+                let (held_until, held_lowest) = match self.held.get(&**key) {
                     Some(h) if self.recovering_for().is_some() => {
-                        highest = highest.max(*h);
-                        self.recovering_until
+                        highest = highest.max(h.0);
+                        (self.recovering_until, h.1)
                     }
-                    _ => None,
+                    _ => (None, 0),
                 };
                 Arc::new(KeyGate {
                     state: Mutex::new(GateState {
                         highest,
                         mark,
                         held_until,
+                        held_lowest,
                         ..GateState::default()
                     }),
                     changed: Notify::new(),
@@ -620,12 +635,17 @@ impl Fence {
     /// Writes a mark of the key (the gate is `marking`), as its own task
     /// for the same reason as [`advance`](Self::advance): a client hanging
     /// up must not leave the gate marking.
-    async fn mark(self: &Arc<Self>, key: &Arc<str>, gate: &Arc<KeyGate>) -> Result<(), FenceError> {
+    async fn mark(
+        self: &Arc<Self>,
+        key: &Arc<str>,
+        gate: &Arc<KeyGate>,
+        token: u64,
+    ) -> Result<(), FenceError> {
         let fence = self.clone();
         let key = key.clone();
         let gate = gate.clone();
         let task = tokio::spawn(async move {
-            let answer = fence.store.mark_in_flight(&key).await;
+            let answer = fence.store.mark_in_flight(&key, token).await;
             {
                 let mut st = gate.state.lock().expect("gate lock");
                 st.marking = false;
@@ -742,7 +762,7 @@ impl Fence {
             match decision {
                 Step::Stale(highest) => return Err(FenceError::Stale { token, highest }),
                 Step::Retry => continue,
-                Step::Mark => self.mark(key, gate).await?,
+                Step::Mark => self.mark(key, gate, token).await?,
                 Step::Busy(retry_after) => return Err(FenceError::Busy { retry_after }),
                 Step::Go { waited_out } => {
                     return Ok(Permit {
@@ -900,7 +920,14 @@ impl Fence {
     }
 
     /// Operator reset: forgets the key's fence in the store and in memory.
+    /// Refused while the key is held after a crash: the crashed run's write
+    /// may still be in flight, and the hold rests on the key's highest.
     pub async fn forget(&self, key: &str) -> Result<Option<u64>, FenceError> {
+        if let Some(left) = self.recovering_for() {
+            if self.hold_all || self.held.contains_key(key) {
+                return Err(FenceError::Recovering { retry_after: left });
+            }
+        }
         let old = self.store.forget(key).await?;
         self.cache.remove(key);
         if let Some(g) = self.gates.get(key) {
@@ -1274,6 +1301,54 @@ mod tests {
         assert_eq!(f.admit("busy", 3, w, T).await.unwrap().token(), 3);
     }
 
+    /// A newer token that was admitted to the store while an older write
+    /// was still in flight (it queued behind it, or an operator raised the
+    /// fence) is the key's highest after the crash, yet the older write may
+    /// still be applied: that highest is held off too, as is a reset.
+    #[tokio::test]
+    async fn a_held_key_holds_off_every_token_above_the_oldest_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let open = || EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(5)).unwrap();
+        let store = open();
+        store.advance_marked("k", 5).await.unwrap(); // 5 forwarded
+        store.advance("k", 6).await.unwrap(); // 6 raised, waiting behind it
+        drop(store); // a crash
+        let f = Fence::new(Arc::new(open()), 10, Duration::from_secs(5));
+        let w = Instant::now() + T;
+        for token in [6, 7] {
+            assert!(
+                matches!(
+                    f.admit("k", token, w, T).await,
+                    Err(FenceError::Recovering { .. })
+                ),
+                "token {token} could overtake the write of 5"
+            );
+        }
+        assert!(matches!(
+            f.admit("k", 5, w, T).await,
+            Err(FenceError::Stale { highest: 6, .. })
+        ));
+        assert!(matches!(
+            f.raise("k", 6).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        assert!(matches!(
+            f.forget("k").await,
+            Err(FenceError::Recovering { .. })
+        ));
+        assert_eq!(
+            f.highest("k").await.unwrap(),
+            Some(6),
+            "the reset was refused"
+        );
+        assert_eq!(
+            f.forget("other").await.unwrap(),
+            None,
+            "other keys reset as usual"
+        );
+    }
+
     /// A crash with nothing in flight holds nothing; a crashed run that
     /// kept no marks (an older fencegate) holds every key.
     #[tokio::test]
@@ -1303,7 +1378,11 @@ mod tests {
             f.admit("k", 0, w, T).await,
             Err(FenceError::Stale { .. })
         ));
-        drop(f.admit("k", 1, w, T).await.expect("equal, as usual"));
+        // Which tokens were in flight is unknown: an equal one may overtake.
+        assert!(matches!(
+            f.admit("k", 1, w, T).await,
+            Err(FenceError::Recovering { .. })
+        ));
     }
 
     /// Marks cost a store write only when a key has no live mark: writes

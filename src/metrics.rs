@@ -374,9 +374,9 @@ impl crate::store::FenceStore for InstrumentedStore {
         self.observe("advance", t);
         r
     }
-    async fn mark_in_flight(&self, key: &str) -> Result<u64, crate::store::StoreError> {
+    async fn mark_in_flight(&self, key: &str, token: u64) -> Result<u64, crate::store::StoreError> {
         let t = std::time::Instant::now();
-        let r = self.inner.mark_in_flight(key).await;
+        let r = self.inner.mark_in_flight(key, token).await;
         self.observe("mark_in_flight", t);
         r
     }
@@ -385,7 +385,7 @@ impl crate::store::FenceStore for InstrumentedStore {
     }
     async fn rotate_marks(
         &self,
-        keys: Vec<String>,
+        keys: Vec<(String, u64)>,
         watermark: u64,
     ) -> Result<Vec<u64>, crate::store::StoreError> {
         let t = std::time::Instant::now();
@@ -393,7 +393,7 @@ impl crate::store::FenceStore for InstrumentedStore {
         self.observe("rotate_marks", t);
         r
     }
-    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+    fn in_flight_at_crash(&self) -> Option<Vec<crate::store::CrashedKey>> {
         self.inner.in_flight_at_crash()
     }
     fn in_flight_marks(&self) -> u64 {

@@ -189,6 +189,54 @@ async fn after_kill_9_only_keys_with_a_write_in_flight_wait() {
     assert!(m.contains("fencegate_recovery_held_keys 0"), "{m}");
 }
 
+/// A newer token queued behind an older write at the crash is already the
+/// key's highest in the store, but the older write may still be applied:
+/// after the restart the newer token waits for it all the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newer_token_queued_at_the_crash_still_waits_for_the_older_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "6s"])
+        .spawn();
+    let old = slow_put(p.url("/q"), "5", "3000");
+    eventually(
+        "token 5 reached the backend",
+        Duration::from_secs(5),
+        || up.arrivals() == 1,
+    )
+    .await;
+    let newer = slow_put(p.url("/q"), "6", "0");
+    queued(&p, 1).await;
+    p.kill9();
+    let _ = (old.await, newer.await);
+    p.restart();
+    let started = Instant::now();
+    let a = put(&p.url("/q"), "6").await;
+    assert_eq!(a.status, 503, "the queued token went ahead: {}", a.text());
+    assert_eq!(put(&p.url("/q"), "5").await.status, 409, "stale");
+    loop {
+        let a = put(&p.url("/q"), "6").await;
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.status, 503, "{}", a.text());
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "never released"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = up.records();
+    let five = r.iter().find(|x| x.token.as_deref() == Some("5")).unwrap();
+    let six = r.iter().find(|x| x.token.as_deref() == Some("6")).unwrap();
+    assert!(
+        six.arrived >= five.completed,
+        "6 overtook 5 after the crash"
+    );
+    assert_eq!(up.arrivals(), 2, "a refused attempt reached the backend");
+}
+
 /// Ten crashes in about ten seconds under load: no fence is lost, the
 /// backend sees each key's tokens in order, and keys with nothing in
 /// flight at a crash are writable right after every restart.

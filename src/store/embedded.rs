@@ -22,13 +22,13 @@ use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{Advance, FenceStore, StartState, StoreError};
+use super::{Advance, CrashedKey, FenceStore, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-/// In-flight marks: sequence number -> key. Marks below the watermark
-/// ([`WATERMARK_KEY`]) are dead.
-const MARKS: TableDefinition<u64, &str> = TableDefinition::new("in_flight_log");
+/// In-flight marks: sequence number -> (the token of the write it was made
+/// for, key). Marks below the watermark ([`WATERMARK_KEY`]) are dead.
+const MARKS: TableDefinition<u64, (u64, &str)> = TableDefinition::new("in_flight_log");
 const WATERMARK_KEY: &str = "in_flight_watermark";
 /// Set (1) by every run that keeps in-flight marks. A crashed run that did
 /// not (an older fencegate) recorded none, so every key must wait.
@@ -72,10 +72,12 @@ enum Op {
     },
     Mark {
         key: String,
+        token: u64,
         reply: oneshot::Sender<Result<u64, StoreError>>,
     },
     Rotate {
-        keys: Vec<String>,
+        /// Each with the lowest token it has in flight.
+        keys: Vec<(String, u64)>,
         watermark: u64,
         reply: oneshot::Sender<Result<Vec<u64>, StoreError>>,
     },
@@ -101,7 +103,7 @@ pub struct EmbeddedStore {
     start: StartState,
     /// Keys marked in flight when the last run stopped uncleanly (`None`:
     /// that run kept no marks).
-    in_flight_at_crash: Option<Vec<(String, Option<u64>)>>,
+    in_flight_at_crash: Option<Vec<CrashedKey>>,
     healthy: Arc<AtomicBool>,
     /// Durable commits (fsyncs) so far: group commit makes this grow slower
     /// than the number of advances.
@@ -144,7 +146,7 @@ fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
 /// What the store file said at open.
 struct Found {
     start: StartState,
-    in_flight: Option<Vec<(String, Option<u64>)>>,
+    in_flight: Option<Vec<CrashedKey>>,
     /// Marks left in the log.
     marks: u64,
     next_mark: u64,
@@ -202,7 +204,12 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
         let ms = u64::try_from(window.max(previous).as_millis()).unwrap_or(u64::MAX);
         meta.insert(WINDOW_KEY, ms).map_err(|e| corrupt(&e))?;
         marked = meta.get(MARKS_KEY).map_err(|e| corrupt(&e))?.is_some();
-        meta.insert(MARKS_KEY, 1).map_err(|e| corrupt(&e))?;
+        // After an unclean stop of a run that kept no marks, the flag stays
+        // unset until a clean stop: a crash of this run must still hold
+        // every key, as that run's writes may still be in flight.
+        if marked || matches!(start, StartState::Clean) {
+            meta.insert(MARKS_KEY, 1).map_err(|e| corrupt(&e))?;
+        }
     }
     let mut in_flight = Vec::new();
     let mut kept = true;
@@ -223,18 +230,24 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
         next_mark = last.max(watermark);
         if let StartState::Unclean { .. } = start {
             kept = marked;
-            let mut seen = std::collections::HashSet::new();
+            // Per key, the lowest token its live marks were made for.
+            let mut lowest = std::collections::HashMap::<String, u64>::new();
             for entry in marks.range(watermark..).map_err(|e| corrupt(&e))? {
-                let (_, key) = entry.map_err(|e| corrupt(&e))?;
-                let key = key.value().to_string();
-                if !seen.insert(key.clone()) {
-                    continue;
-                }
+                let (_, mark) = entry.map_err(|e| corrupt(&e))?;
+                let (token, key) = mark.value();
+                let l = lowest.entry(key.to_string()).or_insert(token);
+                *l = (*l).min(token);
+            }
+            for (key, lowest) in lowest {
                 let highest = fences
                     .get(key.as_str())
                     .map_err(|e| corrupt(&e))?
                     .map(|v| v.value());
-                in_flight.push((key, highest));
+                in_flight.push(CrashedKey {
+                    key,
+                    highest,
+                    lowest,
+                });
             }
         } else {
             // Nothing was in flight at a clean stop.
@@ -359,9 +372,9 @@ impl FenceStore for EmbeddedStore {
             .await
     }
 
-    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError> {
+    async fn mark_in_flight(&self, key: &str, token: u64) -> Result<u64, StoreError> {
         let key = key.to_string();
-        self.call(|reply| Op::Mark { key, reply }).await
+        self.call(|reply| Op::Mark { key, token, reply }).await
     }
 
     fn next_mark(&self) -> u64 {
@@ -370,7 +383,7 @@ impl FenceStore for EmbeddedStore {
 
     async fn rotate_marks(
         &self,
-        keys: Vec<String>,
+        keys: Vec<(String, u64)>,
         watermark: u64,
     ) -> Result<Vec<u64>, StoreError> {
         self.call(|reply| Op::Rotate {
@@ -381,7 +394,7 @@ impl FenceStore for EmbeddedStore {
         .await
     }
 
-    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+    fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>> {
         self.in_flight_at_crash.clone()
     }
 
@@ -494,14 +507,16 @@ impl Writer {
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
             let mut marks = txn.open_table(MARKS).map_err(|e| self.fail(e))?;
             // Appends a mark and returns its sequence number.
-            let mut mark =
-                |marks: &mut redb::Table<u64, &str>, key: &str| -> Result<u64, StoreError> {
-                    let seq = next;
-                    marks.insert(seq, key).map_err(|e| self.fail(e))?;
-                    next += 1;
-                    added += 1;
-                    Ok(seq)
-                };
+            let mut mark = |marks: &mut redb::Table<u64, (u64, &str)>,
+                            key: &str,
+                            token: u64|
+             -> Result<u64, StoreError> {
+                let seq = next;
+                marks.insert(seq, (token, key)).map_err(|e| self.fail(e))?;
+                next += 1;
+                added += 1;
+                Ok(seq)
+            };
             for op in batch {
                 let answer = match op {
                     Op::Advance { .. } | Op::AdvanceMarked { .. } | Op::Mark { .. }
@@ -530,15 +545,15 @@ impl Writer {
                         if let Op::AdvanceMarked { .. } = op {
                             arm = true;
                             raised = true;
-                            Answer::Marked(advance, mark(&mut marks, key)?)
+                            Answer::Marked(advance, mark(&mut marks, key, token)?)
                         } else {
                             Answer::Advance(advance)
                         }
                     }
-                    Op::Mark { key, .. } => {
+                    Op::Mark { key, token, .. } => {
                         arm = true;
                         raised = true;
-                        Answer::Seq(mark(&mut marks, key)?)
+                        Answer::Seq(mark(&mut marks, key, *token)?)
                     }
                     Op::Rotate {
                         keys, watermark, ..
@@ -547,8 +562,8 @@ impl Writer {
                         // again above the watermark, the watermark, and the
                         // dead marks gone.
                         let mut seqs = Vec::with_capacity(keys.len());
-                        for key in keys {
-                            seqs.push(mark(&mut marks, key)?);
+                        for (key, token) in keys {
+                            seqs.push(mark(&mut marks, key, *token)?);
                         }
                         meta.insert(WATERMARK_KEY, *watermark)
                             .map_err(|e| self.fail(e))?;
@@ -601,6 +616,10 @@ impl Writer {
                     .map_err(|e| self.fail(e))?;
             }
         }
+        // Published before the commit: a commit that fails may still have
+        // reached the disk, so its numbers are never handed out again. (A
+        // batch that failed before this never wrote them.)
+        self.next_mark.store(next, Ordering::Release);
         if raised || needs_write {
             txn.commit().map_err(|e| self.fail(e))?;
             self.commits.fetch_add(1, Ordering::Relaxed);
@@ -611,9 +630,6 @@ impl Writer {
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
         }
-        // (A failed transaction returned above: its numbers, never made
-        // durable or answered, are taken again.)
-        self.next_mark.store(next, Ordering::Release);
         // Only a durable clean mark closes the store to further advances.
         self.closed |= closing;
         Ok(answers)
@@ -767,10 +783,16 @@ mod tests {
     }
 
     /// Marks share the advance's commit, rise, survive a crash (and a
-    /// second one) until a rotation lets them die, and are dropped by a
-    /// clean stop; numbers keep rising across opens.
+    /// second one) until a rotation lets them die, carry the lowest token
+    /// they were made for, and are dropped by a clean stop; numbers keep
+    /// rising across opens.
     #[tokio::test]
     async fn in_flight_marks_survive_a_crash_and_a_clean_stop_drops_them() {
+        let crashed = |key: &str, highest: Option<u64>, lowest: u64| CrashedKey {
+            key: key.into(),
+            highest,
+            lowest,
+        };
         let dir = tempfile::tempdir().unwrap();
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash(), Some(vec![]), "a new file");
@@ -779,16 +801,21 @@ mod tests {
         assert!(matches!(a, Advance::Raised { .. }));
         assert_eq!(s.commit_count() - before, 1, "advance and mark: one commit");
         assert_eq!(s.advance_marked("a", 3).await.unwrap().0, Advance::Equal);
-        let b = s.mark_in_flight("b").await.unwrap();
+        let b = s.mark_in_flight("b", 7).await.unwrap();
         assert!(b > first, "marks rise");
         assert_eq!(s.in_flight_marks(), 3);
         let watermark = s.next_mark();
         assert!(watermark > b);
-        let again = s.rotate_marks(vec!["b".into()], watermark).await.unwrap();
+        let again = s
+            .rotate_marks(vec![("b".into(), 6)], watermark)
+            .await
+            .unwrap();
         assert_eq!(again.len(), 1);
         assert!(again[0] >= watermark, "marked again above the watermark");
         assert_eq!(s.in_flight_marks(), 1, "the marks below it are gone");
-        let c = s.mark_in_flight("c").await.unwrap();
+        let c = s.mark_in_flight("c", 2).await.unwrap();
+        s.mark_in_flight("c", 1).await.unwrap();
+        s.mark_in_flight("c", 4).await.unwrap();
         assert!(c > again[0]);
         drop(s); // a crash
         let s = open(&dir);
@@ -796,8 +823,8 @@ mod tests {
         found.sort();
         assert_eq!(
             found,
-            vec![("b".to_string(), None), ("c".to_string(), None)],
-            "only the live marks"
+            vec![crashed("b", None, 6), crashed("c", None, 1)],
+            "only the live marks, each with its lowest token"
         );
         drop(s); // a second crash, during recovery: the marks are kept
         let s = open(&dir);
@@ -805,21 +832,31 @@ mod tests {
         assert!(s.next_mark() > c, "numbers keep rising across opens");
         s.close_clean().await.unwrap();
         assert!(
-            matches!(s.mark_in_flight("d").await, Err(StoreError::Closed)),
+            matches!(s.mark_in_flight("d", 1).await, Err(StoreError::Closed)),
             "no mark after the clean-stop mark"
         );
         drop(s);
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash(), Some(vec![]), "after a clean stop");
         assert_eq!(s.in_flight_marks(), 0);
-        assert!(s.mark_in_flight("e").await.unwrap() > c);
+        assert!(s.mark_in_flight("e", 1).await.unwrap() > c);
         drop(s); // and a crash now finds that one mark
         let s = open(&dir);
-        assert_eq!(s.in_flight_at_crash(), Some(vec![("e".to_string(), None)]));
+        assert_eq!(s.in_flight_at_crash(), Some(vec![crashed("e", None, 1)]));
         drop(s);
         forget_marks_flag(&dir.path().join("f.redb"));
         let s = open(&dir);
         assert_eq!(s.in_flight_at_crash(), None, "a run that kept no marks");
+        drop(s); // a crash of that run: still no marks to trust
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), None, "until a clean stop");
+        s.close_clean().await.unwrap();
+        drop(s);
+        let s = open(&dir);
+        s.mark_in_flight("f", 1).await.unwrap();
+        drop(s);
+        let s = open(&dir);
+        assert_eq!(s.in_flight_at_crash(), Some(vec![crashed("f", None, 1)]));
     }
 
     #[test]

@@ -86,6 +86,16 @@ pub enum StartState {
     Unclean { previous_window: Option<Duration> },
 }
 
+/// A key with a live in-flight mark when the last run stopped uncleanly.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CrashedKey {
+    pub key: String,
+    pub highest: Option<u64>,
+    /// The lowest token among the writes its live marks were made for: a
+    /// write of a higher token could overtake one of them.
+    pub lowest: u64,
+}
+
 /// An in-flight lease on a key, held while a write is forwarded (see
 /// [`FenceStore::acquire_lease`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,31 +160,35 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn advance_marked(&self, key: &str, token: u64) -> Result<(Advance, u64), StoreError>;
 
     /// Exclusive stores: records durably, before it returns, that `key` may
-    /// have a write in flight, and returns the mark's sequence number
+    /// have a write of `token` in flight, and returns the mark's sequence number
     /// (rising, never reused once answered). A mark lives until a
     /// [`rotate_marks`](Self::rotate_marks) to a watermark above it is
     /// durable. After an unclean stop
     /// [`in_flight_at_crash`](Self::in_flight_at_crash) names every key with
     /// a live mark, so that only those keys wait for the crashed run's
     /// writes.
-    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError>;
+    async fn mark_in_flight(&self, key: &str, token: u64) -> Result<u64, StoreError>;
 
     /// Exclusive stores: the sequence number the next mark will get. Every
     /// mark asked for after this call gets at least this number.
     fn next_mark(&self) -> u64;
 
-    /// Exclusive stores, in one commit: marks `keys` again (their new
-    /// sequence numbers, in order, are at least `watermark`), makes
-    /// `watermark` durable, and drops every mark below it.
-    async fn rotate_marks(&self, keys: Vec<String>, watermark: u64)
-        -> Result<Vec<u64>, StoreError>;
+    /// Exclusive stores, in one commit: marks `keys` again, each with the
+    /// lowest token it has in flight (their new sequence numbers, in order,
+    /// are at least `watermark`), makes `watermark` durable, and drops every
+    /// mark below it.
+    async fn rotate_marks(
+        &self,
+        keys: Vec<(String, u64)>,
+        watermark: u64,
+    ) -> Result<Vec<u64>, StoreError>;
 
     /// Exclusive stores, read at open: after an unclean stop, the keys that
-    /// were marked in flight, each with its highest token; empty after a
-    /// clean stop. `None` when the crashed run kept no marks (a store last
+    /// were marked in flight, each with its highest token and the lowest
+    /// token its marks were for; empty after a clean stop. `None` when the crashed run kept no marks (a store last
     /// used by a fencegate from before marks): then any key may have had a
     /// write in flight.
-    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>>;
+    fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>>;
 
     /// Exclusive stores: how many in-flight marks are durable now.
     fn in_flight_marks(&self) -> u64;

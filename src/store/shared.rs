@@ -435,8 +435,8 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         Err(no_marks())
     }
 
-    async fn mark_in_flight(&self, key: &str) -> Result<u64, StoreError> {
-        let _ = key;
+    async fn mark_in_flight(&self, key: &str, token: u64) -> Result<u64, StoreError> {
+        let _ = (key, token);
         Err(no_marks())
     }
 
@@ -446,14 +446,14 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     async fn rotate_marks(
         &self,
-        keys: Vec<String>,
+        keys: Vec<(String, u64)>,
         watermark: u64,
     ) -> Result<Vec<u64>, StoreError> {
         let _ = (keys, watermark);
         Err(no_marks())
     }
 
-    fn in_flight_at_crash(&self) -> Option<Vec<(String, Option<u64>)>> {
+    fn in_flight_at_crash(&self) -> Option<Vec<super::CrashedKey>> {
         Some(Vec::new())
     }
 

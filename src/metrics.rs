@@ -169,7 +169,7 @@ impl Metrics {
             .expect("register");
         let in_flight_marks = IntGauge::new(
             "fencegate_in_flight_marks",
-            "Keys recorded in the embedded store as possibly having a write in flight (cleared a few seconds after a key goes idle).",
+            "Entries in the embedded store's in-flight log (at least one per key that may have a write in flight; those of idle keys die within two seconds).",
         )
         .expect("metric");
         registry

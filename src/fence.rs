@@ -1500,13 +1500,21 @@ mod tests {
         let gate = f.gate(&Arc::from("k")); // made while held, kept past it
         tokio::time::advance(Duration::from_millis(1)).await;
         let w = Instant::now() + T;
-        drop(f.admit("k", 2, w, T).await.expect("the hold ended on its instant"));
+        drop(
+            f.admit("k", 2, w, T)
+                .await
+                .expect("the hold ended on its instant"),
+        );
         drop(gate);
         // Before a rotation forgets the held keys: a gate made now is not
         // held, and takes nothing from the crash (here: after a reset).
         assert_eq!(f.forget("k").await.unwrap(), Some(2));
         drop(f.admit("k", 1, w, T).await.unwrap());
-        assert_eq!(f.store().highest("k").await.unwrap(), Some(1), "raised in the store");
+        assert_eq!(
+            f.store().highest("k").await.unwrap(),
+            Some(1),
+            "raised in the store"
+        );
         f.rotate_marks().await.unwrap();
         assert_eq!(f.store().in_flight_marks(), 0, "the held mark is not kept");
         assert!(f.held.is_empty(), "the held keys are forgotten");

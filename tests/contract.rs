@@ -287,6 +287,21 @@ async fn only_copy_and_move_fence_a_destination_and_only_on_their_route() {
         "a PUT fenced its Destination"
     );
     assert_eq!(up.count(), 2);
+    // A COPY by override fences its Destination like a COPY.
+    let a = send(
+        "POST",
+        &p.url("/o1"),
+        &[
+            ("x-http-method-override", "COPY"),
+            ("destination", "/o2"),
+            ("x-fence-token", "5"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_problem(&put(&p.url("/o2"), "4").await, 409, "stale-token");
+    assert_eq!(up.count(), 3);
 
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;

@@ -294,15 +294,10 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
                 match value {
                     b'/' | b'\\' => return Err(KeyError::EncodedSeparator),
                     0x00..=0x1F | 0x7F => return Err(KeyError::ControlCharacter),
+                    // `%25` followed by two hex digits (raw or decoded)
+                    // would be another escape to a backend that decodes
+                    // twice: the check on the output below refuses it.
                     b'%' => {
-                        // `%25` followed by two hex digits decodes to another
-                        // escape: a backend that decodes twice sees a
-                        // different path. Refuse it.
-                        if bytes.get(i + 3).copied().and_then(hex_val).is_some()
-                            && bytes.get(i + 4).copied().and_then(hex_val).is_some()
-                        {
-                            return Err(KeyError::EncodedSeparator);
-                        }
                         out.push_str("%25");
                     }
                     v if decodes_in_path(v) => out.push(v as char),

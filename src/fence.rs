@@ -1506,6 +1506,8 @@ mod tests {
                 .expect("the hold ended on its instant"),
         );
         drop(gate);
+        f.release_gate("k");
+        assert_eq!(f.gates.len(), 0);
         // Before a rotation forgets the held keys: a gate made now is not
         // held, and takes nothing from the crash (here: after a reset).
         assert_eq!(f.forget("k").await.unwrap(), Some(2));

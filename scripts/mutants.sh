@@ -62,7 +62,7 @@ run() {
 core() {
   local files=()
   for f in ${CORE_FILES:-src/token.rs src/key.rs src/fence.rs}; do files+=(--file "$f"); done
-  run core --timeout 120 "${files[@]}" --exclude-re "$SHARED" "$@" --cargo-arg=--lib
+  run core --timeout 30 "${files[@]}" --exclude-re "$SHARED" "$@" --cargo-arg=--lib
 }
 
 shared() {

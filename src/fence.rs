@@ -823,9 +823,9 @@ impl Fence {
             }
             Err(e) => return Err(e.into()),
         };
-        // Older leases expire after lease_ttl on the store's clock; a little
-        // more than that is the longest a wait can legitimately take.
-        let deadline = Instant::now() + self.lease_ttl + Duration::from_secs(2);
+        // The wait ends by `wait_until`, at most an upstream timeout away:
+        // shorter than any older lease's TTL, which is the longest upstream
+        // timeout plus the store's margin.
         let mut pause = Duration::from_millis(2);
         let mut waiting = None;
         loop {
@@ -855,12 +855,6 @@ impl Fence {
                         return Err(FenceError::Busy {
                             retry_after: Duration::from_secs(1),
                         });
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(StoreError::Unavailable(
-                            "an older write's lease neither ended nor expired".into(),
-                        )
-                        .into());
                     }
                     waiting.get_or_insert_with(|| Waiting::new(&self.waiting));
                     tokio::time::sleep_until(

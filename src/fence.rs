@@ -1056,6 +1056,24 @@ mod tests {
 
     const T: Duration = Duration::from_secs(1);
 
+    /// A fence over `store` whose store calls are counted.
+    fn instrumented(
+        store: EmbeddedStore,
+        window: Duration,
+    ) -> (Arc<Fence>, Arc<crate::metrics::Metrics>) {
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
+        (Fence::new(Arc::new(store), 10, window), metrics)
+    }
+
+    /// Store calls of kind `op` so far.
+    fn store_calls(metrics: &crate::metrics::Metrics, op: &str) -> u64 {
+        metrics
+            .store_latency
+            .with_label_values(&[op])
+            .get_sample_count()
+    }
+
     fn fence(dir: &tempfile::TempDir) -> Arc<Fence> {
         let store =
             EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
@@ -1389,15 +1407,8 @@ mod tests {
         let store =
             EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
                 .unwrap();
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
-        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(1));
-        let calls = |op| {
-            metrics
-                .store_latency
-                .with_label_values(&[op])
-                .get_sample_count()
-        };
+        let (f, metrics) = instrumented(store, Duration::from_secs(1));
+        let calls = |op| store_calls(&metrics, op);
         let w = Instant::now() + T;
         f.raise("k", 5).await.unwrap();
         assert_eq!(f.store().in_flight_marks(), 0, "a raise forwards nothing");
@@ -1470,9 +1481,7 @@ mod tests {
         let store = open();
         store.advance_marked("k", 1).await.unwrap();
         drop(store); // a crash
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let store = crate::metrics::InstrumentedStore::new(Arc::new(open()), metrics.clone());
-        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(5));
+        let (f, metrics) = instrumented(open(), Duration::from_secs(5));
         tokio::time::advance(Duration::from_secs(5) - Duration::from_millis(1)).await;
         let w = Instant::now() + T;
         // The held key's highest came with it from the store.
@@ -1480,10 +1489,7 @@ mod tests {
             f.admit("k", 0, w, T).await,
             Err(FenceError::Stale { highest: 1, .. })
         ));
-        let lookups = metrics
-            .store_latency
-            .with_label_values(&["highest"])
-            .get_sample_count();
+        let lookups = store_calls(&metrics, "highest");
         assert_eq!(lookups, 0, "a held key's highest was looked up again");
         assert!(matches!(
             f.admit("k", 2, w, T).await,
@@ -1641,15 +1647,8 @@ mod tests {
         let store =
             EmbeddedStore::open(&dir.path().join("f.redb"), 1 << 20, Duration::from_secs(1))
                 .unwrap();
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
-        let f = Fence::new(Arc::new(store), 10, Duration::from_secs(1));
-        let advances = || {
-            metrics
-                .store_latency
-                .with_label_values(&["advance"])
-                .get_sample_count()
-        };
+        let (f, metrics) = instrumented(store, Duration::from_secs(1));
+        let advances = || store_calls(&metrics, "advance");
         let w = Instant::now() + T;
         // Held, so that the key's gate (and its highest) stays in memory.
         let held = f.admit("k", 5, w, T).await.unwrap();

@@ -175,10 +175,6 @@ impl HighestCache {
         self.map.get(key).map(|v| v.0)
     }
 
-    fn mark(&self, key: &str) -> Option<u64> {
-        self.map.get(key).and_then(|v| v.1)
-    }
-
     /// Records a key's newer mark, if the key is cached.
     fn note_mark(&self, key: &str, seq: u64) {
         if let Some(mut v) = self.map.get_mut(key) {
@@ -247,8 +243,6 @@ pub struct Fence {
     /// lowest token their marks were for: their gates are made held until
     /// `recovering_until`. Emptied after that.
     held: DashMap<Arc<str>, (Option<u64>, u64)>,
-    /// How many keys were held at the start.
-    held_keys: usize,
     /// Marks below this are dead (see [`Fence::rotate_marks`]).
     watermark: std::sync::atomic::AtomicU64,
     lease_ttl: Duration,
@@ -344,8 +338,7 @@ impl Fence {
                 held.insert(Arc::from(k.key), (k.highest, k.lowest));
             }
         }
-        let held_keys = held.len();
-        if held_keys == 0 && !hold_all {
+        if held.is_empty() && !hold_all {
             recovering_until = None;
         }
         // Every mark from before this start is dead to this run's writers
@@ -356,7 +349,6 @@ impl Fence {
             gates: DashMap::new(),
             hold_all,
             held,
-            held_keys,
             watermark,
             cache: HighestCache {
                 map: DashMap::new(),
@@ -398,7 +390,7 @@ impl Fence {
         match (self.recovering_for(), self.hold_all) {
             (None, _) => Some(0),
             (Some(_), true) => None,
-            (Some(_), false) => Some(self.held_keys),
+            (Some(_), false) => Some(self.held.len()),
         }
     }
 
@@ -543,8 +535,12 @@ impl Fence {
             .or_insert_with(|| {
                 // Gates are only made for the embedded store, whose only
                 // writer is this process: the cache cannot be behind it.
-                let mut highest = self.cache.get(key);
-                let mark = self.cache.mark(key);
+                // One cache lookup for both.
+                let (mut highest, mark) = self
+                    .cache
+                    .map
+                    .get(&**key)
+                    .map_or((None, None), |v| (Some(v.0), v.1));
                 // A key with a write in flight at the crash is held while
                 // the window lasts.
                 let (held_until, held_lowest) = match self.held.get(&**key) {

@@ -133,12 +133,15 @@ wrk.method = "PUT"
 wrk.body = string.rep("x", 1024)
 wrk.headers["X-Fence-Token"] = "1"
 LUA
+# Each run's URL path is a prefix of its own (round and system): wrk's Lua
+# random numbers repeat from run to run, and a key seen in an earlier round
+# is not a new key (an equal token on a known key writes nothing).
 cat > "$WORK/newkey.lua" <<'LUA'
 local n = 0
 local body = string.rep("x", 1024)
 request = function()
   n = n + 1
-  return wrk.format("PUT", "/new/" .. math.random(1, 1e9) .. "/" .. n, { ["X-Fence-Token"] = "1" }, body)
+  return wrk.format("PUT", wrk.path .. n, { ["X-Fence-Token"] = "1" }, body)
 end
 LUA
 
@@ -155,14 +158,14 @@ for r in $(seq "$ROUNDS"); do
       nginx) url="http://127.0.0.1:$NGINX_PORT/k"; script=steady; pid=$NGINX_WORKER;;
       haproxy) url="http://127.0.0.1:$HAPROXY_PORT/k"; script=steady; pid=$HAPROXY_PID;;
       steady) url="http://$FG_ADDR/k"; script=steady; pid=$FG_PID;;
-      newkey) url="http://$FG_ADDR/"; script=newkey; pid=$FG_PID;;
+      newkey) url="http://$FG_ADDR/new/$r-$sys/"; script=newkey; pid=$FG_PID;;
       steady-redis) url="http://$FGR_ADDR/k"; script=steady; pid=$FGR_PID;;
-      newkey-redis) url="http://$FGR_ADDR/"; script=newkey; pid=$FGR_PID;;
-      newkey-postgres) url="http://$FGP_ADDR/"; script=newkey; pid=$FGP_PID;;
+      newkey-redis) url="http://$FGR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGR_PID;;
+      newkey-postgres) url="http://$FGP_ADDR/new/$r-$sys/"; script=newkey; pid=$FGP_PID;;
       nginx-tls) url="https://127.0.0.1:$NGINX_TLS_PORT/k"; script=steady; pid=$NGINX_TLS_WORKER;;
       steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
       steady-base) url="http://$FGB_ADDR/k"; script=steady; pid=$FGB_PID;;
-      newkey-base) url="http://$FGB_ADDR/"; script=newkey; pid=$FGB_PID;;
+      newkey-base) url="http://$FGB_ADDR/new/$r-$sys/"; script=newkey; pid=$FGB_PID;;
     esac
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"

@@ -51,11 +51,13 @@ PIDS+=($!)
 for p in $REDIS_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
 sleep 1
 
+# Each run writes under a path prefix of its own: wrk's Lua random numbers
+# repeat from run to run, and a key written before is not a new key.
 cat > "$WORK/newkey.lua" <<'LUA'
 local n = 0
 request = function()
   n = n + 1
-  return wrk.format("PUT", "/lat/" .. math.random(1, 1e9) .. "/" .. n, { ["X-Fence-Token"] = "1" }, "x")
+  return wrk.format("PUT", wrk.path .. n, { ["X-Fence-Token"] = "1" }, "x")
 end
 LUA
 cat > "$WORK/steady.lua" <<'LUA'
@@ -77,8 +79,8 @@ for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0
   for _ in $(seq 100); do grep -q listening "$WORK/$name.out" 2>/dev/null && break; sleep 0.1; done
   PROXY=$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' "$WORK/$name.out")
   curl -s -o /dev/null -X PUT -H 'X-Fence-Token: 1' "http://$PROXY/warmup"
-  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/newkey.lua" "http://$PROXY/" > "$WORK/$name.1"
-  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/newkey.lua" "http://$PROXY/" > "$WORK/$name.64"
+  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/newkey.lua" "http://$PROXY/lat/$name-1/" > "$WORK/$name.1"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/newkey.lua" "http://$PROXY/lat/$name-64/" > "$WORK/$name.64"
   wrk -t1 -c64 -d"${SECS}s" -s "$WORK/steady.lua" "http://$PROXY/steady" > "$WORK/$name.s"
   for f in 1 64 s; do
     if grep -q Non-2xx "$WORK/$name.$f"; then echo "$name: non-2xx answers" >&2; cat "$WORK/$name.$f" >&2; exit 1; fi

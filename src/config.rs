@@ -49,6 +49,9 @@ pub struct RawConfig {
     pub accept_store_reset: Option<bool>,
     /// How many highest tokens to keep in memory.
     pub highest_cache_entries: Option<u64>,
+    /// Worker threads, each with its own listeners and upstream pools;
+    /// absent: the CPUs this process may use.
+    pub workers: Option<u64>,
     pub admin_token_file: Option<PathBuf>,
     pub shutdown_grace: Option<String>,
     /// One log line per request.
@@ -267,6 +270,9 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     pub store: StoreConfig,
     pub highest_cache_entries: usize,
+    /// Worker threads; `None`: one per CPU this process may use
+    /// ([`crate::workers::available_cpus`]), decided at start.
+    pub workers: Option<usize>,
     /// Bearer token for mutating admin endpoints (read from the file).
     pub admin_token: Option<String>,
     pub admin_token_file: Option<PathBuf>,
@@ -730,7 +736,21 @@ impl TryFrom<RawConfig> for Config {
             v => v,
         };
         let cache = raw.highest_cache_entries.unwrap_or(1_000_000);
+        let workers = match raw.workers {
+            None => None,
+            Some(n) if (1..=crate::workers::MAX_WORKERS as u64).contains(&n) => Some(n as usize),
+            Some(_) => {
+                return Err(invalid(
+                    "workers",
+                    format!(
+                        "must be between 1 and {} (omit it for one per CPU)",
+                        crate::workers::MAX_WORKERS
+                    ),
+                ))
+            }
+        };
         Ok(Config {
+            workers,
             listen,
             admin_listen,
             store,
@@ -809,6 +829,7 @@ impl Config {
             store_timeout,
             accept_store_reset: accept,
             highest_cache_entries: Some(self.highest_cache_entries as u64),
+            workers: self.workers.map(|n| n as u64),
             admin_token_file: self.admin_token_file.clone(),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
@@ -938,6 +959,11 @@ mod tests {
         assert!(c.routes[0].write_methods.is_write("get"));
         assert!(!c.routes[0].write_methods.is_write("GET"));
         assert_eq!(c.routes[0].upstream_timeout, Duration::from_secs(60));
+        // One worker per CPU, decided at start.
+        assert_eq!(c.workers, None);
+        let mut raw = base();
+        raw.workers = Some(1024);
+        assert_eq!(Config::try_from(raw).unwrap().workers, Some(1024));
         // The printed config parses back to the same thing.
         let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
         assert_eq!(again.to_toml(), c.to_toml());
@@ -955,6 +981,8 @@ mod tests {
     fn bad_values_name_their_field() {
         type Mutation = fn(&mut RawConfig);
         let cases: Vec<(Mutation, &str)> = vec![
+            (|r| r.workers = Some(0), "workers"),
+            (|r| r.workers = Some(1025), "workers"),
             (
                 |r| r.routes[0].upstream = Some("127.0.0.1:9000".into()),
                 "routes[0].upstream",

@@ -23,6 +23,8 @@
 //! - [`metrics`]: the Prometheus registry and metric handles.
 //! - [`server`]: listeners (plain and TLS), connection serving, reload,
 //!   graceful shutdown.
+//! - [`workers`]: the worker threads (one runtime, listener and upstream
+//!   pool each) and the CPU count they default to.
 //! - [`tls`]: rustls configs for the TLS listener (reloadable) and for
 //!   https upstreams.
 //!
@@ -42,3 +44,4 @@ pub mod server;
 pub mod store;
 pub mod tls;
 pub mod token;
+pub mod workers;

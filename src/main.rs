@@ -122,6 +122,11 @@ struct Opts {
     /// How many highest tokens to keep in memory.
     #[arg(long, env = "FENCEGATE_HIGHEST_CACHE_ENTRIES", global = true)]
     highest_cache_entries: Option<u64>,
+    /// Worker threads, each with its own listeners (SO_REUSEPORT) and
+    /// upstream pools [default: the CPUs this process may use: its affinity
+    /// mask, capped by its cgroup CPU quota].
+    #[arg(long, env = "FENCEGATE_WORKERS", global = true)]
+    workers: Option<u64>,
     /// TLS listen address (HTTP/1.1 and HTTP/2 by ALPN); needs --tls-cert
     /// and --tls-key.
     #[arg(long, env = "FENCEGATE_TLS_LISTEN", global = true)]
@@ -192,6 +197,7 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.limits.max_connections, &opts.max_connections);
     set(&mut raw.limits.max_body_bytes, &opts.max_body_bytes);
     set(&mut raw.highest_cache_entries, &opts.highest_cache_entries);
+    set(&mut raw.workers, &opts.workers);
     if let Some(upstream) = &opts.upstream {
         if !raw.routes.is_empty() {
             anyhow::bail!("invalid `upstream`: the config file defines routes; give routes there or --upstream, not both");
@@ -450,7 +456,10 @@ fn main() -> ExitCode {
         Ok(n) => tracing::debug!(nofile = n, "file-descriptor limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the file-descriptor limit"),
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    // The proxy listeners run on worker threads of their own
+    // (`fencegate::workers`); this runtime has the admin listener, signals
+    // and background tasks.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

@@ -59,6 +59,11 @@ pub struct Metrics {
     /// Connections closed by fencegate, by listener and reason (limit: the
     /// listener was full; idle: no progress within the header timeout).
     pub connections_closed: IntCounterVec,
+    /// Client connections accepted, by listener (proxy, tls) and worker
+    /// thread: shows how the kernel spreads them.
+    pub worker_connections: IntCounterVec,
+    /// Worker threads serving the proxy listeners.
+    pub workers: IntGauge,
 }
 
 impl Metrics {
@@ -226,8 +231,23 @@ impl Metrics {
             "Client connections closed by fencegate: the listener was full (limit) or the connection made no progress within the header timeout (idle).",
             &["listener", "reason"],
         );
+        let worker_connections = counter(
+            "fencegate_worker_connections_total",
+            "Client connections accepted, by listener and worker thread.",
+            &["listener", "worker"],
+        );
+        let workers = IntGauge::new(
+            "fencegate_workers",
+            "Worker threads serving the proxy listeners.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(workers.clone()))
+            .expect("register");
         store_up.set(1);
         Self {
+            worker_connections,
+            workers,
             connections,
             connections_closed,
             tls_not_after,

@@ -57,10 +57,12 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 
 type UpstreamClient = Client<UpstreamConnector, ProxyBody>;
 
-/// A route with its upstream connection pool.
+/// A route with its upstream connection pools.
 struct RouteRuntime {
     route: Route,
-    client: UpstreamClient,
+    /// One client (and so one pool) per worker thread: a worker's
+    /// upstream connections are driven by tasks on its own runtime.
+    clients: Arc<[UpstreamClient]>,
     metrics: RouteMetrics,
 }
 
@@ -180,6 +182,8 @@ pub struct Proxy {
     /// client hanging up cannot end a write's in-flight period while the
     /// backend may still be applying it; shutdown waits for them.
     exchanges: TaskTracker,
+    /// Worker threads (one upstream pool per route each).
+    workers: usize,
 }
 
 /// Why a relayed request body failed; read after the upstream call errors.
@@ -197,6 +201,7 @@ impl RouteTable {
         config: &Config,
         metrics: &Metrics,
         previous: Option<&RouteTable>,
+        workers: usize,
     ) -> Result<Self, TlsError> {
         let mut routes = Vec::with_capacity(config.routes.len());
         for (i, route) in config.routes.iter().enumerate() {
@@ -211,7 +216,7 @@ impl RouteTable {
             if let Some(rt) = unchanged {
                 routes.push(RouteRuntime {
                     route: rt.route.clone(),
-                    client: rt.client.clone(),
+                    clients: rt.clients.clone(),
                     metrics: rt.metrics.clone(),
                 });
                 continue;
@@ -227,16 +232,20 @@ impl RouteTable {
                 &route.upstream_tls,
                 http,
             )?;
-            let client = Client::builder(TokioExecutor::new())
-                // A write must never be sent twice.
-                .retry_canceled_requests(false)
-                // Host is relayed as the client sent it.
-                .set_host(false)
-                .pool_idle_timeout(Duration::from_secs(30))
-                .build(connector);
+            let clients = (0..workers.max(1))
+                .map(|_| {
+                    Client::builder(TokioExecutor::new())
+                        // A write must never be sent twice.
+                        .retry_canceled_requests(false)
+                        // Host is relayed as the client sent it.
+                        .set_host(false)
+                        .pool_idle_timeout(Duration::from_secs(30))
+                        .build(connector.clone())
+                })
+                .collect();
             routes.push(RouteRuntime {
                 route: route.clone(),
-                client,
+                clients,
                 metrics: metrics.route(&route.name),
             });
         }
@@ -269,13 +278,17 @@ impl RouteTable {
 }
 
 impl Proxy {
+    /// `workers`: how many worker threads serve requests (each gets its
+    /// own upstream pools).
     pub fn new(
         config: &Config,
         fence: Arc<Fence>,
         metrics: Arc<Metrics>,
+        workers: usize,
     ) -> Result<Self, TlsError> {
         Ok(Self {
-            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics, None)?),
+            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics, None, workers)?),
+            workers,
             fence,
             metrics,
             limits: config.limits.clone(),
@@ -290,7 +303,7 @@ impl Proxy {
     /// ones use the new table. On error nothing changes.
     pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
         let previous = self.routes.load_full();
-        let table = RouteTable::build(config, &self.metrics, Some(&previous))?;
+        let table = RouteTable::build(config, &self.metrics, Some(&previous), self.workers)?;
         let remapped = !Arc::ptr_eq(&table.mapping, &previous.mapping);
         self.routes.store(Arc::new(table));
         // Closed only now that the new table is in place: see `enter`.
@@ -790,7 +803,8 @@ impl Proxy {
         *up.headers_mut() = headers;
 
         let started = Instant::now();
-        let exchange = tokio::time::timeout_at(deadline, rt.client.request(up));
+        let client = &rt.clients[crate::workers::current() % rt.clients.len()];
+        let exchange = tokio::time::timeout_at(deadline, client.request(up));
         let result = if hold.is_none() {
             exchange.await
         } else {

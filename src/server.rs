@@ -34,6 +34,7 @@ use crate::store::embedded::{EmbeddedStore, OpenError};
 use crate::store::StoreError;
 use crate::store::{FenceStore, StartState};
 use crate::tls::{TlsError, TlsTerminator};
+use crate::workers::Workers;
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -73,9 +74,12 @@ pub struct Server {
     fence: Arc<Fence>,
     shutdown: CancellationToken,
     draining: CancellationToken,
-    /// Accept loops (plain proxy, TLS proxy, admin): each returns whether
-    /// its connections drained in time.
-    listeners: Vec<JoinHandle<bool>>,
+    /// Accept loops (plain proxy and TLS proxy on every worker, admin):
+    /// each answers whether its connections drained in time.
+    listeners: Vec<std::pin::Pin<Box<dyn Future<Output = bool> + Send>>>,
+    /// The worker threads the proxy listeners run on; stopped once the
+    /// drain is over (their runtimes carry the exchanges still in flight).
+    workers: Option<Workers>,
     /// The certificate file watcher; stops with `draining`.
     tls_watcher: Option<JoinHandle<()>>,
     /// Rotates the in-flight marks (embedded store); stops with `draining`.
@@ -99,6 +103,28 @@ async fn bind(field: &'static str, addr: SocketAddr) -> Result<TcpListener, Serv
             addr,
             reason: e.to_string(),
         })
+}
+
+/// One listening socket per worker on `addr`.
+fn bind_workers(
+    field: &'static str,
+    addr: SocketAddr,
+    workers: usize,
+) -> Result<Vec<std::net::TcpListener>, ServerError> {
+    crate::workers::bind(addr, workers).map_err(|e| ServerError::Bind {
+        field,
+        addr,
+        reason: e.to_string(),
+    })
+}
+
+/// A proxy listener's socket for one worker, and where its accept loop
+/// reports whether its connections drained.
+struct Job {
+    listener: std::net::TcpListener,
+    tls: Option<TlsSide>,
+    slots: Slots,
+    done: tokio::sync::oneshot::Sender<bool>,
 }
 
 impl Server {
@@ -187,7 +213,15 @@ impl Server {
                 ),
             }
         }
-        let proxy = Arc::new(Proxy::new(&config, fence.clone(), metrics.clone())?);
+        let workers = config
+            .workers
+            .unwrap_or_else(crate::workers::available_cpus);
+        let proxy = Arc::new(Proxy::new(
+            &config,
+            fence.clone(),
+            metrics.clone(),
+            workers,
+        )?);
         let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
@@ -197,23 +231,26 @@ impl Server {
             draining: draining.clone(),
         });
 
-        let proxy_listener = match config.listen {
-            Some(addr) => Some(bind("listen", addr).await?),
+        metrics
+            .workers
+            .set(i64::try_from(workers).unwrap_or(i64::MAX));
+        let proxy_listeners = match config.listen {
+            Some(addr) => Some(bind_workers("listen", addr, workers)?),
             None => None,
         };
         let admin_listener = bind("admin_listen", config.admin_listen).await?;
-        let tls_listener = match &config.tls {
-            Some(t) => Some(bind("tls.listen", t.listen).await?),
+        let tls_listeners = match &config.tls {
+            Some(t) => Some(bind_workers("tls.listen", t.listen, workers)?),
             None => None,
         };
-        let proxy_addr = proxy_listener
-            .as_ref()
-            .map(|l| l.local_addr().expect("bound address"));
+        let first = |ls: &Option<Vec<std::net::TcpListener>>| {
+            ls.as_ref()
+                .map(|l| l[0].local_addr().expect("bound address"))
+        };
+        let proxy_addr = first(&proxy_listeners);
         warn_if_plain_bypasses_mtls(proxy_addr, &config);
         let admin_addr = admin_listener.local_addr().expect("bound address");
-        let tls_addr = tls_listener
-            .as_ref()
-            .map(|l| l.local_addr().expect("bound address"));
+        let tls_addr = first(&tls_listeners);
 
         // HTTP/1.1, and HTTP/2 with prior knowledge (h2c) or by ALPN, on
         // the same port: the connection preface tells them apart.
@@ -242,42 +279,99 @@ impl Server {
             connections: connections.clone(),
         };
         let per_listener = connection_budget(config.limits.max_connections);
+        // One budget per listener, shared by its workers' accept loops.
         let slots = |name: &'static str| Slots {
             name,
             free: Arc::new(tokio::sync::Semaphore::new(per_listener)),
             idle: config.limits.header_read_timeout,
             metrics: metrics.clone(),
+            accepted: None,
         };
-        let serve = |listener, tls: Option<TlsSide>| {
-            let proxy = proxy.clone();
-            let on_tls = tls.is_some();
-            tokio::spawn(accept_loop(
-                listener,
-                builder.clone(),
-                tls,
-                gate.clone(),
-                slots(if on_tls { "tls" } else { "proxy" }),
-                move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
-            ))
-        };
-        let mut listeners: Vec<_> = proxy_listener.map(|l| serve(l, None)).into_iter().collect();
-        if let (Some(listener), Some(terminator)) = (tls_listener, &tls) {
+        let mut listeners: Vec<std::pin::Pin<Box<dyn Future<Output = bool> + Send>>> = Vec::new();
+        let mut jobs: Vec<Vec<Job>> = (0..workers).map(|_| Vec::new()).collect();
+        let mut assign =
+            |sockets: Vec<std::net::TcpListener>, tls: Option<TlsSide>, slots: Slots| {
+                for (i, listener) in sockets.into_iter().enumerate() {
+                    let (done, result) = tokio::sync::oneshot::channel();
+                    listeners.push(Box::pin(async move { result.await.unwrap_or(false) }));
+                    jobs[i].push(Job {
+                        listener,
+                        tls: tls.clone(),
+                        slots: slots.clone(),
+                        done,
+                    });
+                }
+            };
+        if let Some(sockets) = proxy_listeners {
+            assign(sockets, None, slots("proxy"));
+        }
+        if let (Some(sockets), Some(terminator)) = (tls_listeners, &tls) {
             let side = TlsSide {
                 terminator: terminator.clone(),
                 timeout: config.limits.header_read_timeout,
                 failures: metrics.tls_handshake_failures.clone(),
             };
-            listeners.push(serve(listener, Some(side)));
+            assign(sockets, Some(side), slots("tls"));
         }
+        let jobs = Arc::new(std::sync::Mutex::new(
+            jobs.into_iter().map(Some).collect::<Vec<_>>(),
+        ));
+        let worker_threads = {
+            let (proxy, builder, gate) = (proxy.clone(), builder.clone(), gate.clone());
+            Workers::start(workers, move |i| {
+                let mine = jobs.lock().expect("jobs lock")[i].take().unwrap_or_default();
+                let (proxy, builder, gate) = (proxy.clone(), builder.clone(), gate.clone());
+                async move {
+                    for job in mine {
+                        let on_tls = job.tls.is_some();
+                        let mut slots = job.slots;
+                        let worker = i.to_string();
+                        slots.accepted = Some(
+                            slots
+                                .metrics
+                                .worker_connections
+                                .with_label_values(&[slots.name, &worker]),
+                        );
+                        let listener = match TcpListener::from_std(job.listener) {
+                            Ok(l) => l,
+                            Err(e) => {
+                                tracing::error!(worker = i, error = %e, "cannot serve a listener on this worker");
+                                let _ = job.done.send(false);
+                                continue;
+                            }
+                        };
+                        let proxy = proxy.clone();
+                        let serving = accept_loop(
+                            listener,
+                            builder.clone(),
+                            job.tls,
+                            gate.clone(),
+                            slots,
+                            move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
+                        );
+                        let done = job.done;
+                        tokio::spawn(async move {
+                            let _ = done.send(serving.await);
+                        });
+                    }
+                }
+            })
+            .map_err(|e| ServerError::Bind {
+                field: "workers",
+                addr: proxy_addr.or(tls_addr).unwrap_or(admin_addr),
+                reason: format!("cannot start the worker threads: {e}"),
+            })?
+        };
         let admin_handler = admin.clone();
-        listeners.push(tokio::spawn(accept_loop(
+        let admin_loop = tokio::spawn(accept_loop(
             admin_listener,
             builder,
             None,
             gate,
             slots("admin"),
             move |req, _peer| admin_handler.clone().handle(req),
-        )));
+        ));
+        listeners.push(Box::pin(async move { admin_loop.await.unwrap_or(false) }));
         let tls_watcher = match (&tls, &config.tls) {
             (Some(tls), Some(files)) => {
                 let metrics = metrics.clone();
@@ -293,7 +387,7 @@ impl Server {
             _ => None,
         };
         let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
-        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), "fencegate started");
+        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), workers, "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
             proxy_addr,
@@ -311,6 +405,7 @@ impl Server {
             shutdown,
             draining,
             listeners,
+            workers: Some(worker_threads),
             tls_watcher,
             sweeper,
             exchanges,
@@ -328,14 +423,23 @@ impl Server {
 
     /// Runs until the shutdown token is cancelled, then drains and closes.
     /// Returns whether the stop was clean (drained and recorded).
-    pub async fn wait(self) -> bool {
+    pub async fn wait(mut self) -> bool {
+        let workers = self.workers.take();
+        let clean = self.drain().await;
+        if let Some(w) = workers {
+            w.stop().await;
+        }
+        clean
+    }
+
+    async fn drain(self) -> bool {
         self.shutdown.cancelled().await;
         tracing::info!(grace = ?self.grace, "shutting down: draining in-flight requests");
         let deadline = tokio::time::Instant::now() + self.grace;
         self.draining.cancel();
         let mut connections_drained = true;
         for listener in self.listeners {
-            connections_drained &= listener.await.unwrap_or(false);
+            connections_drained &= listener.await;
         }
         if let Some(watcher) = self.tls_watcher {
             let _ = watcher.await;
@@ -618,6 +722,8 @@ struct Slots {
     /// connection without streams, a preface that never completes).
     idle: Duration,
     metrics: Arc<Metrics>,
+    /// Counts this accept loop's connections (a worker's share).
+    accepted: Option<prometheus::IntCounter>,
 }
 
 impl Slots {
@@ -826,6 +932,9 @@ where
                     drop(stream);
                     continue;
                 };
+                if let Some(c) = &slots.accepted {
+                    c.inc();
+                }
                 let _ = stream.set_nodelay(true);
                 let activity = Arc::new(Activity::default());
                 let stream = Tracked { inner: stream, activity: activity.clone() };

@@ -878,6 +878,7 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--max-body-bytes", Some("1234")),
         ("--shutdown-grace", Some("9s")),
         ("--highest-cache-entries", Some("4321")),
+        ("--workers", Some("3")),
         ("--tls-listen", Some("127.0.0.1:7443")),
         ("--tls-cert", Some("/nonexistent/c.pem")),
         ("--tls-key", Some("/nonexistent/k.pem")),

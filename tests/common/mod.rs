@@ -753,9 +753,11 @@ where
     }
 }
 
-/// How many listening TCP sockets the process holds (from /proc).
+/// How many addresses the process listens on (from /proc): the worker
+/// threads' sockets sharing one port (`SO_REUSEPORT`) count once.
 pub fn listening_sockets(pid: u32) -> usize {
-    listening_addresses(pid).len()
+    let distinct: std::collections::HashSet<_> = listening_addresses(pid).into_iter().collect();
+    distinct.len()
 }
 
 /// The local addresses of the sockets the process `pid` listens on, as

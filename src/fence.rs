@@ -230,6 +230,11 @@ impl HighestCache {
 pub struct Fence {
     store: Arc<dyn FenceStore>,
     gates: DashMap<Arc<str>, Arc<KeyGate>>,
+    /// Shared-store lease releases under way (they run on the runtime of
+    /// the request that ended, a worker's): the stop waits for them
+    /// briefly, so that a clean stop does not leave leases behind to
+    /// expire.
+    releases: tokio_util::task::TaskTracker,
     cache: HighestCache,
     /// After an unclean stop, held keys refuse newer tokens until this
     /// instant: a write forwarded before the crash may still be applied
@@ -347,6 +352,7 @@ impl Fence {
         Arc::new(Self {
             store,
             gates: DashMap::new(),
+            releases: tokio_util::task::TaskTracker::new(),
             hold_all,
             held,
             watermark,
@@ -507,6 +513,14 @@ impl Fence {
         }
         answer?;
         Ok(marked)
+    }
+
+    /// Waits (at most `bound`) for the shared-store lease releases under
+    /// way; a second release some take later, for an acquire that may
+    /// still be applied, is left to expire if the bound ends first.
+    pub async fn settle(&self, bound: Duration) {
+        self.releases.close();
+        let _ = tokio::time::timeout(bound, self.releases.wait()).await;
     }
 
     /// Rotates the marks every [`ROTATE_EVERY`] until `stop`; the server
@@ -804,6 +818,7 @@ impl Fence {
             token,
         };
         let pending = PendingLease {
+            releases: self.releases.clone(),
             store: self.store.clone(),
             key: key.clone(),
             lease: Some(lease.clone()),
@@ -956,6 +971,7 @@ impl Fence {
 /// A lease that may be registered but is not granted yet; released on drop
 /// unless disarmed.
 struct PendingLease {
+    releases: tokio_util::task::TaskTracker,
     store: Arc<dyn FenceStore>,
     key: Arc<str>,
     lease: Option<WriteLease>,
@@ -975,7 +991,7 @@ impl Drop for PendingLease {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
             let (store, key, again) = (self.store.clone(), self.key.clone(), self.again_after);
-            tokio::spawn(async move {
+            self.releases.spawn(async move {
                 let _ = store.release_lease(&key, &lease).await;
                 tokio::time::sleep(again).await;
                 let _ = store.release_lease(&key, &lease).await;
@@ -1018,7 +1034,7 @@ impl Drop for Permit {
                 .repolled
                 .load(std::sync::atomic::Ordering::Relaxed)
                 .then_some(self.fence.lease_margin);
-            tokio::spawn(async move {
+            self.fence.releases.spawn(async move {
                 if let Err(e) = store.release_lease(&key, &lease).await {
                     tracing::debug!(error = %e, "lease release failed; it will expire");
                 }

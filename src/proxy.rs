@@ -240,6 +240,9 @@ impl RouteTable {
                         // Host is relayed as the client sent it.
                         .set_host(false)
                         .pool_idle_timeout(Duration::from_secs(30))
+                        // Without a timer idle connections are only
+                        // dropped when found stale at checkout.
+                        .pool_timer(hyper_util::rt::TokioTimer::new())
                         .build(connector.clone())
                 })
                 .collect();

@@ -80,6 +80,8 @@ pub struct Server {
     /// The worker threads the proxy listeners run on; stopped once the
     /// drain is over (their runtimes carry the exchanges still in flight).
     workers: Option<Workers>,
+    /// Claims on the listen addresses (see [`crate::workers::bind`]).
+    _claims: Vec<std::os::unix::net::UnixListener>,
     /// The certificate file watcher; stops with `draining`.
     tls_watcher: Option<JoinHandle<()>>,
     /// Rotates the in-flight marks (embedded store); stops with `draining`.
@@ -110,7 +112,7 @@ fn bind_workers(
     field: &'static str,
     addr: SocketAddr,
     workers: usize,
-) -> Result<Vec<std::net::TcpListener>, ServerError> {
+) -> Result<crate::workers::Bound, ServerError> {
     crate::workers::bind(addr, workers).map_err(|e| ServerError::Bind {
         field,
         addr,
@@ -243,9 +245,9 @@ impl Server {
             Some(t) => Some(bind_workers("tls.listen", t.listen, workers)?),
             None => None,
         };
-        let first = |ls: &Option<Vec<std::net::TcpListener>>| {
+        let first = |ls: &Option<crate::workers::Bound>| {
             ls.as_ref()
-                .map(|l| l[0].local_addr().expect("bound address"))
+                .map(|l| l.sockets[0].local_addr().expect("bound address"))
         };
         let proxy_addr = first(&proxy_listeners);
         warn_if_plain_bypasses_mtls(proxy_addr, &config);
@@ -289,19 +291,20 @@ impl Server {
         };
         let mut listeners: Vec<std::pin::Pin<Box<dyn Future<Output = bool> + Send>>> = Vec::new();
         let mut jobs: Vec<Vec<Job>> = (0..workers).map(|_| Vec::new()).collect();
-        let mut assign =
-            |sockets: Vec<std::net::TcpListener>, tls: Option<TlsSide>, slots: Slots| {
-                for (i, listener) in sockets.into_iter().enumerate() {
-                    let (done, result) = tokio::sync::oneshot::channel();
-                    listeners.push(Box::pin(async move { result.await.unwrap_or(false) }));
-                    jobs[i].push(Job {
-                        listener,
-                        tls: tls.clone(),
-                        slots: slots.clone(),
-                        done,
-                    });
-                }
-            };
+        let mut claims = Vec::new();
+        let mut assign = |bound: crate::workers::Bound, tls: Option<TlsSide>, slots: Slots| {
+            claims.extend(bound.claim);
+            for (i, listener) in bound.sockets.into_iter().enumerate() {
+                let (done, result) = tokio::sync::oneshot::channel();
+                listeners.push(Box::pin(async move { result.await.unwrap_or(false) }));
+                jobs[i].push(Job {
+                    listener,
+                    tls: tls.clone(),
+                    slots: slots.clone(),
+                    done,
+                });
+            }
+        };
         if let Some(sockets) = proxy_listeners {
             assign(sockets, None, slots("proxy"));
         }
@@ -406,6 +409,7 @@ impl Server {
             draining,
             listeners,
             workers: Some(worker_threads),
+            _claims: claims,
             tls_watcher,
             sweeper,
             exchanges,
@@ -425,7 +429,10 @@ impl Server {
     /// Returns whether the stop was clean (drained and recorded).
     pub async fn wait(mut self) -> bool {
         let workers = self.workers.take();
+        let fence = self.fence.clone();
         let clean = self.drain().await;
+        // Lease releases run on the worker runtimes: let them land first.
+        fence.settle(Duration::from_secs(2)).await;
         if let Some(w) = workers {
             w.stop().await;
         }
@@ -601,6 +608,7 @@ impl Reloader {
             "highest_cache_entries",
             new.highest_cache_entries != started.highest_cache_entries,
         );
+        differs("workers", new.workers != started.workers);
         let tls_listen = |c: &Config| c.tls.as_ref().map(|t| t.listen);
         differs("tls.listen", tls_listen(new) != tls_listen(started));
         let watch = |c: &Config| c.tls.as_ref().map(|t| t.watch_interval);

@@ -366,8 +366,14 @@ impl TlsTerminator {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(interval) => {}
             }
-            if self.files_changed() {
-                on_reload(&self.reload());
+            // Reading and parsing the files blocks: off the runtime thread,
+            // which also runs the admin listener and store clients.
+            let this = self.clone();
+            let checked =
+                tokio::task::spawn_blocking(move || this.files_changed().then(|| this.reload()))
+                    .await;
+            if let Ok(Some(result)) = checked {
+                on_reload(&result);
             }
         }
     }

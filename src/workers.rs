@@ -8,9 +8,9 @@
 //! on the request path, which is how nginx and HAProxy scale with cores.
 //!
 //! The default worker count is what this process may really use
-//! ([`available_cpus`]): the CPUs of its affinity mask, capped by the
-//! cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
-//! `cpu.cfs_period_us`), as nginx's `worker_processes auto` does, so a
+//! ([`available_cpus`]): the CPUs of its affinity mask (what nginx's
+//! `worker_processes auto` counts), capped by the cgroup CPU quota (v2
+//! `cpu.max`, v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`), so a
 //! container limited to one CPU on a 64-core node runs one worker.
 
 use std::cell::Cell;
@@ -25,11 +25,20 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_WORKERS: usize = 1024;
 
 thread_local! {
+    /// 1 + the worker's index on a worker thread, 0 elsewhere.
     static WORKER: Cell<usize> = const { Cell::new(0) };
 }
 
 /// The worker running on this thread (0 off the worker threads).
 pub fn current() -> usize {
+    WORKER.with(Cell::get).saturating_sub(1)
+}
+
+/// This thread's slot for per-runtime state such as store connections: 0
+/// off the worker threads (the main runtime), 1 + the index on a worker.
+/// A connection is best used from the runtime that drives it: no hop
+/// between threads per call.
+pub fn slot() -> usize {
     WORKER.with(Cell::get)
 }
 
@@ -162,13 +171,23 @@ pub fn available_cpus() -> usize {
         .clamp(1, MAX_WORKERS)
 }
 
+/// Sockets bound for the workers, and what keeps others off their port.
+pub struct Bound {
+    pub sockets: Vec<std::net::TcpListener>,
+    /// To be held while the sockets are: see [`bind`].
+    pub claim: Option<std::os::unix::net::UnixListener>,
+}
+
 /// Binds `n` listening sockets on `addr` for `n` workers. With more than
-/// one, they share the port through `SO_REUSEPORT`; a plain bind first
-/// proves that nobody else holds the port (a socket without
-/// `SO_REUSEPORT` cannot join a group, so another process, or a second
-/// fencegate, cannot slip in beside a running one unnoticed: it fails to
-/// bind as it would without workers).
-pub fn bind(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+/// one, they share the port through `SO_REUSEPORT`. On a given port, a
+/// plain bind first proves that nobody else holds it (a socket without
+/// `SO_REUSEPORT` cannot join a group), and a claim on the address (an
+/// abstract Unix socket named after it, held as long as the sockets) keeps
+/// a second fencegate starting at the same moment from passing the same
+/// check between that probe and the shared binds: a second fencegate fails
+/// to bind, as it would without workers. On port 0 the first shared
+/// socket takes a fresh port the kernel picked, and the rest join it.
+pub fn bind(addr: SocketAddr, n: usize) -> std::io::Result<Bound> {
     use socket2::{Domain, Protocol, Socket, Type};
     let open = |addr: SocketAddr, shared: bool| -> std::io::Result<std::net::TcpListener> {
         let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
@@ -182,12 +201,28 @@ pub fn bind(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpList
         Ok(socket.into())
     };
     if n <= 1 {
-        return Ok(vec![open(addr, false)?]);
+        return Ok(Bound {
+            sockets: vec![open(addr, false)?],
+            claim: None,
+        });
     }
-    let probe = open(addr, false)?;
-    let addr = probe.local_addr()?;
-    drop(probe);
-    (0..n).map(|_| open(addr, true)).collect()
+    let mut claim = None;
+    let first = if addr.port() == 0 {
+        open(addr, true)?
+    } else {
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("fencegate-listen-{addr}");
+        let unix = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+        claim = Some(std::os::unix::net::UnixListener::bind_addr(&unix)?);
+        drop(open(addr, false)?);
+        open(addr, true)?
+    };
+    let addr = first.local_addr()?;
+    let mut sockets = vec![first];
+    for _ in 1..n {
+        sockets.push(open(addr, true)?);
+    }
+    Ok(Bound { sockets, claim })
 }
 
 /// The running worker threads.
@@ -197,6 +232,10 @@ pub struct Workers {
     finish: CancellationToken,
     exited: Vec<oneshot::Receiver<()>>,
 }
+
+/// How long a worker runtime's end waits for its blocking tasks (DNS
+/// lookups of upstream connects): the drain is over by then.
+const BLOCKING_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Workers {
     /// Starts `n` worker threads, each running `work(i)` on a runtime of
@@ -208,29 +247,49 @@ impl Workers {
         F: Fn(usize) -> Fut + Send + Sync + Clone + 'static,
         Fut: Future<Output = ()> + 'static,
     {
-        let finish = CancellationToken::new();
-        let mut exited = Vec::with_capacity(n);
+        // Built first, so that a failure below ends the threads already
+        // started (its drop cancels `finish`).
+        let mut workers = Self {
+            finish: CancellationToken::new(),
+            exited: Vec::with_capacity(n),
+        };
         for i in 0..n {
             let (done, exit) = oneshot::channel();
-            let (work, finish) = (work.clone(), finish.clone());
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
+            let (started, start) = std::sync::mpsc::channel();
+            let (work, finish) = (work.clone(), workers.finish.clone());
             std::thread::Builder::new()
                 .name(format!("fencegate-w{i}"))
                 .spawn(move || {
-                    WORKER.with(|w| w.set(i));
+                    // Built on its own thread: a runtime must not be
+                    // dropped inside another one.
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(r) => {
+                            let _ = started.send(Ok(()));
+                            r
+                        }
+                        Err(e) => {
+                            let _ = started.send(Err(e));
+                            return;
+                        }
+                    };
+                    WORKER.with(|w| w.set(i + 1));
                     runtime.block_on(async move {
                         work(i).await;
                         finish.cancelled().await;
                     });
                     // Whatever is left (idle connections) ends with it.
-                    drop(runtime);
+                    runtime.shutdown_timeout(BLOCKING_GRACE);
                     let _ = done.send(());
                 })?;
-            exited.push(exit);
+            workers.exited.push(exit);
+            start
+                .recv()
+                .map_err(|_| std::io::Error::other("a worker thread ended at start"))??;
         }
-        Ok(Self { finish, exited })
+        Ok(workers)
     }
 
     /// Ends the worker runtimes and waits for their threads.
@@ -339,17 +398,23 @@ mod tests {
 
     #[test]
     fn several_sockets_share_a_port_and_a_stranger_cannot_join() {
-        let socks = bind("127.0.0.1:0".parse().unwrap(), 3).unwrap();
+        let bound = bind("127.0.0.1:0".parse().unwrap(), 3).unwrap();
+        let socks = &bound.sockets;
+        assert_eq!(socks.len(), 3);
         let port = socks[0].local_addr().unwrap().port();
         assert!(socks.iter().all(|s| s.local_addr().unwrap().port() == port));
         // A second fencegate (which probes with a plain bind) is refused.
-        let again = bind(SocketAddr::from(([127, 0, 0, 1], port)), 3);
-        assert_eq!(
-            again.unwrap_err().kind(),
-            std::io::ErrorKind::AddrInUse,
-            "a second bind must fail"
-        );
-        let single = bind(SocketAddr::from(([127, 0, 0, 1], port)), 1);
-        assert!(single.is_err());
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let again = bind(addr, 3).err().expect("a second bind must fail");
+        assert_eq!(again.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(bind(addr, 1).is_err());
+        drop(bound);
+        // On a named port: the claim is held while the sockets are, and
+        // released with them.
+        let named = bind(addr, 2).unwrap();
+        let claimed = bind(addr, 2).err().expect("claimed");
+        assert_eq!(claimed.kind(), std::io::ErrorKind::AddrInUse);
+        drop(named);
+        assert_eq!(bind(addr, 2).unwrap().sockets.len(), 2);
     }
 }

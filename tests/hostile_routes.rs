@@ -299,7 +299,13 @@ async fn connections_without_progress_are_closed_and_capped() {
         .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00\x10\x01\x00\x00\x00\x00\x01")
         .await
         .unwrap();
-    // The listener is full: a fifth connection is closed at once.
+    // The listener is full: a fifth connection is closed at once. (Each
+    // worker accepts from a socket of its own: the four must be accepted
+    // before the fifth arrives, or a worker may take the fifth first.)
+    eventually_async("four connections accepted", || async {
+        metric(&p, "fencegate_connections{listener=\"proxy\"}").await == Some(4.0)
+    })
+    .await;
     let mut fifth = connect().await.unwrap();
     assert!(closed_within(&mut fifth, Duration::from_millis(500)).await);
     for (name, s) in [

@@ -97,9 +97,20 @@ enum Op {
     },
 }
 
+/// Answers of one batch for the callers on one runtime.
+type Answers = Vec<(Op, Result<Answer, StoreError>)>;
+
+/// Carries a batch's answers to a task on the callers' runtime, which
+/// hands them out there. Answering each caller from the writer thread
+/// would wake its runtime from outside once per operation (a system call
+/// each on a single-threaded runtime); this wakes it once per batch.
+type Courier = tokio::sync::mpsc::UnboundedSender<Answers>;
+
 /// The redb-backed [`FenceStore`].
 pub struct EmbeddedStore {
-    ops: mpsc::Sender<Op>,
+    ops: mpsc::Sender<(Op, Option<Courier>)>,
+    /// One courier per runtime slot ([`crate::workers::slot`]).
+    couriers: dashmap::DashMap<usize, Courier>,
     start: StartState,
     /// Keys marked in flight when the last run stopped uncleanly (`None`:
     /// that run kept no marks).
@@ -305,6 +316,7 @@ impl EmbeddedStore {
             })?;
         Ok(Self {
             ops: tx,
+            couriers: dashmap::DashMap::new(),
             start: found.start,
             in_flight_at_crash: found.in_flight,
             healthy,
@@ -325,8 +337,58 @@ impl EmbeddedStore {
         make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        self.ops.send(make(tx)).map_err(|_| StoreError::Closed)?;
+        self.ops
+            .send((make(tx), self.courier()))
+            .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// The courier of the calling runtime, started on first use. `None`
+    /// outside a runtime: the writer then answers directly.
+    fn courier(&self) -> Option<Courier> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let slot = crate::workers::slot();
+        if let Some(c) = self.couriers.get(&slot) {
+            if !c.is_closed() {
+                return Some(c.clone());
+            }
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Answers>();
+        tokio::spawn(async move {
+            while let Some(answers) = rx.recv().await {
+                for (op, answer) in answers {
+                    op.answer(answer);
+                }
+            }
+        });
+        self.couriers.insert(slot, tx.clone());
+        Some(tx)
+    }
+}
+
+/// Hands each operation its answer: through its runtime's courier, one
+/// message per courier, or directly (no courier, or its runtime is gone).
+fn deliver(
+    ops: impl Iterator<Item = Op>,
+    couriers: impl Iterator<Item = Option<Courier>>,
+    answers: Vec<Result<Answer, StoreError>>,
+) {
+    let mut groups: Vec<(Courier, Answers)> = Vec::new();
+    for ((op, courier), answer) in ops.zip(couriers).zip(answers) {
+        match courier {
+            None => op.answer(answer),
+            Some(c) => match groups.iter_mut().find(|(g, _)| g.same_channel(&c)) {
+                Some((_, group)) => group.push((op, answer)),
+                None => groups.push((c, vec![(op, answer)])),
+            },
+        }
+    }
+    for (courier, group) in groups {
+        if let Err(returned) = courier.send(group) {
+            for (op, answer) in returned.0 {
+                op.answer(answer);
+            }
+        }
     }
 }
 
@@ -334,7 +396,7 @@ impl Drop for EmbeddedStore {
     fn drop(&mut self) {
         // Closing the channel ends the writer loop; wait so the file lock is
         // released before a reopen in the same process.
-        let (dead_tx, _) = mpsc::channel();
+        let (dead_tx, _) = mpsc::channel::<(Op, Option<Courier>)>();
         self.ops = dead_tx;
         if let Some(h) = self.writer.lock().ok().and_then(|mut g| g.take()) {
             let _ = h.join();
@@ -433,17 +495,23 @@ struct Writer {
 }
 
 impl Writer {
-    fn run(mut self, rx: mpsc::Receiver<Op>) {
+    fn run(mut self, rx: mpsc::Receiver<(Op, Option<Courier>)>) {
         let mut batch = Vec::new();
-        while let Ok(first) = rx.recv() {
-            batch.push(first);
+        let mut couriers = Vec::new();
+        while let Ok((op, courier)) = rx.recv() {
+            batch.push(op);
+            couriers.push(courier);
             while batch.len() < MAX_BATCH {
                 match rx.try_recv() {
-                    Ok(op) => batch.push(op),
+                    Ok((op, courier)) => {
+                        batch.push(op);
+                        couriers.push(courier);
+                    }
                     Err(_) => break,
                 }
             }
-            self.apply(&mut batch);
+            let answers = self.apply(&batch);
+            deliver(batch.drain(..), couriers.drain(..), answers);
         }
     }
 
@@ -462,21 +530,16 @@ impl Writer {
         Ok(self.db.as_ref().expect("just set"))
     }
 
-    fn apply(&mut self, batch: &mut Vec<Op>) {
+    /// Each operation's answer, in batch order.
+    fn apply(&mut self, batch: &[Op]) -> Vec<Result<Answer, StoreError>> {
         match self.try_apply(batch) {
-            Ok(answers) => {
-                for (op, answer) in batch.drain(..).zip(answers) {
-                    op.answer(Ok(answer));
-                }
-            }
+            Ok(answers) => answers.into_iter().map(Ok).collect(),
             Err(e) => {
                 // Every waiter gets the real cause (it reaches the log and
                 // the 503's detail), not a closed channel.
                 tracing::error!(error = %e, ops = batch.len(), "fence store commit failed");
                 self.db = None;
-                for op in batch.drain(..) {
-                    op.answer(Err(e.clone()));
-                }
+                batch.iter().map(|_| Err(e.clone())).collect()
             }
         }
     }

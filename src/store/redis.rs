@@ -18,7 +18,7 @@
 //! connect when the server says otherwise.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -118,7 +118,10 @@ const MARKER: &str = "fencegate:marker";
 /// A Redis connection that reconnects (with backoff) after failures.
 pub struct RedisBackend {
     client: Client,
-    conn: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+    /// One connection per runtime (the main one and each worker's): a
+    /// multiplexed connection's driver task lives on the runtime that
+    /// connected it, and a call from another thread would cost two hops.
+    conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>>>,
     session: AtomicU64,
     last_failure: Mutex<Option<Instant>>,
     timeout: Duration,
@@ -160,7 +163,7 @@ impl RedisBackend {
         let with_lib = |body: &str| format!("{LT}\n{body}");
         Ok(Self {
             client,
-            conn: tokio::sync::Mutex::new(None),
+            conns: dashmap::DashMap::new(),
             session: AtomicU64::new(0),
             last_failure: Mutex::new(None),
             timeout,
@@ -171,8 +174,18 @@ impl RedisBackend {
         })
     }
 
+    /// This runtime's connection slot (see [`crate::workers::slot`]).
+    fn slot(&self) -> Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>> {
+        self.conns
+            .entry(crate::workers::slot())
+            .or_default()
+            .value()
+            .clone()
+    }
+
     async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
-        let mut slot = self.conn.lock().await;
+        let slot = self.slot();
+        let mut slot = slot.lock().await;
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
@@ -221,7 +234,12 @@ impl RedisBackend {
                     || e.is_timeout()
                     || e.is_unrecoverable_error()
                 {
-                    *self.conn.lock().await = None;
+                    // The server went away for every worker's connection:
+                    // each reconnects on its next call.
+                    let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
+                    for slot in slots {
+                        *slot.lock().await = None;
+                    }
                     *self.last_failure.lock().expect("lock") = Some(Instant::now());
                 }
                 Err(unavailable(e))

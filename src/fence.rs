@@ -182,13 +182,16 @@ impl HighestCache {
         }
     }
 
-    fn raise(&self, key: &Arc<str>, value: u64) {
+    /// Raises the key's cached highest to `value` and, with `mark`, its
+    /// mark, in one lookup.
+    fn raise(&self, key: &Arc<str>, value: u64, mark: Option<u64>) {
         use std::sync::atomic::Ordering::Relaxed;
         if self.capacity == 0 {
             return;
         }
         if let Some(mut v) = self.map.get_mut(&**key) {
             v.0 = v.0.max(value);
+            v.1 = v.1.max(mark);
             return;
         }
         let cost = entry_cost(key);
@@ -208,10 +211,13 @@ impl HighestCache {
         let mut added = false;
         self.map
             .entry(key.clone())
-            .and_modify(|v| v.0 = v.0.max(value))
+            .and_modify(|v| {
+                v.0 = v.0.max(value);
+                v.1 = v.1.max(mark);
+            })
             .or_insert_with(|| {
                 added = true;
-                (value, None)
+                (value, mark)
             });
         if added {
             self.bytes.fetch_add(cost, Relaxed);
@@ -456,6 +462,12 @@ impl Fence {
         self.gates.len()
     }
 
+    /// Records a durable mark of the key in its gate and in the cache.
+    fn record_mark(&self, key: &str, st: &mut GateState, seq: u64) {
+        st.mark = st.mark.max(Some(seq));
+        self.cache.note_mark(key, seq);
+    }
+
     /// Whether the key has a live mark: at or above the watermark.
     fn live(&self, st: &GateState) -> bool {
         st.mark
@@ -500,8 +512,7 @@ impl Fence {
                 let mut st = gate.state.lock().expect("gate lock");
                 st.marking = false;
                 if let Ok(seqs) = &answer {
-                    st.mark = st.mark.max(Some(seqs[i]));
-                    self.cache.note_mark(key, seqs[i]);
+                    self.record_mark(key, &mut st, seqs[i]);
                 }
             }
             gate.changed.notify_waiters();
@@ -619,11 +630,8 @@ impl Fence {
                     let mut st = gate.state.lock().expect("gate lock");
                     let max = st.highest.map_or(highest, |h| h.max(highest));
                     st.highest = Some(max);
-                    fence.cache.raise(&key, max);
-                    if let Some(seq) = seq {
-                        st.mark = st.mark.max(Some(seq));
-                        fence.cache.note_mark(&key, seq);
-                    }
+                    st.mark = st.mark.max(seq);
+                    fence.cache.raise(&key, max, seq);
                 }
                 // Queued older writes must now see that they are stale.
                 gate.changed.notify_waiters();
@@ -636,10 +644,7 @@ impl Fence {
             fence.release_gate(&key);
             highest
         });
-        match task.await {
-            Ok(r) => Ok(r?),
-            Err(e) => Err(StoreError::Unavailable(format!("store task failed: {e}")).into()),
-        }
+        joined(task.await)
     }
 
     /// Writes a mark of the key (the gate is `marking`), as its own task
@@ -660,8 +665,7 @@ impl Fence {
                 let mut st = gate.state.lock().expect("gate lock");
                 st.marking = false;
                 if let Ok(seq) = answer {
-                    st.mark = st.mark.max(Some(seq));
-                    fence.cache.note_mark(&key, seq);
+                    fence.record_mark(&key, &mut st, seq);
                 }
             }
             gate.changed.notify_waiters();
@@ -669,10 +673,7 @@ impl Fence {
             fence.release_gate(&key);
             answer.map(|_| ())
         });
-        match task.await {
-            Ok(r) => Ok(r?),
-            Err(e) => Err(StoreError::Unavailable(format!("store task failed: {e}")).into()),
-        }
+        joined(task.await)
     }
 
     /// Admits a write of `token` to `key`. While an older-token write to the
@@ -968,6 +969,15 @@ impl Fence {
     }
 }
 
+/// The answer of a store task ([`Fence::advance`], [`Fence::mark`]); a
+/// task that failed (panicked) is a store error.
+fn joined<T>(done: Result<Result<T, StoreError>, tokio::task::JoinError>) -> Result<T, FenceError> {
+    match done {
+        Ok(r) => Ok(r?),
+        Err(e) => Err(StoreError::Unavailable(format!("store task failed: {e}")).into()),
+    }
+}
+
 /// A lease that may be registered but is not granted yet; released on drop
 /// unless disarmed.
 struct PendingLease {
@@ -1132,14 +1142,14 @@ mod tests {
         let per = 10 + ENTRY_OVERHEAD;
         let c = cache(1000, 3 * per);
         for k in ["key-000001", "key-000002", "key-000003"] {
-            c.raise(&Arc::from(k), 7);
+            c.raise(&Arc::from(k), 7, None);
         }
         assert_eq!(c.get("key-000002"), Some(7));
-        c.raise(&Arc::from("key-000002"), 6);
+        c.raise(&Arc::from("key-000002"), 6, None);
         assert_eq!(c.get("key-000002"), Some(7), "never lowered");
         assert_eq!(c.map.len(), 3, "three 10-byte keys fit a budget of three");
         assert_eq!(c.bytes.load(Relaxed), 3 * per);
-        c.raise(&Arc::from("key-000004"), 7);
+        c.raise(&Arc::from("key-000004"), 7, None);
         assert_eq!(
             c.map.len(),
             3,
@@ -1153,12 +1163,12 @@ mod tests {
         // The entry bound holds as well, and a capacity of 0 caches nothing.
         let c = cache(2, usize::MAX);
         for k in ["a", "b", "c"] {
-            c.raise(&Arc::from(k), 1);
+            c.raise(&Arc::from(k), 1, None);
         }
         assert!(c.map.len() <= 2, "{} entries in a cache of 2", c.map.len());
         assert_eq!(c.get("c"), Some(1), "the newest entry is kept");
         let c = cache(0, usize::MAX);
-        c.raise(&Arc::from("a"), 1);
+        c.raise(&Arc::from("a"), 1, None);
         assert_eq!(c.get("a"), None);
     }
 
@@ -1166,7 +1176,7 @@ mod tests {
     fn the_default_byte_budget_holds_a_hundred_thousand_long_keys() {
         let c = cache(1_000_000, DEFAULT_CACHE_BYTES);
         for i in 0..100_000u64 {
-            c.raise(&Arc::from(format!("{i:0>200}")), i);
+            c.raise(&Arc::from(format!("{i:0>200}")), i, None);
         }
         assert_eq!(c.map.len(), 100_000);
         assert_eq!(c.get(&format!("{:0>200}", 99_999)), Some(99_999));

@@ -176,11 +176,13 @@ impl RedisBackend {
 
     /// This runtime's connection slot (see [`crate::workers::slot`]).
     fn slot(&self) -> Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>> {
-        self.conns
-            .entry(crate::workers::slot())
-            .or_default()
-            .value()
-            .clone()
+        let slot = crate::workers::slot();
+        // A read lock on the usual path; the entry (a write lock) only the
+        // first time a runtime calls.
+        if let Some(s) = self.conns.get(&slot) {
+            return s.value().clone();
+        }
+        self.conns.entry(slot).or_default().value().clone()
     }
 
     async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {

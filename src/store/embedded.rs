@@ -44,6 +44,13 @@ pub const FORMAT_VERSION: u64 = 1;
 /// Upper bound on operations per transaction, so one batch's latency stays
 /// bounded under a flood.
 const MAX_BATCH: usize = 8192;
+/// While the store is unhealthy, a readiness probe commits this many bytes
+/// (then removes them) before it says the store takes writes again. A probe
+/// of a few bytes can fit in a file's free pages on a disk that has no room
+/// for a real batch (a long key, its mark), and readiness would say "ready"
+/// while writes still fail.
+const PROBE_BYTES: usize = 256 * 1024;
+const PROBE: TableDefinition<&str, &[u8]> = TableDefinition::new("probe");
 
 /// Why the embedded store could not be opened. These stop the start.
 #[derive(Debug, thiserror::Error)]
@@ -530,6 +537,17 @@ impl Writer {
         Ok(self.db.as_ref().expect("just set"))
     }
 
+    /// Removes the readiness probe's bytes in a commit of its own, so the
+    /// room they proved is given back.
+    fn drop_probe(&mut self) -> Result<(), StoreError> {
+        let db = self.db()?;
+        let txn = db.begin_write().map_err(|e| self.fail(e))?;
+        txn.delete_table(PROBE).map_err(|e| self.fail(e))?;
+        txn.commit().map_err(|e| self.fail(e))?;
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Each operation's answer, in batch order.
     fn apply(&mut self, batch: &[Op]) -> Vec<Result<Answer, StoreError>> {
         match self.try_apply(batch) {
@@ -549,10 +567,14 @@ impl Writer {
     /// acknowledged before the fsync). The batch itself is left in place so
     /// that, on error, every operation in it can be answered with the error.
     fn try_apply(&mut self, batch: &[Op]) -> Result<Vec<Answer>, StoreError> {
-        let needs_write = batch
-            .iter()
-            .any(|op| matches!(op, Op::Ping { .. } | Op::CloseClean { .. }))
-            || !self.healthy.load(Ordering::Acquire);
+        let recovering = !self.healthy.load(Ordering::Acquire);
+        // Only a probe of real size proves that the disk has room again; a
+        // small batch that happens to commit does not.
+        let probe = recovering && batch.iter().any(|op| matches!(op, Op::Ping { .. }));
+        let needs_write = recovering
+            || batch
+                .iter()
+                .any(|op| matches!(op, Op::Ping { .. } | Op::CloseClean { .. }));
         let closed = self.closed;
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
@@ -670,12 +692,17 @@ impl Writer {
                 meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
             }
             if needs_write && !raised {
-                // A probe write: proves the disk takes writes again.
+                // A write of its own, so that the commit reaches the disk.
                 let n = meta
                     .get("probe")
                     .map_err(|e| self.fail(e))?
                     .map_or(0, |v| v.value());
                 meta.insert("probe", n.wrapping_add(1))
+                    .map_err(|e| self.fail(e))?;
+            }
+            if probe {
+                let mut t = txn.open_table(PROBE).map_err(|e| self.fail(e))?;
+                t.insert("room", vec![0x5a_u8; PROBE_BYTES].as_slice())
                     .map_err(|e| self.fail(e))?;
             }
         }
@@ -689,7 +716,20 @@ impl Writer {
             let now = self.marks.load(Ordering::Relaxed) + added;
             self.marks
                 .store(now.saturating_sub(removed), Ordering::Relaxed);
-            self.healthy.store(true, Ordering::Release);
+            // The batch is durable whatever happens next: its answers
+            // stand. A probe whose bytes cannot be removed leaves the store
+            // unhealthy, to be probed again.
+            let proven = probe && {
+                let dropped = self.drop_probe();
+                if let Err(e) = &dropped {
+                    tracing::error!(error = %e, "fence store probe cleanup failed");
+                    self.db = None;
+                }
+                dropped.is_ok()
+            };
+            if proven || !recovering {
+                self.healthy.store(true, Ordering::Release);
+            }
         } else {
             txn.abort().map_err(|e| self.fail(e))?;
         }

@@ -17,6 +17,8 @@
 //! - [`store`]: the [`store::FenceStore`] trait and its engines
 //!   ([`store::embedded`], redb with group commit).
 //! - [`proxy`]: classifying requests, fencing writes, relaying to upstreams.
+//! - [`upstream`]: a route's upstream connections (a pool per worker) and
+//!   one exchange, with the rule that a write is never sent twice.
 //! - [`error`]: the one place where errors become HTTP answers
 //!   (problem+json).
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}`.
@@ -44,4 +46,5 @@ pub mod server;
 pub mod store;
 pub mod tls;
 pub mod token;
+pub mod upstream;
 pub mod workers;

@@ -21,8 +21,6 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
@@ -31,8 +29,9 @@ use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::tls::{upstream_connector, TlsError, UpstreamConnector};
+use crate::tls::{upstream_connector, TlsError};
 use crate::token::{token_from_headers, FENCE_TOKEN};
+use crate::upstream::Upstream;
 
 /// Headers that name a different method than the request line's.
 const OVERRIDE_HEADERS: [&str; 3] = [
@@ -55,14 +54,17 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::EXPECT,
 ];
 
-type UpstreamClient = Client<UpstreamConnector, ProxyBody>;
+/// Idle upstream connections older than this are closed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often idle upstream connections are reaped.
+const REAP_EVERY: Duration = Duration::from_secs(5);
 
 /// A route with its upstream connection pools.
 struct RouteRuntime {
     route: Route,
-    /// One client (and so one pool) per worker thread: a worker's
-    /// upstream connections are driven by tasks on its own runtime.
-    clients: Arc<[UpstreamClient]>,
+    /// One pool per worker thread: a worker's upstream connections are
+    /// driven by tasks on its own runtime.
+    upstream: Arc<Upstream>,
     metrics: RouteMetrics,
 }
 
@@ -168,6 +170,52 @@ impl InFlight {
     }
 }
 
+/// A write's upstream exchange, polled on the request's own task. If that
+/// task is dropped first (the client went away, the drain's grace ran out),
+/// the rest of the exchange moves to a task of its own in `tracker`, so the
+/// write still ends by its deadline and the drain waits for it.
+struct Detached<T: Send + 'static> {
+    exchange: Option<Pin<Box<dyn std::future::Future<Output = T> + Send>>>,
+    tracker: TaskTracker,
+}
+
+impl<T: Send + 'static> Detached<T> {
+    fn new(exchange: impl std::future::Future<Output = T> + Send + 'static, tracker: &TaskTracker) -> Self {
+        Self {
+            exchange: Some(Box::pin(exchange)),
+            tracker: tracker.clone(),
+        }
+    }
+}
+
+impl<T: Send + 'static> std::future::Future for Detached<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let exchange = self.exchange.as_mut().expect("polled after completion");
+        let out = std::task::ready!(exchange.as_mut().poll(cx));
+        self.exchange = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for Detached<T> {
+    fn drop(&mut self) {
+        if let Some(exchange) = self.exchange.take() {
+            // Dropped off a runtime (it is being torn down): nothing can
+            // run it; its permits are released as it drops.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                self.tracker.spawn_on(
+                    async move {
+                        let _ = exchange.await;
+                    },
+                    &rt,
+                );
+            }
+        }
+    }
+}
+
 /// The request handler shared by every connection.
 pub struct Proxy {
     /// Swapped whole by a reload; each request holds the table it started
@@ -178,9 +226,10 @@ pub struct Proxy {
     limits: Limits,
     request_id_prefix: String,
     request_seq: std::sync::atomic::AtomicU64,
-    /// Upstream exchanges of admitted writes run as tasks of their own, so a
-    /// client hanging up cannot end a write's in-flight period while the
-    /// backend may still be applying it; shutdown waits for them.
+    /// Upstream exchanges of admitted writes whose request task was dropped
+    /// run on as tasks of their own ([`Detached`]), so a client hanging up
+    /// cannot end a write's in-flight period while the backend may still be
+    /// applying it; shutdown waits for them.
     exchanges: TaskTracker,
     /// Worker threads (one upstream pool per route each).
     workers: usize,
@@ -216,7 +265,7 @@ impl RouteTable {
             if let Some(rt) = unchanged {
                 routes.push(RouteRuntime {
                     route: rt.route.clone(),
-                    clients: rt.clients.clone(),
+                    upstream: rt.upstream.clone(),
                     metrics: rt.metrics.clone(),
                 });
                 continue;
@@ -232,23 +281,18 @@ impl RouteTable {
                 &route.upstream_tls,
                 http,
             )?;
-            let clients = (0..workers.max(1))
-                .map(|_| {
-                    Client::builder(TokioExecutor::new())
-                        // A write must never be sent twice.
-                        .retry_canceled_requests(false)
-                        // Host is relayed as the client sent it.
-                        .set_host(false)
-                        .pool_idle_timeout(Duration::from_secs(30))
-                        // Without a timer idle connections are only
-                        // dropped when found stale at checkout.
-                        .pool_timer(hyper_util::rt::TokioTimer::new())
-                        .build(connector.clone())
-                })
-                .collect();
+            let dial = Uri::builder()
+                .scheme(route.upstream.scheme.clone())
+                .authority(route.upstream.authority.clone())
+                .path_and_query("/")
+                .build()
+                .map_err(|e| TlsError {
+                    field: format!("routes[{i}].upstream"),
+                    reason: e.to_string(),
+                })?;
             routes.push(RouteRuntime {
                 route: route.clone(),
-                clients,
+                upstream: Arc::new(Upstream::new(dial, connector, workers, POOL_IDLE_TIMEOUT)),
                 metrics: metrics.route(&route.name),
             });
         }
@@ -336,6 +380,20 @@ impl Proxy {
     fn next_request_id(&self) -> HeaderValue {
         let n = self.request_seq.fetch_add(1, Ordering::Relaxed);
         HeaderValue::from_str(&format!("{}-{n:x}", self.request_id_prefix)).expect("hex id")
+    }
+
+    /// Closes idle upstream connections past their timeout every few
+    /// seconds, until `stop`.
+    pub async fn reap_idle_connections(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(REAP_EVERY) => {}
+            }
+            for rt in &self.routes.load().routes {
+                rt.upstream.reap_idle();
+            }
+        }
     }
 
     /// The tracker of in-flight write exchanges (for the drain).
@@ -754,9 +812,9 @@ impl Proxy {
         let peer = ctx.peer;
         let route = &rt.route;
         let (parts, body) = req.into_parts();
+        // Origin form: the pool dials the route's address, and the Host
+        // header (or HTTP/2's :authority) carries the name.
         let uri = Uri::builder()
-            .scheme(route.upstream.scheme.clone())
-            .authority(route.upstream.authority.clone())
             .path_and_query(path.upstream_target.as_str())
             .build()
             .map_err(|e| ProxyError::BadTarget(KeyError::TemplateMismatch(e.to_string())))?;
@@ -806,29 +864,26 @@ impl Proxy {
         *up.headers_mut() = headers;
 
         let started = Instant::now();
-        let client = &rt.clients[crate::workers::current() % rt.clients.len()];
-        let exchange = tokio::time::timeout_at(deadline, client.request(up));
-        let result = if hold.is_none() {
-            exchange.await
-        } else {
-            // A write runs to its end (response head or upstream timeout)
-            // even if the client goes away: only then is it no longer in
-            // flight for ordering (its body keeps its own hold until the
-            // last byte is sent).
-            let task = self.exchanges.spawn(async move {
-                let result = exchange.await;
-                if let Some(hold) = hold {
-                    // The body is still being sent (an early answer).
-                    if Arc::strong_count(&hold) > 1 {
-                        InFlight::release_at_deadline(&hold);
-                    }
+        let upstream = rt.upstream.clone();
+        let exchange = async move {
+            let result = tokio::time::timeout_at(deadline, upstream.send(up)).await;
+            if let Some(hold) = hold {
+                // The body is still being sent (an early answer).
+                if Arc::strong_count(&hold) > 1 {
+                    InFlight::release_at_deadline(&hold);
                 }
-                result
-            });
-            match task.await {
-                Ok(r) => r,
-                Err(e) => return Err(ProxyError::Upstream(format!("exchange task failed: {e}"))),
             }
+            result
+        };
+        // A write runs to its end (response head or upstream timeout) even
+        // if the client goes away: only then is it no longer in flight for
+        // ordering (its body keeps its own hold until the last byte is
+        // sent). It runs on this task, and moves to a task of its own only
+        // if this one is dropped first.
+        let result = if ctx.write {
+            Detached::new(exchange, &self.exchanges).await
+        } else {
+            exchange.await
         };
         let upstream = started.elapsed().as_secs_f64();
         rt.metrics.upstream_latency.observe(upstream);
@@ -872,12 +927,9 @@ impl Proxy {
             }
             Ok(Ok(resp)) => resp,
         };
-        let (mut parts, body) = resp.into_parts();
-        strip_hop_by_hop(&mut parts.headers, None);
-        Ok(Response::from_parts(
-            parts,
-            body.map_err(|e| Box::new(e) as BoxError).boxed(),
-        ))
+        let mut resp = resp;
+        strip_hop_by_hop(resp.headers_mut(), None);
+        Ok(resp)
     }
 }
 
@@ -1105,7 +1157,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut src = e.source();
     while let Some(s) = src {

@@ -86,6 +86,8 @@ pub struct Server {
     tls_watcher: Option<JoinHandle<()>>,
     /// Rotates the in-flight marks (embedded store); stops with `draining`.
     sweeper: JoinHandle<()>,
+    /// Closes idle upstream connections; stops with `draining`.
+    reaper: JoinHandle<()>,
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
     exchanges: TaskTracker,
@@ -390,6 +392,7 @@ impl Server {
             _ => None,
         };
         let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
+        let reaper = tokio::spawn(proxy.clone().reap_idle_connections(draining.clone()));
         tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), workers, "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
@@ -412,6 +415,7 @@ impl Server {
             _claims: claims,
             tls_watcher,
             sweeper,
+            reaper,
             exchanges,
             kill,
             connections,
@@ -452,6 +456,7 @@ impl Server {
             let _ = watcher.await;
         }
         let _ = self.sweeper.await;
+        let _ = self.reaper.await;
         if !connections_drained {
             tracing::warn!("grace period over: closing the connections still open");
         }

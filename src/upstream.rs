@@ -1,0 +1,335 @@
+//! Upstream connections of one route: a pool per worker thread, the dial,
+//! and one exchange.
+//!
+//! Each worker keeps its own idle connections. The lock around a worker's
+//! pool is only ever taken on that worker's thread (and by the reaper once a
+//! few seconds), so it is never contended, and a connection's driver task
+//! runs on the worker that dialed it: a request, its upstream connection and
+//! the downstream connection share one thread.
+//!
+//! A request goes out on the most recently used idle connection. One that
+//! the upstream closed while it sat idle costs no failed request: a request
+//! that was never written goes out on the next connection or a fresh one.
+//! A request that may have been written is never sent again; its error is a
+//! 502 (a write must not reach the backend twice).
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper_util::client::legacy::connect::Connection;
+use hyper_util::rt::TokioExecutor;
+use tower_service::Service;
+
+use crate::error::{BoxError, ProxyBody};
+use crate::tls::UpstreamConnector;
+
+/// Idle connections kept per worker and route; the oldest go first.
+const MAX_IDLE: usize = 1024;
+
+/// The upstream of one route, as every worker reaches it.
+pub struct Upstream {
+    /// Where connections go (`scheme://authority` of the route), whatever
+    /// the request's own URI or Host says.
+    dial: Uri,
+    connector: UpstreamConnector,
+    /// One pool per worker thread ([`crate::workers::current`]).
+    pools: Box<[Mutex<Pool>]>,
+    /// An idle connection older than this is closed, not reused.
+    idle_timeout: Duration,
+}
+
+#[derive(Default)]
+struct Pool {
+    /// HTTP/1.1 connections waiting for a request, oldest first.
+    h1: VecDeque<(Instant, http1::SendRequest<ProxyBody>)>,
+    /// An HTTP/2 connection carries every request of its worker at once.
+    h2: Option<http2::SendRequest<ProxyBody>>,
+}
+
+/// Why an exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// No connection could be made (refused, timed out, TLS handshake);
+    /// the request was not sent.
+    #[error("{0}")]
+    Connect(String),
+    /// The connection failed once the request may have been sent.
+    #[error(transparent)]
+    Exchange(#[from] hyper::Error),
+}
+
+impl UpstreamError {
+    pub fn is_connect(&self) -> bool {
+        matches!(self, UpstreamError::Connect(_))
+    }
+}
+
+enum Conn {
+    H1(http1::SendRequest<ProxyBody>),
+    H2(http2::SendRequest<ProxyBody>),
+}
+
+impl Upstream {
+    pub fn new(
+        dial: Uri,
+        connector: UpstreamConnector,
+        workers: usize,
+        idle_timeout: Duration,
+    ) -> Self {
+        Self {
+            dial,
+            connector,
+            pools: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
+            idle_timeout,
+        }
+    }
+
+    /// Sends `req` (origin-form URI, headers as they go upstream) and
+    /// returns the response head; its body returns the connection to this
+    /// worker's pool when it ends.
+    pub async fn send(
+        self: &Arc<Self>,
+        mut req: Request<ProxyBody>,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        let worker = crate::workers::current() % self.pools.len();
+        // Each pass takes one idle connection out of the pool or dials a
+        // fresh one, which ends the loop.
+        loop {
+            let (conn, fresh) = match self.checkout(worker) {
+                Some(conn) => (conn, false),
+                // Boxed: the dial's state (connector, TLS and HTTP/2
+                // handshakes) is kilobytes, and every request's future would
+                // carry it, to be copied as the request moves.
+                None => (Box::pin(self.dial(worker)).await?, true),
+            };
+            let sent = match conn {
+                Conn::H1(mut sender) => {
+                    if let Err(e) = sender.ready().await {
+                        // Closed while idle: nothing was written.
+                        if fresh {
+                            return Err(UpstreamError::Exchange(e));
+                        }
+                        continue;
+                    }
+                    match sender.try_send_request(req).await {
+                        Ok(resp) => {
+                            let back = Some((self.clone(), worker, sender));
+                            return Ok(resp.map(|body| {
+                                PooledBody {
+                                    body,
+                                    back,
+                                    ended: false,
+                                }
+                                .boxed()
+                            }));
+                        }
+                        Err(e) => e,
+                    }
+                }
+                Conn::H2(mut sender) => {
+                    h2_form(&mut req, &self.dial);
+                    if let Err(e) = sender.ready().await {
+                        if fresh {
+                            return Err(UpstreamError::Exchange(e));
+                        }
+                        continue;
+                    }
+                    match sender.try_send_request(req).await {
+                        Ok(resp) => {
+                            return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+                        }
+                        Err(e) => e,
+                    }
+                }
+            };
+            let mut e = sent;
+            match e.take_message() {
+                // Never written: it may go out on another connection.
+                Some(back) if !fresh => req = back,
+                _ => return Err(UpstreamError::Exchange(e.into_error())),
+            }
+        }
+    }
+
+    /// An idle connection of this worker, newest first, or `None`.
+    fn checkout(&self, worker: usize) -> Option<Conn> {
+        let mut pool = self.pools[worker].lock().expect("pool lock");
+        if let Some(h2) = &pool.h2 {
+            if !h2.is_closed() {
+                return Some(Conn::H2(h2.clone()));
+            }
+            pool.h2 = None;
+        }
+        let now = Instant::now();
+        while let Some((since, sender)) = pool.h1.pop_back() {
+            if now.duration_since(since) > self.idle_timeout {
+                // Every older one has waited longer still.
+                pool.h1.clear();
+                break;
+            }
+            if !sender.is_closed() {
+                return Some(Conn::H1(sender));
+            }
+        }
+        None
+    }
+
+    /// Dials the route's address and starts the connection's driver on this
+    /// worker's runtime. HTTP/2 when TLS negotiated it (only offered when
+    /// the route asks for it).
+    async fn dial(&self, worker: usize) -> Result<Conn, UpstreamError> {
+        let mut connector = self.connector.clone();
+        let connect = |e: BoxError| UpstreamError::Connect(crate::proxy::error_chain(&*e));
+        std::future::poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(connect)?;
+        let io = connector.call(self.dial.clone()).await.map_err(connect)?;
+        let handshake = |e: hyper::Error| {
+            UpstreamError::Connect(format!("handshake: {}", crate::proxy::error_chain(&e)))
+        };
+        if io.connected().is_negotiated_h2() {
+            let (sender, conn) = http2::handshake(TokioExecutor::new(), io)
+                .await
+                .map_err(handshake)?;
+            // The driver ends when the upstream closes the connection or
+            // the last sender is dropped (pool reaped, route reloaded).
+            tokio::spawn(conn);
+            self.pools[worker].lock().expect("pool lock").h2 = Some(sender.clone());
+            Ok(Conn::H2(sender))
+        } else {
+            let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
+            tokio::spawn(conn);
+            Ok(Conn::H1(sender))
+        }
+    }
+
+    /// A connection whose response ended, ready for the next request.
+    fn give_back(&self, worker: usize, sender: http1::SendRequest<ProxyBody>) {
+        if sender.is_closed() {
+            return;
+        }
+        let now = Instant::now();
+        let mut pool = self.pools[worker].lock().expect("pool lock");
+        self.reap(&mut pool, now);
+        if pool.h1.len() >= MAX_IDLE {
+            pool.h1.pop_front();
+        }
+        pool.h1.push_back((now, sender));
+    }
+
+    fn reap(&self, pool: &mut Pool, now: Instant) {
+        while let Some((since, sender)) = pool.h1.front() {
+            if now.duration_since(*since) <= self.idle_timeout && !sender.is_closed() {
+                break;
+            }
+            pool.h1.pop_front();
+        }
+    }
+
+    /// Closes the connections that have been idle too long, in every
+    /// worker's pool; the server calls this every few seconds so that a
+    /// route that went quiet does not hold them open.
+    pub fn reap_idle(&self) {
+        let now = Instant::now();
+        for pool in self.pools.iter() {
+            let mut pool = pool.lock().expect("pool lock");
+            self.reap(&mut pool, now);
+            pool.h1.retain(|(_, s)| !s.is_closed());
+        }
+    }
+
+    /// Idle HTTP/1.1 connections, all workers together.
+    pub fn idle(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|p| p.lock().expect("pool lock").h1.len())
+            .sum()
+    }
+}
+
+/// HTTP/2 carries the authority in the request line (`:authority`), not in
+/// a Host header: the client's Host becomes it, so the backend sees the
+/// name the client used, as it does over HTTP/1.1.
+fn h2_form(req: &mut Request<ProxyBody>, dial: &Uri) {
+    if req.uri().authority().is_some() {
+        return;
+    }
+    let authority = req
+        .headers_mut()
+        .remove(header::HOST)
+        .and_then(|h: HeaderValue| http::uri::Authority::try_from(h.as_bytes()).ok())
+        .or_else(|| dial.authority().cloned());
+    let mut parts = req.uri().clone().into_parts();
+    parts.scheme = dial.scheme().cloned();
+    parts.authority = authority;
+    if let Ok(uri) = Uri::from_parts(parts) {
+        *req.uri_mut() = uri;
+    }
+}
+
+/// A response body that returns its HTTP/1.1 connection to the pool once
+/// it has been read to the end. A body dropped before its end takes the
+/// connection with it (hyper closes it: the rest of the body is unread).
+struct PooledBody {
+    body: Incoming,
+    back: Option<(Arc<Upstream>, usize, http1::SendRequest<ProxyBody>)>,
+    ended: bool,
+}
+
+impl PooledBody {
+    fn give_back(&mut self) {
+        if let Some((upstream, worker, sender)) = self.back.take() {
+            upstream.give_back(worker, sender);
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(None) => {
+                this.ended = true;
+                this.give_back();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.back = None;
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            other => other.map_err(|e| Box::new(e) as BoxError),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        // A body with nothing in it (HEAD, 204, 304) may never be polled.
+        if self.ended || self.body.is_end_stream() {
+            self.give_back();
+        }
+    }
+}

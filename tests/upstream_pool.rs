@@ -1,0 +1,219 @@
+//! The upstream connection pool against an upstream that ends connections
+//! the ways real servers do: a keep-alive limit with `Connection: close`
+//! (nginx's `keepalive_requests`), idle connections closed after a timeout
+//! (`keepalive_timeout`), and a connection cut after the request arrived
+//! but before an answer. None of the first two may cost a failed request;
+//! the last must never send the write twice.
+//!
+//! The upstream here is a small hand-written HTTP/1.1 server over a real
+//! socket, so each connection's life is exactly what the test says.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// How the raw upstream treats each connection.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Answers `Connection: close` to the n-th request, then closes.
+    KeepAliveLimit(usize),
+    /// Closes a connection that has been idle this long (no header says so).
+    IdleClose(Duration),
+    /// On the first connection, reads the whole request and closes without
+    /// an answer; later connections answer normally.
+    CutFirstAfterRequest,
+}
+
+struct RawUpstream {
+    addr: std::net::SocketAddr,
+    connections: Arc<AtomicUsize>,
+    requests: Arc<AtomicUsize>,
+}
+
+impl RawUpstream {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+async fn start_raw_upstream(mode: Mode) -> RawUpstream {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let (c, r) = (connections.clone(), requests.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let nth_connection = c.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve_raw(stream, mode, nth_connection, r.clone()));
+        }
+    });
+    RawUpstream {
+        addr,
+        connections,
+        requests,
+    }
+}
+
+/// Reads one request (head and a Content-Length body); `None` at a clean
+/// end of the connection.
+async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    while buf.len() < head_end + len {
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    buf.drain(..head_end + len);
+    Some(())
+}
+
+async fn serve_raw(
+    mut s: tokio::net::TcpStream,
+    mode: Mode,
+    nth_connection: usize,
+    requests: Arc<AtomicUsize>,
+) {
+    let mut buf = Vec::new();
+    let mut served = 0;
+    loop {
+        let next = match mode {
+            Mode::IdleClose(idle) if served > 0 => {
+                match tokio::time::timeout(idle, read_request(&mut s, &mut buf)).await {
+                    Ok(r) => r,
+                    // Idle too long: close, saying nothing.
+                    Err(_) => return,
+                }
+            }
+            _ => read_request(&mut s, &mut buf).await,
+        };
+        if next.is_none() {
+            return;
+        }
+        requests.fetch_add(1, Ordering::SeqCst);
+        served += 1;
+        if matches!(mode, Mode::CutFirstAfterRequest) && nth_connection == 0 {
+            return;
+        }
+        let last = matches!(mode, Mode::KeepAliveLimit(n) if served == n);
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: 3\r\n{}\r\nok\n",
+            if last { "connection: close\r\n" } else { "" }
+        );
+        if s.write_all(answer.as_bytes()).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+fn proxy_for(up: &RawUpstream, dir: &std::path::Path) -> Proxy {
+    // One worker: every request shares one pool, so connection counts are
+    // exact.
+    ProxyBuilder::new(&up.url(), dir)
+        .args(&["--workers", "1"])
+        .spawn()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_are_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::KeepAliveLimit(usize::MAX)).await;
+    let p = proxy_for(&up, dir.path());
+    for i in 0..20 {
+        let a = put(&p.url(&format!("/k{i}")), "1").await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 20);
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        1,
+        "one connection carried every request in turn"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keep_alive_limit_with_connection_close_costs_no_failed_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::KeepAliveLimit(3)).await;
+    let p = proxy_for(&up, dir.path());
+    for i in 0..30 {
+        let a = put(&p.url(&format!("/k{i}")), "1").await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.text());
+    }
+    // Concurrent ones too: several connections end at once.
+    let mut all = tokio::task::JoinSet::new();
+    for i in 0..40 {
+        let url = p.url(&format!("/c{i}"));
+        all.spawn(async move { put(&url, "1").await.status });
+    }
+    while let Some(status) = all.join_next().await {
+        assert_eq!(status.unwrap(), 200);
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 70);
+    assert!(up.connections.load(Ordering::SeqCst) >= 10);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_the_upstream_closed_while_idle_cost_no_failed_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::IdleClose(Duration::from_millis(30))).await;
+    let p = proxy_for(&up, dir.path());
+    for i in 0..10 {
+        let a = put(&p.url(&format!("/k{i}")), "1").await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.text());
+        // Long enough for the upstream to close the idle connection.
+        tokio::time::sleep(Duration::from_millis(80)).await;
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 10);
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        10,
+        "each closed connection was replaced, none reused after its close"
+    );
+    let errors = metric(&p, "fencegate_upstream_errors_total").await;
+    assert!(errors.is_none() || errors == Some(0.0), "{errors:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_that_may_have_been_sent_is_never_sent_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::CutFirstAfterRequest).await;
+    let p = proxy_for(&up, dir.path());
+    let a = put(&p.url("/k"), "5").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(
+        up.requests.load(Ordering::SeqCst),
+        1,
+        "the write reached the upstream once and was not retried"
+    );
+    assert_eq!(up.connections.load(Ordering::SeqCst), 1);
+    // The next write goes out on a fresh connection.
+    assert_eq!(put(&p.url("/k"), "5").await.status, 200);
+    assert_eq!(up.requests.load(Ordering::SeqCst), 2);
+}

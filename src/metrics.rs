@@ -296,6 +296,46 @@ pub struct RouteMetrics {
     pub upstream_latency: prometheus::Histogram,
     pub read_tokens_ignored: prometheus::IntCounter,
     pub admission_waited_out: prometheus::IntCounter,
+    pub requests: std::sync::Arc<RequestCounters>,
+}
+
+/// `fencegate_requests_total` of one route. Each (class, status) series is
+/// looked up once, on its first request; later requests pay an array index,
+/// not a hash of three labels under a lock.
+pub struct RequestCounters {
+    vec: IntCounterVec,
+    route: String,
+    /// Reads then writes, one cell per status 100..=599.
+    cells: Box<[std::sync::OnceLock<prometheus::IntCounter>]>,
+}
+
+impl RequestCounters {
+    const STATUSES: usize = 500;
+
+    fn new(vec: IntCounterVec, route: &str) -> Self {
+        Self {
+            vec,
+            route: route.to_string(),
+            cells: (0..2 * Self::STATUSES)
+                .map(|_| std::sync::OnceLock::new())
+                .collect(),
+        }
+    }
+
+    pub fn inc(&self, write: bool, status: http::StatusCode) {
+        let class = if write { "write" } else { "read" };
+        let code = usize::from(status.as_u16());
+        let series = || {
+            self.vec
+                .with_label_values(&[&self.route, class, status.as_str()])
+        };
+        match code.checked_sub(100).filter(|c| *c < Self::STATUSES) {
+            Some(c) => self.cells[usize::from(write) * Self::STATUSES + c]
+                .get_or_init(series)
+                .inc(),
+            None => series().inc(),
+        }
+    }
 }
 
 impl Metrics {
@@ -324,6 +364,7 @@ impl Metrics {
             upstream_latency: self.upstream_latency.with_label_values(&[name]),
             read_tokens_ignored: self.read_tokens_ignored.with_label_values(&[name]),
             admission_waited_out: self.admission_waited_out.with_label_values(&[name]),
+            requests: std::sync::Arc::new(RequestCounters::new(self.requests.clone(), name)),
         }
     }
 }

@@ -180,7 +180,10 @@ struct Detached<T: Send + 'static> {
 }
 
 impl<T: Send + 'static> Detached<T> {
-    fn new(exchange: impl std::future::Future<Output = T> + Send + 'static, tracker: &TaskTracker) -> Self {
+    fn new(
+        exchange: impl std::future::Future<Output = T> + Send + 'static,
+        tracker: &TaskTracker,
+    ) -> Self {
         Self {
             exchange: Some(Box::pin(exchange)),
             tracker: tracker.clone(),
@@ -379,7 +382,7 @@ impl Proxy {
     /// request path pays one atomic increment, not a random draw.
     fn next_request_id(&self) -> HeaderValue {
         let n = self.request_seq.fetch_add(1, Ordering::Relaxed);
-        HeaderValue::from_str(&format!("{}-{n:x}", self.request_id_prefix)).expect("hex id")
+        request_id(&self.request_id_prefix, n)
     }
 
     /// Closes idle upstream connections past their timeout every few
@@ -463,15 +466,18 @@ impl Proxy {
                 "request"
             );
         }
-        let route = ctx.route.as_deref().unwrap_or("-");
-        self.metrics
-            .requests
-            .with_label_values(&[
-                route,
-                if ctx.write { "write" } else { "read" },
-                resp.status().as_str(),
-            ])
-            .inc();
+        match &ctx.requests {
+            Some(counters) => counters.inc(ctx.write, resp.status()),
+            None => self
+                .metrics
+                .requests
+                .with_label_values(&[
+                    "-",
+                    if ctx.write { "write" } else { "read" },
+                    resp.status().as_str(),
+                ])
+                .inc(),
+        }
         Ok(resp)
     }
 
@@ -510,7 +516,7 @@ impl Proxy {
         mut req: Request<Incoming>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        ctx.method = req.method().to_string();
+        ctx.method = req.method().clone();
         if req.method() == Method::CONNECT {
             return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
         }
@@ -553,6 +559,7 @@ impl Proxy {
         };
         let route = &rt.route;
         ctx.route = Some(route.name.clone());
+        ctx.requests = Some(rt.metrics.requests.clone());
         ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;
         let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
 
@@ -936,8 +943,10 @@ impl Proxy {
 #[derive(Default)]
 struct RequestContext {
     route: Option<String>,
+    /// The route's request counters, once the route is known.
+    requests: Option<Arc<crate::metrics::RequestCounters>>,
     key: Option<String>,
-    method: String,
+    method: Method,
     write: bool,
     token: Option<u64>,
     peer: Option<Peer>,
@@ -949,6 +958,22 @@ struct RequestContext {
     /// This request's place under its key mapping (see [`Mapping`]):
     /// released once it is known to be a read, kept by a write in flight.
     mapping: Option<TaskTrackerToken>,
+}
+
+/// `PREFIX-N` with N in hex, written by hand: this runs for every request
+/// that brings no id of its own. The prefix is at most 40 bytes.
+fn request_id(prefix: &str, n: u64) -> HeaderValue {
+    let mut id = [0u8; 64];
+    let prefix = prefix.as_bytes();
+    id[..prefix.len()].copy_from_slice(prefix);
+    id[prefix.len()] = b'-';
+    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
+    let start = prefix.len() + 1;
+    for (i, slot) in id[start..start + digits].iter_mut().enumerate() {
+        let nibble = (n >> (4 * (digits - 1 - i))) & 0xf;
+        *slot = b"0123456789abcdef"[nibble as usize];
+    }
+    HeaderValue::from_bytes(&id[..start + digits]).expect("hex id")
 }
 
 /// Appends the client to `X-Forwarded-For` (as nginx's
@@ -971,18 +996,53 @@ fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
             headers.insert(name, v);
         }
     };
-    append(headers, &X_FORWARDED_FOR, ip.to_string());
-    // An IPv6 node is quoted and bracketed (RFC 7239 section 6).
-    let node = match ip {
-        std::net::IpAddr::V4(v4) => v4.to_string(),
-        std::net::IpAddr::V6(v6) => format!("\"[{v6}]\""),
-    };
-    append(
-        headers,
-        &header::FORWARDED,
-        format!("for={node};proto={proto}"),
-    );
+    let (xff, forwarded) = forwarded_values(ip, proto);
+    if headers.contains_key(&X_FORWARDED_FOR) {
+        append(
+            headers,
+            &X_FORWARDED_FOR,
+            xff.to_str().unwrap_or_default().into(),
+        );
+    } else {
+        headers.insert(&X_FORWARDED_FOR, xff);
+    }
+    if headers.contains_key(header::FORWARDED) {
+        append(
+            headers,
+            &header::FORWARDED,
+            forwarded.to_str().unwrap_or_default().into(),
+        );
+    } else {
+        headers.insert(header::FORWARDED, forwarded);
+    }
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+}
+
+/// This hop's `X-Forwarded-For` and `Forwarded` items for a client. The
+/// last client's are kept per thread: the many requests of one connection,
+/// or of clients behind one balancer, format them once.
+fn forwarded_values(ip: std::net::IpAddr, proto: &'static str) -> (HeaderValue, HeaderValue) {
+    type Entry = (std::net::IpAddr, &'static str, HeaderValue, HeaderValue);
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<Entry>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| {
+        if let Some((i, p, xff, fwd)) = last {
+            if *i == ip && *p == proto {
+                return (xff.clone(), fwd.clone());
+            }
+        }
+        // An IPv6 node is quoted and bracketed (RFC 7239 section 6).
+        let node = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("\"[{v6}]\""),
+        };
+        let xff = HeaderValue::from_str(&ip.to_string()).expect("an address is a header value");
+        let fwd = HeaderValue::from_str(&format!("for={node};proto={proto}"))
+            .expect("an address is a header value");
+        *last = Some((ip, proto, xff.clone(), fwd.clone()));
+        (xff, fwd)
+    })
 }
 
 /// The `decision` label of a refused write, if the refusal is a fencing
@@ -1285,5 +1345,43 @@ impl Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_the_prefix_and_the_counter_in_hex() {
+        for n in [0, 1, 15, 16, 255, 4096, 0xdead_beef, u64::MAX - 1, u64::MAX] {
+            let id = request_id("0123456789abcdef", n);
+            assert_eq!(id.to_str().unwrap(), format!("0123456789abcdef-{n:x}"));
+        }
+    }
+
+    #[test]
+    fn forwarded_items_follow_the_client_and_the_scheme() {
+        let v4: std::net::IpAddr = "192.0.2.7".parse().unwrap();
+        let v6: std::net::IpAddr = "2001:db8::1".parse().unwrap();
+        // Twice each, so that the per-thread entry is both made and reused,
+        // and replaced when the client or the scheme changes.
+        for _ in 0..2 {
+            for (ip, proto, xff, fwd) in [
+                (v4, "http", "192.0.2.7", "for=192.0.2.7;proto=http"),
+                (v4, "https", "192.0.2.7", "for=192.0.2.7;proto=https"),
+                (
+                    v6,
+                    "http",
+                    "2001:db8::1",
+                    "for=\"[2001:db8::1]\";proto=http",
+                ),
+            ] {
+                for _ in 0..2 {
+                    let (x, f) = forwarded_values(ip, proto);
+                    assert_eq!((x.to_str().unwrap(), f.to_str().unwrap()), (xff, fwd));
+                }
+            }
+        }
     }
 }

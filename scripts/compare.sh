@@ -10,15 +10,22 @@
 #   nginx-tls   nginx terminating TLS (HTTP/1.1, keep-alive) in front of
 #               the upstream
 #   steady-tls  fencegate's TLS listener, steady token (same certificate)
-# wrk and the upstream are pinned to CPU 0, each proxy (and store server) to
-# CPU 1. Rounds alternate between systems; medians are reported, with
-# ratios, the proxy's CPU per request, and the disk's fsync rate.
+#   nginx-h2c, steady-h2c, nginx-h2, steady-h2   HTTP/2 (cleartext with
+#               prior knowledge, and over TLS) with h2load: nginx's HTTP/2
+#               and fencegate's, both relaying HTTP/1.1 upstream
+# then 256 MiB uploads and downloads with curl, direct and through
+# fencegate, with fencegate's RSS before and its peak after.
+# The client and the upstream are pinned to CPU 0, each proxy (and store
+# server) to CPU 1. Rounds alternate between systems; medians are reported,
+# with ratios, the proxy's CPU per request, and the disk's fsync rate.
+# The report goes to $OUT (default target/compare): results.md, the tables
+# docs/benchmarks.md shows, and chart.svg (req/s and CPU per request).
 #
 # Usage: scripts/compare.sh [ROUNDS] [SECONDS]
 # With BASELINE_BIN=path/to/an/older/fencegate, two more rows (steady-base,
 # newkey-base) run that binary in the same rounds: what a change costs on
 # the request path, measured in one run.
-# Needs: wrk nginx haproxy taskset python3 curl, and for the shared-store
+# Needs: wrk h2load nginx haproxy taskset python3 curl, and for the shared-store
 # rows redis-server and postgresql (as root: PostgreSQL runs via runuser).
 # It installs nothing: it says what is missing.
 set -euo pipefail
@@ -26,11 +33,11 @@ cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 SECS=${2:-8}
 missing=()
-for t in wrk nginx haproxy taskset python3 curl redis-server runuser openssl; do command -v "$t" >/dev/null || missing+=("$t"); done
+for t in wrk h2load nginx haproxy taskset python3 curl redis-server runuser openssl; do command -v "$t" >/dev/null || missing+=("$t"); done
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1)
 [ -n "$PGBIN" ] && [ -x "$PGBIN/initdb" ] || missing+=(postgresql)
 if ((${#missing[@]})); then
-  echo "missing: ${missing[*]} (Debian: apt-get install wrk nginx haproxy util-linux curl redis-server postgresql openssl)" >&2
+  echo "missing: ${missing[*]} (Debian: apt-get install wrk nghttp2-client nginx haproxy util-linux curl redis-server postgresql openssl)" >&2
   exit 1
 fi
 cargo build --release --quiet
@@ -56,7 +63,10 @@ CONF
 }
 
 UP_PORT=$(port)
-nginx_conf upstream "$UP_PORT" 'location / { return 200 "ok\n"; }'
+# /big: a 256 MiB file for the download rows; a PUT to it is read and
+# discarded (the upload rows).
+mkdir -p "$WORK/files"
+nginx_conf upstream "$UP_PORT" "root $WORK/files; location / { return 200 \"ok\\n\"; } location /big { error_page 405 = @put; } location @put { return 200 \"ok\\n\"; }"
 taskset -c 0 nginx -c "$WORK/upstream/conf" -p "$WORK/upstream"; PIDS+=("$(cat "$WORK/upstream/pid")")
 
 NGINX_PORT=$(port)
@@ -73,6 +83,17 @@ nginx_conf tls "$NGINX_TLS_PORT" "ssl_certificate $WORK/tls.crt; ssl_certificate
 sed -i "s/listen 127.0.0.1:$NGINX_TLS_PORT;/listen 127.0.0.1:$NGINX_TLS_PORT ssl;/" "$WORK/tls/conf"
 taskset -c 1 nginx -c "$WORK/tls/conf" -p "$WORK/tls"; NGINX_TLS_PID=$(cat "$WORK/tls/pid"); PIDS+=("$NGINX_TLS_PID")
 NGINX_TLS_WORKER=$(pgrep -P "$NGINX_TLS_PID" | head -1)
+# nginx's HTTP/2, cleartext with prior knowledge (h2c) and over TLS.
+NGINX_H2C_PORT=$(port)
+nginx_conf h2c "$NGINX_H2C_PORT" 'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_request_buffering off; }'
+sed -i "s/listen 127.0.0.1:$NGINX_H2C_PORT;/listen 127.0.0.1:$NGINX_H2C_PORT http2;/" "$WORK/h2c/conf"
+taskset -c 1 nginx -c "$WORK/h2c/conf" -p "$WORK/h2c"; NGINX_H2C_PID=$(cat "$WORK/h2c/pid"); PIDS+=("$NGINX_H2C_PID")
+NGINX_H2C_WORKER=$(pgrep -P "$NGINX_H2C_PID" | head -1)
+NGINX_H2_PORT=$(port)
+nginx_conf h2 "$NGINX_H2_PORT" "ssl_certificate $WORK/tls.crt; ssl_certificate_key $WORK/tls.key; location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_request_buffering off; }"
+sed -i "s/listen 127.0.0.1:$NGINX_H2_PORT;/listen 127.0.0.1:$NGINX_H2_PORT ssl http2;/" "$WORK/h2/conf"
+taskset -c 1 nginx -c "$WORK/h2/conf" -p "$WORK/h2"; NGINX_H2_PID=$(cat "$WORK/h2/pid"); PIDS+=("$NGINX_H2_PID")
+NGINX_H2_WORKER=$(pgrep -P "$NGINX_H2_PID" | head -1)
 
 HAPROXY_PORT=$(port)
 cat > "$WORK/haproxy.cfg" <<CONF
@@ -148,11 +169,21 @@ LUA
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
 [ -n "${BASELINE_BIN:-}" ] && SYSTEMS+=(steady-base newkey-base)
-declare -A RES
+ROWS=$WORK/rows.tsv
+: > "$ROWS"
+head -c 1024 /dev/zero | tr '\0' x > "$WORK/body.bin"
+# HTTP/2 rows: h2load, 8 connections x 8 streams (the same 64 requests in
+# flight as wrk's 64 connections), 1 KiB POSTs with the token.
+h2() { # url -> "rps mean_ms"
+  taskset -c 0 h2load -t1 -c8 -m8 -D "$SECS" -d "$WORK/body.bin" -H 'x-fence-token: 1' "$1" > "$WORK/h2.txt" 2>&1 || { cat "$WORK/h2.txt" >&2; exit 1; }
+  if ! grep -Eq 'status codes: [0-9]+ 2xx, 0 3xx, 0 4xx, 0 5xx' "$WORK/h2.txt"; then echo "non-2xx answers from $1" >&2; cat "$WORK/h2.txt" >&2; exit 1; fi
+  awk '/^finished in/ {gsub(",", "", $4); r=$4} /^time for request:/ {m=$5} END {print r, m}' "$WORK/h2.txt"
+}
 for r in $(seq "$ROUNDS"); do
   for sys in "${SYSTEMS[@]}"; do
+    tool=wrk
     case $sys in
       direct) url="http://127.0.0.1:$UP_PORT/k"; script=steady; pid="";;
       nginx) url="http://127.0.0.1:$NGINX_PORT/k"; script=steady; pid=$NGINX_WORKER;;
@@ -166,43 +197,66 @@ for r in $(seq "$ROUNDS"); do
       steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
       steady-base) url="http://$FGB_ADDR/k"; script=steady; pid=$FGB_PID;;
       newkey-base) url="http://$FGB_ADDR/new/$r-$sys/"; script=newkey; pid=$FGB_PID;;
+      nginx-h2c) tool=h2; url="http://127.0.0.1:$NGINX_H2C_PORT/k"; pid=$NGINX_H2C_WORKER;;
+      steady-h2c) tool=h2; url="http://$FG_ADDR/k"; pid=$FG_PID;;
+      nginx-h2) tool=h2; url="https://127.0.0.1:$NGINX_H2_PORT/k"; pid=$NGINX_H2_WORKER;;
+      steady-h2) tool=h2; url="https://$FG_TLS/k"; pid=$FG_PID;;
     esac
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
-    taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
+    if [ $tool = wrk ]; then
+      taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
+      if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
+      rps=$(awk '/Requests\/sec/ {print $2}' "$WORK/wrk.txt")
+      p50=$(to_ms "$(awk '$1=="50%" {print $2}' "$WORK/wrk.txt")")
+      p99=$(to_ms "$(awk '$1=="99%" {print $2}' "$WORK/wrk.txt")")
+    else
+      read -r rps mean < <(h2 "$url")
+      # h2load reports no percentiles: its mean goes in the p50 column.
+      p50=$(to_ms "$mean"); p99=-
+    fi
     c1=0; [ -n "$pid" ] && c1=$(cpu "$pid")
-    if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
-    rps=$(awk '/Requests\/sec/ {print $2}' "$WORK/wrk.txt")
-    p50=$(to_ms "$(awk '$1=="50%" {print $2}' "$WORK/wrk.txt")")
-    p99=$(to_ms "$(awk '$1=="99%" {print $2}' "$WORK/wrk.txt")")
     cpu_us=$(python3 -c "print(round(($c1-$c0)*1e6/($rps*$SECS),1))")
-    RES[$sys]+="$rps $p50 $p99 $cpu_us;"
+    printf 'rps\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$r" "$rps" "$p50" "$p99" "$cpu_us" >> "$ROWS"
     echo "round $r $sys: req/s=$rps p50=${p50}ms p99=${p99}ms cpu/req=${cpu_us}us" >&2
   done
 done
+
+# 256 MiB transfers with curl, direct and through fencegate, alternating.
+# Memory must stay flat: bodies stream, never buffer.
+RSS_BEFORE=$(awk '/VmRSS/ {printf "%.0f", $2/1024}' "/proc/$FG_PID/status")
+head -c $((256 << 20)) /dev/urandom > "$WORK/files/big"
+chmod a+r "$WORK/files/big"
+transfer() { # up|down url
+  if [ "$1" = up ]; then
+    taskset -c 0 curl -sf -o /dev/null -w '%{speed_upload}' -X PUT -H 'X-Fence-Token: 5' -H 'Expect:' --data-binary @"$WORK/files/big" "$2"
+  else
+    taskset -c 0 curl -sf -o /dev/null -w '%{speed_download}' "$2"
+  fi
+}
+for r in $(seq "$ROUNDS"); do
+  for t in up down; do
+    for via in direct fencegate; do
+      url="http://127.0.0.1:$UP_PORT/big"; pid=""
+      [ $via = fencegate ] && url="http://$FG_ADDR/big" && pid=$FG_PID
+      c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
+      bps=$(transfer $t "$url")
+      c1=0; [ -n "$pid" ] && c1=$(cpu "$pid")
+      mibs=$(python3 -c "print(round($bps / 2**20, 1))")
+      cpu_mib=-; [ -n "$pid" ] && cpu_mib=$(python3 -c "print(round(($c1-$c0)*1e6/256, 1))")
+      name=$([ $t = up ] && echo upload || echo download)-$via
+      printf 'mibs\t%s\t%s\t%s\t-\t-\t%s\n' "$name" "$r" "$mibs" "$cpu_mib" >> "$ROWS"
+      echo "round $r $name: ${mibs} MiB/s" >&2
+    done
+  done
+done
+RSS_PEAK=$(awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$FG_PID/status")
 FSYNC=$(python3 scripts/fsync_rate.py "$WORK" 3)
 
-median() { python3 -c 'import sys,statistics; print(statistics.median(float(x) for x in sys.argv[1:]))' "$@"; }
-col() { echo "${RES[$1]}" | tr ';' '\n' | awk -v c="$2" 'NF {print $c}'; }
-BEST=$(python3 -c "print(max($(median $(col nginx 1)), $(median $(col haproxy 1))))")
+OUT=${OUT:-$PWD/target/compare}
+mkdir -p "$OUT"
+MACHINE="$(nproc) cores, $(uname -r), $(date -u '+%Y-%m-%d %H:%M') UTC; $ROUNDS alternating rounds x ${SECS}s; wrk -t1 -c64 (h2load -c8 -m8), 1 KiB bodies; client and upstream on CPU 0, proxy (and store) on CPU 1"
 echo
-echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d); $ROUNDS alternating rounds x ${SECS}s, medians; wrk -t1 -c64, 1 KiB PUT; wrk+upstream on CPU 0, proxy (and store) on CPU 1"
+python3 scripts/compare_report.py "$ROWS" "$OUT" "$MACHINE" "$FSYNC"
+echo "- fencegate RSS before the transfers: ${RSS_BEFORE} MiB; peak (VmHWM) after them: ${RSS_PEAK} MiB" | tee -a "$OUT/results.md"
 echo
-echo "| system | req/s | p50 ms | p99 ms | proxy CPU us/req | vs direct | vs best plain proxy |"
-echo "|---|---|---|---|---|---|---|"
-D=$(median $(col direct 1))
-for sys in "${SYSTEMS[@]}"; do
-  rps=$(median $(col "$sys" 1)); p50=$(median $(col "$sys" 2)); p99=$(median $(col "$sys" 3)); c=$(median $(col "$sys" 4))
-  [ "$sys" = direct ] && c="-"
-  printf '| %s | %.0f | %s | %s | %s | %.2fx | %.2fx |\n' "$sys" "$rps" "$p50" "$p99" "$c" "$(python3 -c "print($rps/$D)")" "$(python3 -c "print($rps/$BEST)")"
-done
-NK=$(median $(col newkey 1)); STR=$(median $(col steady-redis 1)); ST=$(median $(col steady 1))
-echo
-echo "disk fsync rate (4 KiB write+fsync, same filesystem): $FSYNC/s"
-echo "new-key durable advances per disk fsync: $(python3 -c "print(f'{$NK/$FSYNC:.2f}x')")"
-echo "redis steady vs embedded steady: $(python3 -c "print(f'{$STR/$ST:.2f}x')")"
-NT=$(median $(col nginx-tls 1)); FT=$(median $(col steady-tls 1))
-echo "fencegate over TLS vs its plain listener: $(python3 -c "print(f'{$FT/$ST:.2f}x')"); vs nginx terminating TLS: $(python3 -c "print(f'{$FT/$NT:.2f}x')")"
-if [ -n "${BASELINE_BIN:-}" ]; then
-  SB=$(median $(col steady-base 1)); NB=$(median $(col newkey-base 1))
-  echo "this build vs the baseline binary: steady $(python3 -c "print(f'{$ST/$SB:.2f}x')") (CPU/req $(median $(col steady 4)) vs $(median $(col steady-base 4)) us), new key $(python3 -c "print(f'{$NK/$NB:.2f}x')") (CPU/req $(median $(col newkey 4)) vs $(median $(col newkey-base 4)) us)"
-fi
+echo "written: $OUT/results.md, $OUT/chart.svg"

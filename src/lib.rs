@@ -16,7 +16,8 @@
 //!   older in-flight writes, crash recovery.
 //! - [`store`]: the [`store::FenceStore`] trait and its engines
 //!   ([`store::embedded`], redb with group commit).
-//! - [`proxy`]: classifying requests, fencing writes, relaying to upstreams.
+//! - [`proxy`]: the request path: classifying a request (`proxy/classify.rs`),
+//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`).
 //! - [`upstream`]: a route's upstream connections (a pool per worker) and
 //!   one exchange, with the rule that a write is never sent twice.
 //! - [`error`]: the one place where errors become HTTP answers

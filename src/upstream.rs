@@ -113,10 +113,11 @@ impl Upstream {
             };
             let sent = match conn {
                 Conn::H1(mut sender) => {
+                    h1_form(&mut req);
                     if let Err(e) = sender.ready().await {
                         // Closed while idle: nothing was written.
                         if fresh {
-                            return Err(UpstreamError::Exchange(e));
+                            return Err(closed_at_once(e));
                         }
                         continue;
                     }
@@ -139,7 +140,7 @@ impl Upstream {
                     h2_form(&mut req, &self.dial);
                     if let Err(e) = sender.ready().await {
                         if fresh {
-                            return Err(UpstreamError::Exchange(e));
+                            return Err(closed_at_once(e));
                         }
                         continue;
                     }
@@ -162,7 +163,9 @@ impl Upstream {
 
     /// An idle connection of this worker, newest first, or `None`.
     fn checkout(&self, worker: usize) -> Option<Conn> {
-        let mut pool = self.pools[worker].lock().expect("pool lock");
+        let mut pool = self.pools[worker]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(h2) = &pool.h2 {
             if !h2.is_closed() {
                 return Some(Conn::H2(h2.clone()));
@@ -203,7 +206,10 @@ impl Upstream {
             // The driver ends when the upstream closes the connection or
             // the last sender is dropped (pool reaped, route reloaded).
             tokio::spawn(conn);
-            self.pools[worker].lock().expect("pool lock").h2 = Some(sender.clone());
+            self.pools[worker]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .h2 = Some(sender.clone());
             Ok(Conn::H2(sender))
         } else {
             let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
@@ -212,13 +218,29 @@ impl Upstream {
         }
     }
 
-    /// A connection whose response ended, ready for the next request.
-    fn give_back(&self, worker: usize, sender: http1::SendRequest<ProxyBody>) {
+    /// A connection whose response ended. It may still be sending its
+    /// request body (the upstream answered early): it goes back to the pool
+    /// only once it is ready, so that no request queues behind an upload.
+    fn give_back(self: Arc<Self>, worker: usize, mut sender: http1::SendRequest<ProxyBody>) {
         if sender.is_closed() {
             return;
         }
+        if !sender.is_ready() {
+            tokio::spawn(async move {
+                if sender.ready().await.is_ok() {
+                    self.idle_again(worker, sender);
+                }
+            });
+            return;
+        }
+        self.idle_again(worker, sender);
+    }
+
+    fn idle_again(&self, worker: usize, sender: http1::SendRequest<ProxyBody>) {
         let now = Instant::now();
-        let mut pool = self.pools[worker].lock().expect("pool lock");
+        let mut pool = self.pools[worker]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.reap(&mut pool, now);
         if pool.h1.len() >= MAX_IDLE {
             pool.h1.pop_front();
@@ -241,9 +263,14 @@ impl Upstream {
     pub fn reap_idle(&self) {
         let now = Instant::now();
         for pool in self.pools.iter() {
-            let mut pool = pool.lock().expect("pool lock");
+            let mut pool = pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.is_closed());
+            if pool.h2.as_ref().is_some_and(http2::SendRequest::is_closed) {
+                pool.h2 = None;
+            }
         }
     }
 
@@ -251,8 +278,40 @@ impl Upstream {
     pub fn idle(&self) -> usize {
         self.pools
             .iter()
-            .map(|p| p.lock().expect("pool lock").h1.len())
+            .map(|p| {
+                p.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .h1
+                    .len()
+            })
             .sum()
+    }
+}
+
+/// A fresh connection the upstream closed before it took the request: the
+/// request was not sent, as when the connection could not be made.
+fn closed_at_once(e: hyper::Error) -> UpstreamError {
+    UpstreamError::Connect(format!(
+        "the upstream closed a new connection at once: {}",
+        crate::proxy::error_chain(&e)
+    ))
+}
+
+/// Undoes [`h2_form`] for a request that goes out over HTTP/1.1 after all
+/// (a retry on another connection): origin form, the authority back in
+/// Host.
+fn h1_form(req: &mut Request<ProxyBody>) {
+    let Some(authority) = req.uri().authority().cloned() else {
+        return;
+    };
+    if !req.headers().contains_key(header::HOST) {
+        if let Ok(v) = HeaderValue::from_str(authority.as_str()) {
+            req.headers_mut().insert(header::HOST, v);
+        }
+    }
+    let target = req.uri().path_and_query().cloned();
+    if let Some(target) = target {
+        *req.uri_mut() = Uri::from(target);
     }
 }
 

@@ -815,6 +815,52 @@ async fn a_grace_period_ending_with_a_write_in_flight_records_no_clean_stop() {
     assert_eq!(a.json()["type"], "urn:fencegate:problem:recovering");
 }
 
+/// The same over HTTP/2: hyper runs each stream as a task of its own, apart
+/// from its connection's, so the drain must count the write's exchange from
+/// its start, not only once its stream's task is dropped.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grace_period_ending_with_an_h2_write_in_flight_records_no_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--upstream-timeout", "4s", "--shutdown-grace", "300ms"])
+        .spawn();
+    let url = p.url("/g2");
+    let old = tokio::spawn(async move {
+        let client: hyper_util::client::legacy::Client<_, Body> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .http2_only(true)
+                .build_http();
+        let req = http::Request::put(url)
+            .header("x-fence-token", "1")
+            .header("x-test-delay-ms", "2500")
+            .header("content-length", "1")
+            .body(full("x"))
+            .unwrap();
+        let _ = client.request(req).await;
+    });
+    eventually("token 1 arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    let exit = p.sigterm();
+    assert_eq!(exit.code(), Some(3), "{exit:?}\n{}", p.stderr());
+    assert!(
+        !p.stderr().contains("clean stop recorded"),
+        "a clean stop was recorded with an h2 write upstream: {}",
+        p.stderr()
+    );
+    let _ = old.await;
+    p.restart();
+    let a = put(&p.url("/g2"), "2").await;
+    assert_eq!(
+        a.status,
+        503,
+        "no recovery wait after an unclean stop: {}",
+        a.text()
+    );
+}
+
 /// A drain waits for a forwarded write whose client has hung up: the write
 /// is still being applied, and a clean mark before it ends would let the
 /// next start forward a newer write at once.

@@ -27,6 +27,10 @@ enum Mode {
     /// On the first connection, reads the whole request and closes without
     /// an answer; later connections answer normally.
     CutFirstAfterRequest,
+    /// Answers a PUT 403 as soon as its head has arrived, then reads its
+    /// body and keeps the connection (as an object store refusing an
+    /// upload does); answers anything else 200.
+    RefusePutsEarly,
 }
 
 struct RawUpstream {
@@ -66,6 +70,12 @@ async fn start_raw_upstream(mode: Mode) -> RawUpstream {
 /// Reads one request (head and a Content-Length body); `None` at a clean
 /// end of the connection.
 async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let (_, len) = read_head(s, buf).await?;
+    read_body(s, buf, len).await
+}
+
+/// Reads a request head; its method and Content-Length.
+async fn read_head(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<(String, usize)> {
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
@@ -82,7 +92,13 @@ async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Optio
         .lines()
         .find_map(|l| l.strip_prefix("content-length:"))
         .map_or(0, |v| v.trim().parse().unwrap());
-    while buf.len() < head_end + len {
+    let method = head.split(' ').next().unwrap_or_default().to_string();
+    buf.drain(..head_end);
+    Some((method, len))
+}
+
+async fn read_body(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, len: usize) -> Option<()> {
+    while buf.len() < len {
         let mut chunk = [0u8; 4096];
         let n = s.read(&mut chunk).await.ok()?;
         if n == 0 {
@@ -90,7 +106,7 @@ async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Optio
         }
         buf.extend_from_slice(&chunk[..n]);
     }
-    buf.drain(..head_end + len);
+    buf.drain(..len);
     Some(())
 }
 
@@ -102,6 +118,22 @@ async fn serve_raw(
 ) {
     let mut buf = Vec::new();
     let mut served = 0;
+    if matches!(mode, Mode::RefusePutsEarly) {
+        while let Some((method, len)) = read_head(&mut s, &mut buf).await {
+            requests.fetch_add(1, Ordering::SeqCst);
+            let answer = if method == "put" {
+                "HTTP/1.1 403 Forbidden\r\ncontent-length: 3\r\n\r\nno\n"
+            } else {
+                "HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n"
+            };
+            if s.write_all(answer.as_bytes()).await.is_err()
+                || read_body(&mut s, &mut buf, len).await.is_none()
+            {
+                return;
+            }
+        }
+        return;
+    }
     loop {
         let next = match mode {
             Mode::IdleClose(idle) if served > 0 => {
@@ -215,5 +247,42 @@ async fn a_write_that_may_have_been_sent_is_never_sent_again() {
     assert_eq!(up.connections.load(Ordering::SeqCst), 1);
     // The next write goes out on a fresh connection.
     assert_eq!(put(&p.url("/k"), "5").await.status, 200);
+    assert_eq!(up.requests.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_request_waits_behind_an_upload_the_upstream_answered_early() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::RefusePutsEarly).await;
+    let p = proxy_for(&up, dir.path());
+    // An upload whose body is mostly still to come when the upstream
+    // refuses it.
+    let mut upload = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    upload
+        .write_all(
+            b"PUT /big HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 100000\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    upload.write_all(&[b'x'; 1000]).await.unwrap();
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let mut chunk = [0u8; 1024];
+        let n = upload.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the proxy closed the upload");
+        head.extend_from_slice(&chunk[..n]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 403"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    // That upstream connection is still taking the upload's body. A read
+    // on the same worker must not be queued behind it.
+    let read =
+        tokio::time::timeout(Duration::from_secs(10), send("GET", &p.url("/r"), &[], "")).await;
+    let read = read.expect("a read waited behind an upload still in progress");
+    assert_eq!(read.status, 200, "{}", read.text());
+    upload.write_all(&[b'x'; 99_000]).await.unwrap();
     assert_eq!(up.requests.load(Ordering::SeqCst), 2);
 }

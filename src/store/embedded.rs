@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
@@ -51,6 +51,8 @@ const MAX_BATCH: usize = 8192;
 /// while writes still fail.
 const PROBE_BYTES: usize = 256 * 1024;
 const PROBE: TableDefinition<&str, &[u8]> = TableDefinition::new("probe");
+/// How often the writer probes by itself while the store is unhealthy.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// Why the embedded store could not be opened. These stop the start.
 #[derive(Debug, thiserror::Error)]
@@ -313,6 +315,7 @@ impl EmbeddedStore {
             healthy: healthy.clone(),
             commits: commits.clone(),
             closed: false,
+            last_probe: None,
         };
         let handle = std::thread::Builder::new()
             .name("fencegate-store".into())
@@ -499,13 +502,30 @@ struct Writer {
     next_mark: Arc<AtomicU64>,
     /// Set once a clean stop is recorded: no write may follow it.
     closed: bool,
+    /// When the store last probed for room (while unhealthy).
+    last_probe: Option<Instant>,
 }
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<(Op, Option<Courier>)>) {
         let mut batch = Vec::new();
         let mut couriers = Vec::new();
-        while let Ok((op, courier)) = rx.recv() {
+        loop {
+            // While unhealthy, nothing may come to heal the store: probe
+            // once a second by itself.
+            let next = if self.healthy.load(Ordering::Acquire) {
+                rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+            } else {
+                rx.recv_timeout(PROBE_EVERY)
+            };
+            let (op, courier) = match next {
+                Ok(next) => next,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = self.probe();
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
             batch.push(op);
             couriers.push(courier);
             while batch.len() < MAX_BATCH {
@@ -537,21 +557,61 @@ impl Writer {
         Ok(self.db.as_ref().expect("just set"))
     }
 
-    /// Removes the readiness probe's bytes in a commit of its own, so the
-    /// room they proved is given back.
-    fn drop_probe(&mut self) -> Result<(), StoreError> {
-        let db = self.db()?;
-        let txn = db.begin_write().map_err(|e| self.fail(e))?;
-        txn.delete_table(PROBE).map_err(|e| self.fail(e))?;
-        txn.commit().map_err(|e| self.fail(e))?;
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+    /// Proves that the disk takes writes again: [`PROBE_BYTES`] committed,
+    /// then removed in a commit of its own, so the room is given back. In
+    /// transactions of their own, so that the probe never takes a real
+    /// batch down with it.
+    fn probe(&mut self) -> Result<(), StoreError> {
+        self.last_probe = Some(Instant::now());
+        let result = (|| {
+            let db = self.db()?;
+            let txn = db.begin_write().map_err(|e| self.fail(e))?;
+            {
+                let mut t = txn.open_table(PROBE).map_err(|e| self.fail(e))?;
+                t.insert("room", vec![0x5a_u8; PROBE_BYTES].as_slice())
+                    .map_err(|e| self.fail(e))?;
+            }
+            txn.commit().map_err(|e| self.fail(e))?;
+            let db = self.db()?;
+            let txn = db.begin_write().map_err(|e| self.fail(e))?;
+            txn.delete_table(PROBE).map_err(|e| self.fail(e))?;
+            txn.commit().map_err(|e| self.fail(e))?;
+            self.commits.fetch_add(2, Ordering::Relaxed);
+            Ok(())
+        })();
+        match &result {
+            Ok(()) => self.healthy.store(true, Ordering::Release),
+            Err(e) => {
+                tracing::warn!(error = %e, "fence store still cannot write");
+                self.db = None;
+            }
+        }
+        result
     }
 
     /// Each operation's answer, in batch order.
     fn apply(&mut self, batch: &[Op]) -> Vec<Result<Answer, StoreError>> {
         match self.try_apply(batch) {
-            Ok(answers) => answers.into_iter().map(Ok).collect(),
+            Ok(answers) => {
+                // While the store is unhealthy, a readiness check probes at
+                // once, and the writer itself once a second, so the store
+                // heals whether or not anything asks /readyz.
+                let ping = batch.iter().any(|op| matches!(op, Op::Ping { .. }));
+                let due = self.last_probe.is_none_or(|at| at.elapsed() >= PROBE_EVERY);
+                let probed = if !self.healthy.load(Ordering::Acquire) && (ping || due) {
+                    self.probe().err()
+                } else {
+                    None
+                };
+                batch
+                    .iter()
+                    .zip(answers)
+                    .map(|(op, answer)| match (op, &probed) {
+                        (Op::Ping { .. }, Some(e)) => Err(e.clone()),
+                        _ => Ok(answer),
+                    })
+                    .collect()
+            }
             Err(e) => {
                 // Every waiter gets the real cause (it reaches the log and
                 // the 503's detail), not a closed channel.
@@ -568,9 +628,6 @@ impl Writer {
     /// that, on error, every operation in it can be answered with the error.
     fn try_apply(&mut self, batch: &[Op]) -> Result<Vec<Answer>, StoreError> {
         let recovering = !self.healthy.load(Ordering::Acquire);
-        // Only a probe of real size proves that the disk has room again; a
-        // small batch that happens to commit does not.
-        let probe = recovering && batch.iter().any(|op| matches!(op, Op::Ping { .. }));
         let needs_write = recovering
             || batch
                 .iter()
@@ -700,11 +757,6 @@ impl Writer {
                 meta.insert("probe", n.wrapping_add(1))
                     .map_err(|e| self.fail(e))?;
             }
-            if probe {
-                let mut t = txn.open_table(PROBE).map_err(|e| self.fail(e))?;
-                t.insert("room", vec![0x5a_u8; PROBE_BYTES].as_slice())
-                    .map_err(|e| self.fail(e))?;
-            }
         }
         // Published before the commit: a commit that fails may still have
         // reached the disk, so its numbers are never handed out again. (A
@@ -716,18 +768,10 @@ impl Writer {
             let now = self.marks.load(Ordering::Relaxed) + added;
             self.marks
                 .store(now.saturating_sub(removed), Ordering::Relaxed);
-            // The batch is durable whatever happens next: its answers
-            // stand. A probe whose bytes cannot be removed leaves the store
-            // unhealthy, to be probed again.
-            let proven = probe && {
-                let dropped = self.drop_probe();
-                if let Err(e) = &dropped {
-                    tracing::error!(error = %e, "fence store probe cleanup failed");
-                    self.db = None;
-                }
-                dropped.is_ok()
-            };
-            if proven || !recovering {
+            // Only a probe of real size proves that the disk has room
+            // again (see `apply`); a small batch that happens to commit
+            // does not.
+            if !recovering {
                 self.healthy.store(true, Ordering::Release);
             }
         } else {

@@ -1,0 +1,352 @@
+//! Classifying a request before anything is forwarded: is it a write (its
+//! method, a method override, a form POST), which fence keys it takes (its
+//! target, a COPY/MOVE `Destination`), and the header checks that refuse
+//! ambiguous framing or hosts.
+
+use super::*;
+
+/// Headers that name a different method than the request line's.
+pub(super) const OVERRIDE_HEADERS: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// The host a request names, through one parse whatever carries it (`Host`,
+/// an absolute-form target, HTTP/2's `:authority`): both, when present,
+/// must name the same host and port. Refuses a repeated `Host` (RFC 9112
+/// section 3.2) and a `Connection` header naming `Host`, which would strip
+/// the header routing was decided on.
+pub(super) fn request_host<B>(req: &Request<B>) -> Result<Option<String>, ProxyError> {
+    let bad = |why: &str| ProxyError::BadRequest(why.to_string());
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host_header = hosts.next();
+    if hosts.next().is_some() {
+        return Err(bad("more than one Host header"));
+    }
+    let names_host = req
+        .headers()
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("host"));
+    if names_host {
+        return Err(bad("the Connection header names Host"));
+    }
+    let parse = |text: &str| key::authority_host(text).map_err(ProxyError::BadTarget);
+    let from_header = host_header
+        .map(|h| {
+            h.to_str()
+                .map_err(|_| bad("the Host header is not ASCII"))
+                .and_then(parse)
+        })
+        .transpose()?;
+    let from_target = req
+        .uri()
+        .authority()
+        .map(|a| parse(a.as_str()))
+        .transpose()?;
+    match (from_target, from_header) {
+        (Some(t), Some(h)) if t != h => Err(ProxyError::BadTarget(KeyError::ForeignHost)),
+        (Some((host, _)), _) | (None, Some((host, _))) => Ok(Some(host)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The percent-decoded values of `name` in a query string (`+` is a space
+/// there); `None` for a value that does not decode to UTF-8. Names are
+/// compared decoded, so `%5Fmethod` is `_method`.
+pub(super) fn query_values<'a>(
+    query: &'a str,
+    name: &'a str,
+) -> impl Iterator<Item = Option<String>> + 'a {
+    let decode = |s: &str| {
+        key::percent_decode(&s.replace('+', " "))
+            .ok()
+            .and_then(|b| String::from_utf8(b).ok())
+    };
+    // Most queries name no `_method` in any spelling: skip the decoding.
+    let maybe = query.contains(name) || query.contains('%');
+    query
+        .split('&')
+        .filter(move |_| maybe)
+        .filter_map(move |pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(k).as_deref() == Some(name)).then(|| decode(v))
+        })
+}
+
+/// A form body (`application/x-www-form-urlencoded` or
+/// `multipart/form-data`), where frameworks also read `_method`.
+pub(super) fn is_form(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| {
+            let t = v.split(';').next().unwrap_or("").trim();
+            t.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+                || t.eq_ignore_ascii_case("multipart/form-data")
+        })
+}
+
+pub(super) fn is_copy_or_move(method: &Method, headers: &HeaderMap, query: Option<&str>) -> bool {
+    let named = |m: &str| m.eq_ignore_ascii_case("COPY") || m.eq_ignore_ascii_case("MOVE");
+    named(method.as_str())
+        || OVERRIDE_HEADERS
+            .iter()
+            .flat_map(|h| headers.get_all(*h))
+            .any(|v| v.to_str().is_ok_and(|m| named(m.trim())))
+        || query_values(query.unwrap_or(""), "_method").any(|m| m.is_some_and(|m| named(m.trim())))
+}
+
+/// Refuses message framing that two HTTP implementations could read two
+/// ways (request smuggling): both Content-Length and Transfer-Encoding,
+/// several Content-Length headers, or a transfer coding other than exactly
+/// `chunked`. The parser accepts some of these; a proxy must not.
+pub(super) fn check_framing(method: &Method, headers: &HeaderMap) -> Result<(), ProxyError> {
+    let bad = |why: &str| ProxyError::BadFraming(why.to_string());
+    // The upstream client drops a chunked body on GET and HEAD: refused
+    // rather than silently lost.
+    if matches!(*method, Method::GET | Method::HEAD)
+        && headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        return Err(bad("a chunked body on GET or HEAD"));
+    }
+    let lengths = headers.get_all(header::CONTENT_LENGTH).iter().count();
+    if lengths > 1 {
+        return Err(bad("more than one Content-Length header"));
+    }
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    if codings.peek().is_some() {
+        if lengths > 0 {
+            return Err(bad("both Content-Length and Transfer-Encoding"));
+        }
+        let all: Vec<&[u8]> = codings.map(|v| v.as_bytes()).collect();
+        if all.len() != 1 || !all[0].trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            return Err(bad("Transfer-Encoding other than a single `chunked`"));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// What a request is, decided before anything waits or is forwarded.
+pub(super) struct Classified<'t> {
+    pub(super) rt: &'t RouteRuntime,
+    pub(super) path: CanonicalPath,
+    /// `None` for a read.
+    pub(super) write: Option<WriteIntent>,
+}
+
+/// A write's fence keys (its target first, then a COPY/MOVE destination)
+/// and its token.
+pub(super) struct WriteIntent {
+    pub(super) keys: Vec<String>,
+    pub(super) token: u64,
+}
+
+impl Proxy {
+    /// Decides what a request is before anything waits or leaves: its
+    /// route and upstream target, and for a write its fence keys and token.
+    /// Every refusal that needs no store (400, 413, 428...) happens here.
+    pub(super) fn classify<'t>(
+        &self,
+        table: &'t RouteTable,
+        req: &mut Request<Incoming>,
+        ctx: &mut RequestContext,
+    ) -> Result<Classified<'t>, ProxyError> {
+        ctx.method = req.method().clone();
+        if req.method() == Method::CONNECT {
+            return Err(ProxyError::MethodNotAllowed("CONNECT".into()));
+        }
+        check_framing(req.method(), req.headers())?;
+        let host = request_host(req)?;
+        if host.is_none() && table.host_routes {
+            // Without a host it could only take a catch-all route, which may
+            // fence the same backend under another namespace.
+            return Err(ProxyError::BadRequest("a Host header is required".into()));
+        }
+        let target = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+
+        // The route is chosen on the decoded path, the one form every
+        // spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`),
+        // then that route's own parse gives the key and the upstream
+        // target. A canonical route refuses what it cannot key
+        // unambiguously; the spelling cannot slip to another route.
+        let parsed = key::route_form(&target).and_then(|form| {
+            let Some(rt) = table.find_route(host.as_deref(), &form) else {
+                return Ok(None);
+            };
+            if rt.route.literal_keys {
+                key::literal(&target)
+            } else {
+                key::canonicalize(&target)
+            }
+            .map(|path| Some((rt, path)))
+        });
+        let (rt, path) = match parsed {
+            Ok(Some(found)) => found,
+            Ok(None) => return Err(ProxyError::NoRoute),
+            Err(e) => {
+                ctx.write = true; // unparsed: assume the worst for logging
+                return Err(ProxyError::BadTarget(e));
+            }
+        };
+        let route = &rt.route;
+        ctx.route = Some(route.name.clone());
+        ctx.requests = Some(rt.metrics.requests.clone());
+        ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;
+        if !ctx.write {
+            return Ok(Classified {
+                rt,
+                path,
+                write: None,
+            });
+        }
+
+        // Writes: everything that can be refused is checked before anything
+        // is forwarded.
+        let mut keys = vec![self.fence_key(route, &path, req.headers())?];
+        ctx.key = Some(keys[0].clone());
+        if is_copy_or_move(req.method(), req.headers(), req.uri().query()) {
+            if let Some(dest) = req.headers().get("destination") {
+                let (key, rewritten) =
+                    self.destination_key(table, rt, dest, host.as_deref(), req.headers())?;
+                keys.push(key);
+                // The backend gets the destination it was fenced as.
+                req.headers_mut().insert("destination", rewritten);
+            }
+        }
+        if let (Some(limit), Some(len)) =
+            (self.limits.max_body_bytes, content_length(req.headers()))
+        {
+            if len > limit {
+                return Err(ProxyError::BodyTooLarge { limit });
+            }
+        }
+        // hyper ends an HTTP/2 request body cleanly when the client resets
+        // the stream with NO_ERROR or CANCEL: without a declared length a
+        // truncated body would reach the backend as a complete one.
+        if req.version() == http::Version::HTTP_2
+            && !req.body().is_end_stream()
+            && !req.headers().contains_key(header::CONTENT_LENGTH)
+        {
+            return Err(ProxyError::LengthRequired);
+        }
+        let token = token_from_headers(req.headers()).map_err(ProxyError::Token)?;
+        ctx.token = Some(token);
+        Ok(Classified {
+            rt,
+            path,
+            write: Some(WriteIntent { keys, token }),
+        })
+    }
+
+    /// A request is a write if its method is, or if a method override
+    /// names a write method (so a GET overridden to DELETE is fenced): the
+    /// override headers, and `_method` in the query string (Rails, Laravel,
+    /// Express's method-override). A form POST (`_method` may be in its
+    /// body, which is not read before forwarding) is fenced as a write.
+    pub(super) fn is_write(
+        &self,
+        route: &Route,
+        method: &Method,
+        headers: &HeaderMap,
+        query: Option<&str>,
+    ) -> Result<bool, ProxyError> {
+        let named = |what: &str, m: Option<&str>| {
+            m.map(str::trim)
+                .filter(|m| !m.is_empty() && Method::from_bytes(m.as_bytes()).is_ok())
+                .map(|m| route.write_methods.is_write(m))
+                .ok_or_else(|| ProxyError::BadRequest(format!("{what} does not name a method")))
+        };
+        let mut write = route.write_methods.is_write(method.as_str());
+        for name in OVERRIDE_HEADERS {
+            for value in headers.get_all(name) {
+                write |= named(name, value.to_str().ok())?;
+            }
+        }
+        for value in query_values(query.unwrap_or(""), "_method") {
+            write |= named("the _method parameter", value.as_deref())?;
+        }
+        if *method == Method::POST && !write && is_form(headers) {
+            write = true;
+        }
+        Ok(write)
+    }
+
+    pub(super) fn fence_key(
+        &self,
+        route: &Route,
+        path: &CanonicalPath,
+        headers: &HeaderMap,
+    ) -> Result<String, ProxyError> {
+        let text = route
+            .key
+            .key_text(path, headers)
+            .map_err(ProxyError::BadTarget)?;
+        let len = route.namespace.len() + 1 + text.len();
+        if len > self.limits.max_key_bytes {
+            return Err(ProxyError::KeyTooLong {
+                len,
+                limit: self.limits.max_key_bytes,
+            });
+        }
+        Ok(format!("{}:{}", route.namespace, text))
+    }
+
+    /// The key of a COPY/MOVE `Destination`, parsed like a request target of
+    /// the same route. A destination on another host or route is refused:
+    /// this proxy could not fence it.
+    pub(super) fn destination_key(
+        &self,
+        table: &RouteTable,
+        rt: &RouteRuntime,
+        dest: &HeaderValue,
+        host: Option<&str>,
+        headers: &HeaderMap,
+    ) -> Result<(String, HeaderValue), ProxyError> {
+        let bad = |why: &str| ProxyError::BadRequest(format!("Destination header: {why}"));
+        let text = dest.to_str().map_err(|_| bad("not ASCII"))?;
+        let uri: Uri = text.parse().map_err(|_| bad("not a URI"))?;
+        if let Some(auth) = uri.authority() {
+            let (h, _) = key::authority_host(auth.as_str()).map_err(ProxyError::BadTarget)?;
+            if Some(h.as_str()) != host {
+                return Err(bad("names another host"));
+            }
+        }
+        let target = uri.path_and_query().map_or("/", |p| p.as_str());
+        let form = key::route_form(target).map_err(ProxyError::BadTarget)?;
+        let path = if rt.route.literal_keys {
+            key::literal(target)
+        } else {
+            key::canonicalize(target)
+        }
+        .map_err(ProxyError::BadTarget)?;
+        match table.find_route(host, &form) {
+            Some(other) if std::ptr::eq(other, rt) => {}
+            _ => return Err(bad("is not served by the same route")),
+        }
+        let rewritten = match (uri.scheme(), uri.authority()) {
+            (Some(scheme), Some(auth)) => format!("{scheme}://{auth}{}", path.upstream_target),
+            _ => path.upstream_target.clone(),
+        };
+        let rewritten = HeaderValue::from_str(&rewritten).map_err(|_| bad("not ASCII"))?;
+        Ok((self.fence_key(&rt.route, &path, headers)?, rewritten))
+    }
+}

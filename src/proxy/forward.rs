@@ -1,0 +1,494 @@
+//! Forwarding an admitted write or a read: the headers added and removed on
+//! the way (hop-by-hop, `X-Forwarded-For`, `Forwarded`, request ids), the
+//! request body guarded by its limits and its write's deadline, and the
+//! exchange with the route's [`Upstream`].
+
+use super::*;
+
+/// Hop-by-hop headers (RFC 9110 section 7.6.1), plus `Expect`, which the
+/// proxy answers itself, and `Proxy-Connection`, a common non-standard one.
+pub(super) const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    header::EXPECT,
+];
+
+/// A write's upstream exchange, polled on the request's own task. If that
+/// task is dropped first (the client went away, the drain's grace ran out),
+/// the rest of the exchange moves to a task of its own, so the write still
+/// ends by its deadline.
+///
+/// The exchange counts in the drain's tracker from its start, not from the
+/// move: an HTTP/2 stream's task belongs to no connection tracker, and may
+/// be dropped after the drain has stopped waiting for connections.
+pub(super) struct Detached<T: Send + 'static> {
+    exchange: Option<Pin<Box<dyn std::future::Future<Output = T> + Send>>>,
+    token: Option<TaskTrackerToken>,
+}
+
+/// The exchange panicked; the request is answered 502 rather than losing
+/// its connection.
+#[derive(Debug)]
+pub(super) struct Panicked;
+
+impl<T: Send + 'static> Detached<T> {
+    pub(super) fn new(
+        exchange: impl std::future::Future<Output = T> + Send + 'static,
+        tracker: &TaskTracker,
+    ) -> Self {
+        Self {
+            exchange: Some(Box::pin(exchange)),
+            token: Some(tracker.token()),
+        }
+    }
+}
+
+impl<T: Send + 'static> std::future::Future for Detached<T> {
+    type Output = Result<T, Panicked>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let exchange = self.exchange.as_mut().expect("polled after completion");
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| exchange.as_mut().poll(cx)));
+        let out = match polled {
+            Ok(Poll::Pending) => return Poll::Pending,
+            Ok(Poll::Ready(out)) => Ok(out),
+            Err(_) => Err(Panicked),
+        };
+        self.exchange = None;
+        self.token = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for Detached<T> {
+    fn drop(&mut self) {
+        let Some(exchange) = self.exchange.take() else {
+            return;
+        };
+        // Dropped off a runtime (it is being torn down) or while unwinding:
+        // nothing can run it; its permits are released as it drops.
+        if std::thread::panicking() {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let token = self.token.take();
+            rt.spawn(async move {
+                let _ = exchange.await;
+                drop(token);
+            });
+        }
+    }
+}
+
+/// Why a relayed request body failed; read after the upstream call errors.
+pub(super) const BODY_OK: u8 = 0;
+
+pub(super) const BODY_TOO_LARGE: u8 = 1;
+
+pub(super) const BODY_TIMEOUT: u8 = 2;
+
+pub(super) const BODY_MALFORMED: u8 = 3;
+
+/// The write's deadline passed while its body was still being sent.
+pub(super) const BODY_DEADLINE: u8 = 4;
+
+/// `PREFIX-N` with N in hex, written by hand: this runs for every request
+/// that brings no id of its own. The prefix is at most 40 bytes.
+pub(super) fn request_id(prefix: &str, n: u64) -> HeaderValue {
+    let mut id = [0u8; 64];
+    let prefix = prefix.as_bytes();
+    id[..prefix.len()].copy_from_slice(prefix);
+    id[prefix.len()] = b'-';
+    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
+    let start = prefix.len() + 1;
+    for (i, slot) in id[start..start + digits].iter_mut().enumerate() {
+        let nibble = (n >> (4 * (digits - 1 - i))) & 0xf;
+        *slot = b"0123456789abcdef"[nibble as usize];
+    }
+    HeaderValue::from_bytes(&id[..start + digits]).expect("hex id")
+}
+
+/// Appends the client to `X-Forwarded-For` (as nginx's
+/// `$proxy_add_x_forwarded_for` does) and to `Forwarded` (RFC 7239), and
+/// sets `X-Forwarded-Proto` to this hop's scheme: a client's own value is
+/// replaced, since a client on the plain port could claim `https`.
+pub(super) fn add_forwarded(headers: &mut HeaderMap, peer: Peer) {
+    let ip = peer.addr.ip();
+    let proto = if peer.tls { "https" } else { "http" };
+    // Earlier hops may have sent the header on several lines: all of them
+    // are kept, in order, with this hop last.
+    let append = |headers: &mut HeaderMap, name: &HeaderName, item: String| {
+        let mut value = String::new();
+        for prev in headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+            value.push_str(prev);
+            value.push_str(", ");
+        }
+        value.push_str(&item);
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    };
+    let (xff, forwarded) = forwarded_values(ip, proto);
+    if headers.contains_key(&X_FORWARDED_FOR) {
+        append(
+            headers,
+            &X_FORWARDED_FOR,
+            xff.to_str().unwrap_or_default().into(),
+        );
+    } else {
+        headers.insert(&X_FORWARDED_FOR, xff);
+    }
+    if headers.contains_key(header::FORWARDED) {
+        append(
+            headers,
+            &header::FORWARDED,
+            forwarded.to_str().unwrap_or_default().into(),
+        );
+    } else {
+        headers.insert(header::FORWARDED, forwarded);
+    }
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+}
+
+/// This hop's `X-Forwarded-For` and `Forwarded` items for a client. The
+/// last client's are kept per thread: the many requests of one connection,
+/// or of clients behind one balancer, format them once.
+pub(super) fn forwarded_values(
+    ip: std::net::IpAddr,
+    proto: &'static str,
+) -> (HeaderValue, HeaderValue) {
+    type Entry = (std::net::IpAddr, &'static str, HeaderValue, HeaderValue);
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<Entry>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| {
+        if let Some((i, p, xff, fwd)) = last {
+            if *i == ip && *p == proto {
+                return (xff.clone(), fwd.clone());
+            }
+        }
+        // An IPv6 node is quoted and bracketed (RFC 7239 section 6).
+        let node = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("\"[{v6}]\""),
+        };
+        let xff = HeaderValue::from_str(&ip.to_string()).expect("an address is a header value");
+        let fwd = HeaderValue::from_str(&format!("for={node};proto={proto}"))
+            .expect("an address is a header value");
+        *last = Some((ip, proto, xff.clone(), fwd.clone()));
+        (xff, fwd)
+    })
+}
+
+/// Removes hop-by-hop headers, including those named in `Connection`
+/// (except the fence token and `keep`, which are end to end here).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        // The fence token is end to end even if a client lists it.
+        if *name != FENCE_TOKEN && Some(name) != keep {
+            headers.remove(name);
+        }
+    }
+}
+
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_the_prefix_and_the_counter_in_hex() {
+        for n in [0, 1, 15, 16, 255, 4096, 0xdead_beef, u64::MAX - 1, u64::MAX] {
+            let id = request_id("0123456789abcdef", n);
+            assert_eq!(id.to_str().unwrap(), format!("0123456789abcdef-{n:x}"));
+        }
+    }
+
+    #[test]
+    fn forwarded_items_follow_the_client_and_the_scheme() {
+        let v4: std::net::IpAddr = "192.0.2.7".parse().unwrap();
+        let v6: std::net::IpAddr = "2001:db8::1".parse().unwrap();
+        // Twice each, so that the per-thread entry is both made and reused,
+        // and replaced when the client or the scheme changes.
+        for _ in 0..2 {
+            for (ip, proto, xff, fwd) in [
+                (v4, "http", "192.0.2.7", "for=192.0.2.7;proto=http"),
+                (v4, "https", "192.0.2.7", "for=192.0.2.7;proto=https"),
+                (
+                    v6,
+                    "http",
+                    "2001:db8::1",
+                    "for=\"[2001:db8::1]\";proto=http",
+                ),
+            ] {
+                for _ in 0..2 {
+                    let (x, f) = forwarded_values(ip, proto);
+                    assert_eq!((x.to_str().unwrap(), f.to_str().unwrap()), (xff, fwd));
+                }
+            }
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The request body on its way upstream: enforces the size limit, the
+    /// body read timeout and the write's deadline, and keeps the write in
+    /// flight until the last byte has been handed to the upstream
+    /// connection.
+    struct GuardedBody {
+        #[pin]
+        inner: Incoming,
+        // A write's deadline: its body is cut there, even after the
+        // upstream answered early, so it cannot outlive its permit.
+        cutoff: Option<tokio::time::Instant>,
+        hold: Option<Arc<InFlight>>,
+        limit: Option<u64>,
+        seen: u64,
+        idle: Duration,
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+        state: Arc<AtomicU8>,
+    }
+}
+
+/// Ends a write's body at its deadline: the upstream exchange fails (and its
+/// connection is dropped) and the write stops holding its keys.
+pub(super) fn cut(
+    state: &AtomicU8,
+    hold: &mut Option<Arc<InFlight>>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    state.store(BODY_DEADLINE, Ordering::Release);
+    *hold = None;
+    Poll::Ready(Some(Err("the write's deadline passed mid-body".into())))
+}
+
+impl Body for GuardedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        match this.inner.as_mut().poll_frame(cx) {
+            Poll::Pending => {
+                if this.timer.is_none() {
+                    // One timer: the idle limit or the deadline, whichever
+                    // comes first.
+                    let idle = tokio::time::Instant::now() + *this.idle;
+                    let at = this.cutoff.map_or(idle, |c| c.min(idle));
+                    this.timer.set(Some(tokio::time::sleep_until(at)));
+                }
+                if let Some(t) = this.timer.as_mut().as_pin_mut() {
+                    if std::future::Future::poll(t, cx).is_ready() {
+                        if this
+                            .cutoff
+                            .is_some_and(|c| tokio::time::Instant::now() >= c)
+                        {
+                            return cut(this.state, this.hold);
+                        }
+                        this.state.store(BODY_TIMEOUT, Ordering::Release);
+                        *this.hold = None;
+                        return Poll::Ready(Some(Err("request body read timed out".into())));
+                    }
+                }
+                Poll::Pending
+            }
+            Poll::Ready(None) => {
+                *this.hold = None;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.state.store(BODY_MALFORMED, Ordering::Release);
+                *this.hold = None;
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                this.timer.set(None);
+                if this
+                    .cutoff
+                    .is_some_and(|c| tokio::time::Instant::now() >= c)
+                {
+                    return cut(this.state, this.hold);
+                }
+                if let Some(data) = frame.data_ref() {
+                    *this.seen += data.len() as u64;
+                    if this.limit.is_some_and(|l| *this.seen > l) {
+                        this.state.store(BODY_TOO_LARGE, Ordering::Release);
+                        *this.hold = None;
+                        return Poll::Ready(Some(Err("request body exceeds the limit".into())));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Proxy {
+    pub(super) async fn forward(
+        &self,
+        rt: &RouteRuntime,
+        req: Request<Incoming>,
+        path: &CanonicalPath,
+        hold: Option<Arc<InFlight>>,
+        ctx: &mut RequestContext,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let peer = ctx.peer;
+        let route = &rt.route;
+        let (parts, body) = req.into_parts();
+        // Origin form: the pool dials the route's address, and the Host
+        // header (or HTTP/2's :authority) carries the name.
+        let uri = Uri::builder()
+            .path_and_query(path.upstream_target.as_str())
+            .build()
+            .map_err(|e| ProxyError::BadTarget(KeyError::TemplateMismatch(e.to_string())))?;
+        let mut headers = parts.headers;
+        // A header the key was read from must reach the backend as fenced,
+        // even if the client listed it in Connection.
+        let key_header = match &route.key {
+            crate::key::KeyTemplate::Header(name) => Some(name),
+            _ => None,
+        };
+        strip_hop_by_hop(&mut headers, key_header);
+        if route.strip_token {
+            headers.remove(&FENCE_TOKEN);
+        }
+        if route.forwarded_headers {
+            if let Some(peer) = peer {
+                add_forwarded(&mut headers, peer);
+            }
+        }
+        if !headers.contains_key(header::HOST) {
+            if let Some(auth) = parts.uri.authority() {
+                if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
+                    headers.insert(header::HOST, v);
+                }
+            }
+        }
+        // A write ends by its permit's deadline, exchange and body alike:
+        // newer writes to its keys wait for it no longer than that.
+        let deadline = hold.as_ref().map_or_else(
+            || tokio::time::Instant::now() + route.upstream_timeout,
+            |h| h.deadline,
+        );
+        let body_state = Arc::new(AtomicU8::new(BODY_OK));
+        let body = GuardedBody {
+            inner: body,
+            cutoff: hold.as_ref().map(|h| h.deadline),
+            hold: hold.clone(),
+            limit: self.limits.max_body_bytes,
+            seen: 0,
+            idle: self.limits.body_read_timeout,
+            timer: None,
+            state: body_state.clone(),
+        };
+        let mut up = Request::new(body.boxed());
+        *up.method_mut() = parts.method;
+        *up.uri_mut() = uri;
+        *up.headers_mut() = headers;
+
+        let started = Instant::now();
+        let upstream = rt.upstream.clone();
+        let exchange = async move {
+            let result = tokio::time::timeout_at(deadline, upstream.send(up)).await;
+            if let Some(hold) = hold {
+                // The body is still being sent (an early answer).
+                if Arc::strong_count(&hold) > 1 {
+                    InFlight::release_at_deadline(&hold);
+                }
+            }
+            result
+        };
+        // A write runs to its end (response head or upstream timeout) even
+        // if the client goes away: only then is it no longer in flight for
+        // ordering (its body keeps its own hold until the last byte is
+        // sent). It runs on this task, and moves to a task of its own only
+        // if this one is dropped first.
+        let result = if ctx.write {
+            Detached::new(exchange, &self.exchanges)
+                .await
+                .map_err(|Panicked| ProxyError::Upstream("the upstream exchange panicked".into()))?
+        } else {
+            exchange.await
+        };
+        let upstream = started.elapsed().as_secs_f64();
+        rt.metrics.upstream_latency.observe(upstream);
+        ctx.upstream_ms = Some(upstream * 1000.0);
+        let resp = match result {
+            Err(_) => {
+                self.metrics
+                    .upstream_errors
+                    .with_label_values(&[&route.name, "timeout"])
+                    .inc();
+                return Err(ProxyError::UpstreamTimeout(route.upstream_timeout));
+            }
+            Ok(Err(e)) => {
+                match body_state.load(Ordering::Acquire) {
+                    BODY_TOO_LARGE => {
+                        return Err(ProxyError::BodyTooLarge {
+                            limit: self.limits.max_body_bytes.unwrap_or(0),
+                        })
+                    }
+                    BODY_TIMEOUT => return Err(ProxyError::BodyTimeout),
+                    BODY_DEADLINE => {
+                        return Err(ProxyError::UpstreamTimeout(route.upstream_timeout))
+                    }
+                    BODY_MALFORMED => return Err(ProxyError::BadFraming(
+                        "the request body could not be read (malformed chunk or connection cut)"
+                            .into(),
+                    )),
+                    _ => {}
+                }
+                let kind = if e.is_connect() { "connect" } else { "other" };
+                self.metrics
+                    .upstream_errors
+                    .with_label_values(&[&route.name, kind])
+                    .inc();
+                let detail = error_chain(&e);
+                return Err(if e.is_connect() {
+                    ProxyError::UpstreamConnect(detail)
+                } else {
+                    ProxyError::Upstream(detail)
+                });
+            }
+            Ok(Ok(resp)) => resp,
+        };
+        let mut resp = resp;
+        strip_hop_by_hop(resp.headers_mut(), None);
+        Ok(resp)
+    }
+}

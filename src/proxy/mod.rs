@@ -1,0 +1,659 @@
+//! The request path: classify a request, fence it if it is a write, relay
+//! it.
+//!
+//! - `classify.rs`: what a request is (route, upstream target, and for a
+//!   write its keys and token), decided with no store and no upstream.
+//! - this file: the route table and its reloads, the fencing of a write
+//!   (`fence_write`: admission and the waits behind older writes), and the
+//!   answer, its log line and its metrics (`handle`).
+//! - `forward.rs`: the headers on the way, the guarded request body, and the
+//!   exchange with the route's [`Upstream`](crate::upstream::Upstream).
+//!
+//! The order is fixed so that nothing of a refused write leaves the proxy:
+//! route and key first (400), then the body limit (413), the token (428/400),
+//! admission (409/503), and only then a connection upstream. The request body
+//! is not polled before admission, so a client that sent
+//! `Expect: 100-continue` gets the final refusal instead of `100 Continue`.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use tokio_util::task::task_tracker::TaskTrackerToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, Limits, Route};
+use crate::error::{BoxError, ProxyBody, ProxyError};
+use crate::fence::{Fence, FenceError, Permit};
+use crate::key::{self, CanonicalPath, KeyError};
+use crate::metrics::{Metrics, RouteMetrics};
+use crate::tls::{upstream_connector, TlsError};
+use crate::token::{token_from_headers, FENCE_TOKEN};
+use crate::upstream::Upstream;
+
+mod classify;
+mod forward;
+
+use classify::*;
+pub(crate) use forward::error_chain;
+pub use forward::strip_hop_by_hop;
+use forward::*;
+
+/// Idle upstream connections older than this are closed.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often idle upstream connections are reaped.
+const REAP_EVERY: Duration = Duration::from_secs(5);
+
+/// A route with its upstream connection pools.
+struct RouteRuntime {
+    route: Route,
+    /// One pool per worker thread: a worker's upstream connections are
+    /// driven by tasks on its own runtime.
+    upstream: Arc<Upstream>,
+    metrics: RouteMetrics,
+}
+
+/// What a reload replaces: the routes and their upstream clients.
+struct RouteTable {
+    routes: Vec<RouteRuntime>,
+    /// How requests map to fence keys; shared with the previous table when
+    /// a reload left it unchanged.
+    mapping: Arc<Mapping>,
+    /// Some route names a host: then a request must name one too.
+    host_routes: bool,
+    /// One log line per request (target `fencegate::access`).
+    access_log: bool,
+}
+
+/// What decides a request's fence key, per route in match order.
+#[derive(PartialEq, Eq)]
+struct MappingEntry {
+    host: Option<String>,
+    path_prefix: String,
+    key: String,
+    namespace: String,
+    literal_keys: bool,
+}
+
+impl MappingEntry {
+    fn of(route: &Route) -> Self {
+        Self {
+            host: route.host.clone(),
+            path_prefix: route.path_prefix.clone(),
+            key: route.key.to_string(),
+            namespace: route.namespace.clone(),
+            literal_keys: route.literal_keys,
+        }
+    }
+}
+
+/// One way of mapping requests to fence keys. After a reload that changes
+/// the mapping, a write to a resource may be in flight under its old key
+/// while a new write arrives under the new key, where no fence gate orders
+/// them: so writes under the new mapping first wait (as long as they would
+/// behind an older write) until no write admitted under an older mapping is
+/// in flight, which is what a restart's drain would have given them.
+struct Mapping {
+    signature: Vec<MappingEntry>,
+    /// Every request under this mapping holds a token from the start until
+    /// it is known to be a read, or, for a write, until it is no longer in
+    /// flight. Closed when a reload replaces the mapping.
+    writes: TaskTracker,
+    /// The trackers of older mappings that may still have writes in flight.
+    /// Each of those writes ends by its own deadline, so they empty in
+    /// bounded time; until then writes here wait or are refused (503).
+    behind: Vec<TaskTracker>,
+}
+
+impl Mapping {
+    fn new(signature: Vec<MappingEntry>, previous: Option<&Mapping>) -> Self {
+        let mut behind = Vec::new();
+        if let Some(p) = previous {
+            behind.extend(
+                p.behind
+                    .iter()
+                    .filter(|t| !(t.is_closed() && t.is_empty()))
+                    .cloned(),
+            );
+            // Closed by `reload_routes` once this mapping is in place.
+            behind.push(p.writes.clone());
+        }
+        Self {
+            signature,
+            writes: TaskTracker::new(),
+            behind,
+        }
+    }
+}
+
+/// What keeps a write in flight for those who must wait for it: its fence
+/// permits (newer writes to its keys) and its mapping token (writes under a
+/// mapping that replaced it). The write's exchange and body are cut at
+/// `deadline`, so nobody waits on it longer than that.
+struct InFlight {
+    /// Taken (released) when the last holder is done, or at the deadline
+    /// by [`InFlight::release_at_deadline`], whichever comes first.
+    held: std::sync::Mutex<Option<(Vec<Permit>, Option<TaskTrackerToken>)>>,
+    deadline: tokio::time::Instant,
+}
+
+impl InFlight {
+    /// A request body still being sent after an early answer is cut at the
+    /// deadline only when the upstream connection next polls it, which it
+    /// does not while the upstream reads nothing. So the write stops
+    /// holding its keys (and its mapping) at the deadline whatever the body
+    /// does; newer writes wait [`crate::fence::CUT_GRACE`] beyond that anyway.
+    fn release_at_deadline(hold: &Arc<InFlight>) {
+        let weak = Arc::downgrade(hold);
+        let deadline = hold.deadline;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            if let Some(hold) = weak.upgrade() {
+                drop(hold.held.lock().expect("in-flight lock").take());
+            }
+        });
+    }
+}
+
+/// The request handler shared by every connection.
+pub struct Proxy {
+    /// Swapped whole by a reload; each request holds the table it started
+    /// with.
+    routes: ArcSwap<RouteTable>,
+    fence: Arc<Fence>,
+    metrics: Arc<Metrics>,
+    limits: Limits,
+    request_id_prefix: String,
+    request_seq: std::sync::atomic::AtomicU64,
+    /// Every admitted write's upstream exchange, counted from its start
+    /// (`forward::Detached`); one whose request task is dropped runs on as a
+    /// task of its own, so a client hanging up cannot end a write's
+    /// in-flight period while the backend may still be applying it.
+    /// Shutdown waits for them.
+    exchanges: TaskTracker,
+    /// Worker threads (one upstream pool per route each).
+    workers: usize,
+}
+
+impl RouteTable {
+    /// Builds every route's upstream client. Fails (naming the field) if a
+    /// route's TLS files do not load.
+    fn build(
+        config: &Config,
+        metrics: &Metrics,
+        previous: Option<&RouteTable>,
+        workers: usize,
+    ) -> Result<Self, TlsError> {
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for (i, route) in config.routes.iter().enumerate() {
+            // An unchanged plain-HTTP route keeps its client and so its pool
+            // of upstream connections. An https one is rebuilt: a reload is
+            // how a changed CA bundle or client certificate is picked up.
+            let unchanged = previous.and_then(|t| {
+                t.routes.iter().find(|r| {
+                    r.route == *route && route.upstream.scheme != http::uri::Scheme::HTTPS
+                })
+            });
+            if let Some(rt) = unchanged {
+                routes.push(RouteRuntime {
+                    route: rt.route.clone(),
+                    upstream: rt.upstream.clone(),
+                    metrics: rt.metrics.clone(),
+                });
+                continue;
+            }
+            let mut http = HttpConnector::new();
+            http.set_connect_timeout(Some(route.connect_timeout));
+            http.set_nodelay(true);
+            // https upstreams go through the TLS layer.
+            http.enforce_http(false);
+            let connector = upstream_connector(
+                &format!("routes[{i}]"),
+                &route.upstream,
+                &route.upstream_tls,
+                http,
+            )?;
+            let dial = Uri::builder()
+                .scheme(route.upstream.scheme.clone())
+                .authority(route.upstream.authority.clone())
+                .path_and_query("/")
+                .build()
+                .map_err(|e| TlsError {
+                    field: format!("routes[{i}].upstream"),
+                    reason: e.to_string(),
+                })?;
+            routes.push(RouteRuntime {
+                route: route.clone(),
+                upstream: Arc::new(Upstream::new(dial, connector, workers, POOL_IDLE_TIMEOUT)),
+                metrics: metrics.route(&route.name),
+            });
+        }
+        // Most specific first: a host-specific route before a catch-all host,
+        // then the longest prefix.
+        routes.sort_by_key(|r| {
+            (
+                r.route.host.is_none(),
+                std::cmp::Reverse(r.route.path_prefix.trim_end_matches('/').len()),
+            )
+        });
+        let signature: Vec<_> = routes.iter().map(|r| MappingEntry::of(&r.route)).collect();
+        let mapping = match previous {
+            Some(p) if p.mapping.signature == signature => p.mapping.clone(),
+            _ => Arc::new(Mapping::new(signature, previous.map(|p| &*p.mapping))),
+        };
+        Ok(Self {
+            host_routes: routes.iter().any(|r| r.route.host.is_some()),
+            routes,
+            mapping,
+            access_log: config.access_log,
+        })
+    }
+
+    fn find_route(&self, host: Option<&str>, path: &str) -> Option<&RouteRuntime> {
+        self.routes.iter().find(|r| {
+            r.route.host.as_deref().is_none_or(|h| Some(h) == host) && r.route.matches_path(path)
+        })
+    }
+}
+
+impl Proxy {
+    /// `workers`: how many worker threads serve requests (each gets its
+    /// own upstream pools).
+    pub fn new(
+        config: &Config,
+        fence: Arc<Fence>,
+        metrics: Arc<Metrics>,
+        workers: usize,
+    ) -> Result<Self, TlsError> {
+        Ok(Self {
+            routes: ArcSwap::from_pointee(RouteTable::build(config, &metrics, None, workers)?),
+            workers,
+            fence,
+            metrics,
+            limits: config.limits.clone(),
+            request_id_prefix: crate::store::shared::unique_id()[..16].to_string(),
+            request_seq: std::sync::atomic::AtomicU64::new(0),
+            exchanges: TaskTracker::new(),
+        })
+    }
+
+    /// Builds the routes of `config` and swaps them in: requests that
+    /// already picked a route finish on it (with its connection pool); new
+    /// ones use the new table. On error nothing changes.
+    pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
+        let previous = self.routes.load_full();
+        let table = RouteTable::build(config, &self.metrics, Some(&previous), self.workers)?;
+        let remapped = !Arc::ptr_eq(&table.mapping, &previous.mapping);
+        self.routes.store(Arc::new(table));
+        // Closed only now that the new table is in place: see `enter`.
+        if remapped {
+            previous.mapping.writes.close();
+        }
+        Ok(())
+    }
+
+    /// The route table a request lives with, and its place under that
+    /// table's key mapping. A request that loaded a table whose mapping a
+    /// reload has just closed takes the newer table instead (already in
+    /// place by then): otherwise it could slip in after the new mapping's
+    /// writes stopped waiting for the old one.
+    fn enter(&self) -> (Arc<RouteTable>, TaskTrackerToken) {
+        loop {
+            let table = self.routes.load_full();
+            let token = table.mapping.writes.token();
+            if !table.mapping.writes.is_closed() {
+                return (table, token);
+            }
+        }
+    }
+
+    /// A new request id: a per-process random prefix and a counter, so the
+    /// request path pays one atomic increment, not a random draw.
+    fn next_request_id(&self) -> HeaderValue {
+        let n = self.request_seq.fetch_add(1, Ordering::Relaxed);
+        request_id(&self.request_id_prefix, n)
+    }
+
+    /// Closes idle upstream connections past their timeout every few
+    /// seconds, until `stop`.
+    pub async fn reap_idle_connections(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(REAP_EVERY) => {}
+            }
+            for rt in &self.routes.load().routes {
+                rt.upstream.reap_idle();
+            }
+        }
+    }
+
+    /// The tracker of in-flight write exchanges (for the drain).
+    pub fn exchanges(&self) -> TaskTracker {
+        self.exchanges.clone()
+    }
+
+    /// Serves one request. Never fails: every error becomes an answer.
+    pub async fn handle(
+        self: Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: Peer,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let started = Instant::now();
+        // The routes this request lives with, whatever a reload swaps in
+        // meanwhile: the route (and its pool) it starts with is the one it
+        // ends with.
+        let (table, mapping) = self.enter();
+        let mut ctx = RequestContext {
+            peer: Some(peer),
+            // Held until the request is known to be a read, or by a write
+            // until it is no longer in flight.
+            mapping: Some(mapping),
+            ..RequestContext::default()
+        };
+        // Keep a sane client-sent request id, else make one; it goes
+        // upstream and back to the client, and into the access log.
+        let request_id = req
+            .headers()
+            .get(&X_REQUEST_ID)
+            .filter(|v| {
+                v.len() <= 128
+                    && v.as_bytes()
+                        .iter()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
+            })
+            .cloned()
+            .unwrap_or_else(|| self.next_request_id());
+        req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        let version = req.version();
+        let mut resp = match self.serve(&table, req, &mut ctx).await {
+            Ok(resp) => resp,
+            Err(err) => {
+                if ctx.write {
+                    ctx.decision = refusal_decision(&err);
+                }
+                self.refuse(err, &ctx)
+            }
+        };
+        resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        if table.access_log {
+            tracing::info!(
+                target: "fencegate::access",
+                request_id = request_id.to_str().unwrap_or("-"),
+                client = %peer.addr,
+                method = %ctx.method,
+                route = ctx.route.as_deref().unwrap_or("-"),
+                key = ctx.key.as_deref().unwrap_or("-"),
+                token = ctx.token,
+                class = if ctx.write { "write" } else { "read" },
+                decision = ctx.decision.unwrap_or("-"),
+                status = resp.status().as_u16(),
+                version = ?version,
+                tls = peer.tls,
+                latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+                upstream_ms = ctx.upstream_ms,
+                "request"
+            );
+        }
+        match &ctx.requests {
+            Some(counters) => counters.inc(ctx.write, resp.status()),
+            None => self
+                .metrics
+                .requests
+                .with_label_values(&[
+                    "-",
+                    if ctx.write { "write" } else { "read" },
+                    resp.status().as_str(),
+                ])
+                .inc(),
+        }
+        Ok(resp)
+    }
+
+    fn refuse(&self, err: ProxyError, ctx: &RequestContext) -> Response<ProxyBody> {
+        let route = ctx.route.as_deref().unwrap_or("-");
+        if ctx.write {
+            if let Some(d) = ctx.decision {
+                self.metrics.writes.with_label_values(&[route, d]).inc();
+            }
+            if matches!(err, ProxyError::StoreUnavailable(_)) {
+                self.metrics.store_errors.with_label_values(&[route]).inc();
+            }
+        }
+        let key = ctx.key.as_deref();
+        match &err {
+            ProxyError::Stale { token, highest } => tracing::warn!(
+                route, key = key.unwrap_or("-"), token, highest, method = %ctx.method,
+                "refused stale write"
+            ),
+            e if ctx.write && e.status().is_client_error() => tracing::info!(
+                route, key = key.unwrap_or("-"), method = %ctx.method, status = e.status().as_u16(),
+                reason = %e, "refused write"
+            ),
+            e if e.status().is_server_error() => tracing::warn!(
+                route, key = key.unwrap_or("-"), method = %ctx.method, status = e.status().as_u16(),
+                reason = %e, "request failed"
+            ),
+            e => tracing::debug!(route, status = e.status().as_u16(), reason = %e, "refused"),
+        }
+        err.into_response(key)
+    }
+
+    async fn serve(
+        &self,
+        table: &RouteTable,
+        mut req: Request<Incoming>,
+        ctx: &mut RequestContext,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let Classified { rt, path, write } = self.classify(table, &mut req, ctx)?;
+        let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
+        let Some(intent) = write else {
+            ctx.mapping = None;
+            if req.headers().contains_key(&FENCE_TOKEN) {
+                rt.metrics.read_tokens_ignored.inc();
+            }
+            return self.forward(rt, req, &path, None, ctx).await;
+        };
+        let hold = self.fence_write(table, rt, intent, ctx).await?;
+        self.forward(rt, req, &path, Some(hold), ctx).await
+    }
+
+    /// Admits a classified write: its token checked against each key's
+    /// highest, behind the older writes it must follow (older key mappings,
+    /// then each key's older writes in flight). The hold it returns keeps
+    /// the write in flight for those who must wait for it.
+    async fn fence_write(
+        &self,
+        table: &RouteTable,
+        rt: &RouteRuntime,
+        intent: WriteIntent,
+        ctx: &mut RequestContext,
+    ) -> Result<Arc<InFlight>, ProxyError> {
+        let route = &rt.route;
+        let WriteIntent { mut keys, token } = intent;
+        if let Some(step) = route.max_token_step {
+            for key in &keys {
+                let highest = self
+                    .fence
+                    .highest(key)
+                    .await
+                    .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
+                if let Some(h) = highest {
+                    if token > h.saturating_add(step) {
+                        ctx.key = Some(key.clone());
+                        return Err(ProxyError::TokenTooFarAhead {
+                            token,
+                            highest: h,
+                            max_step: step,
+                        });
+                    }
+                }
+            }
+        }
+        let started = Instant::now();
+        // One limit for the whole wait: older mappings, then all keys of the
+        // request. Past it the write is refused, never sent ahead of an
+        // older write that may still be applied.
+        let wait_until = tokio::time::Instant::now() + route.upstream_timeout;
+        for older in &table.mapping.behind {
+            if tokio::time::timeout_at(wait_until, older.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    route = %route.name,
+                    "writes admitted before a reload that changed the key mapping are still in flight: refusing (503)"
+                );
+                return Err(ProxyError::OlderInFlight {
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+        }
+        keys.sort();
+        keys.dedup();
+        let mut permits = Vec::with_capacity(keys.len());
+        for key in &keys {
+            ctx.key = Some(key.clone());
+            match self
+                .fence
+                .admit(key, token, wait_until, route.upstream_timeout)
+                .await
+            {
+                Ok(p) => {
+                    if p.waited_out {
+                        rt.metrics.admission_waited_out.inc();
+                    }
+                    permits.push(p);
+                }
+                Err(FenceError::Stale { token, highest }) => {
+                    return Err(ProxyError::Stale { token, highest })
+                }
+                Err(FenceError::Store(e)) => {
+                    self.metrics.store_up.set(0);
+                    return Err(ProxyError::StoreUnavailable(e.to_string()));
+                }
+                Err(FenceError::Recovering { retry_after }) => {
+                    return Err(ProxyError::Recovering { retry_after })
+                }
+                Err(FenceError::Busy { retry_after }) => {
+                    return Err(ProxyError::OlderInFlight { retry_after })
+                }
+            }
+        }
+        // Holding several keys (COPY/MOVE): while this write waited for one,
+        // a newer writer may have taken over another. It must not go now.
+        for (key, permit) in keys.iter().zip(&permits).filter(|_| keys.len() > 1) {
+            let overtaken = self
+                .fence
+                .overtaken(permit)
+                .await
+                .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
+            if let Some(highest) = overtaken {
+                ctx.key = Some(key.clone());
+                return Err(ProxyError::Stale { token, highest });
+            }
+        }
+        ctx.key = keys.first().cloned();
+        self.metrics.store_up.set(1);
+        rt.metrics
+            .admission_wait
+            .observe(started.elapsed().as_secs_f64());
+        rt.metrics.admitted.inc();
+        ctx.decision = Some("admitted");
+        tracing::debug!(route = %route.name, key = ctx.key.as_deref().unwrap_or("-"), token, "admitted write");
+        // The earliest key's deadline: time spent waiting for a second key
+        // (COPY/MOVE) comes out of the exchange's share.
+        let deadline = permits
+            .iter()
+            .map(|p| p.deadline())
+            .min()
+            .expect("a write holds at least one key");
+        // Waiting for a later key (COPY/MOVE) may have used up the first
+        // key's share: its newer writers stop waiting at that deadline, so
+        // this write must not start after it.
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ProxyError::OlderInFlight {
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        Ok(Arc::new(InFlight {
+            held: std::sync::Mutex::new(Some((permits, ctx.mapping.take()))),
+            deadline,
+        }))
+    }
+}
+
+#[derive(Default)]
+struct RequestContext {
+    route: Option<String>,
+    /// The route's request counters, once the route is known.
+    requests: Option<Arc<crate::metrics::RequestCounters>>,
+    key: Option<String>,
+    method: Method,
+    write: bool,
+    token: Option<u64>,
+    peer: Option<Peer>,
+    /// The fencing decision of a write (`admitted`, `stale`...), for the
+    /// access log.
+    decision: Option<&'static str>,
+    /// Forwarding to the upstream's response head.
+    upstream_ms: Option<f64>,
+    /// This request's place under its key mapping (see [`Mapping`]):
+    /// released once it is known to be a read, kept by a write in flight.
+    mapping: Option<TaskTrackerToken>,
+}
+
+/// The `decision` label of a refused write, if the refusal is a fencing
+/// decision (upstream failures are not).
+fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
+    Some(match err {
+        ProxyError::Token(crate::token::TokenError::Missing) => "missing_token",
+        ProxyError::Token(_) => "malformed_token",
+        ProxyError::Stale { .. } => "stale",
+        ProxyError::TokenTooFarAhead { .. } => "too_far_ahead",
+        ProxyError::BadTarget(_) | ProxyError::KeyTooLong { .. } => "bad_key",
+        ProxyError::Recovering { .. } => "recovering",
+        ProxyError::OlderInFlight { .. } => "older_in_flight",
+        ProxyError::StoreUnavailable(_) => "store_error",
+        _ => return None,
+    })
+}
+
+/// The client end of a connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    pub addr: std::net::SocketAddr,
+    /// Came in on the TLS listener (X-Forwarded-Proto: https).
+    pub tls: bool,
+}
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Decrements a gauge when dropped.
+struct GaugeGuard(prometheus::IntGauge);
+
+impl GaugeGuard {
+    fn new(g: prometheus::IntGauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

@@ -123,7 +123,12 @@ impl Upstream {
                     }
                     match sender.try_send_request(req).await {
                         Ok(resp) => {
-                            let back = Some((self.clone(), worker, sender));
+                            // A 408 may have been sent on the idle connection
+                            // just as this request went out (a server timing
+                            // the connection out): the answer to this request
+                            // may still come on it. Never reuse it.
+                            let back = (resp.status() != http::StatusCode::REQUEST_TIMEOUT)
+                                .then(|| (self.clone(), worker, sender));
                             return Ok(resp.map(|body| {
                                 PooledBody {
                                     body,

@@ -1194,6 +1194,50 @@ async fn request_ids_forwarded_for_and_the_access_log() {
     );
 }
 
+/// A write whose client hangs up before its answer still runs to its end
+/// upstream, and leaves its trace: an access-log line and a request counted
+/// with status 499 (nginx's "client closed request").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_write_whose_client_hung_up_is_logged_as_499() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--access-log", "--log-format", "json"])
+        .spawn();
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(b"PUT /gone HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 4\r\nX-Request-Id: gone-1\r\nX-Test-Delay-Ms: 300\r\nContent-Length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    eventually("the write arrived", Duration::from_secs(5), || {
+        up.arrivals() == 1
+    })
+    .await;
+    drop(s);
+    eventually("the write was applied", Duration::from_secs(5), || {
+        up.count() == 1
+    })
+    .await;
+    eventually_async("the 499 was counted", || async {
+        metric(
+            &p,
+            "fencegate_requests_total{class=\"write\",route=\"default\",status=\"499\"}",
+        )
+        .await
+            == Some(1.0)
+    })
+    .await;
+    let log = p.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("gone-1") && l.contains("fencegate::access"))
+        .unwrap_or_else(|| panic!("no access log line for the write:\n{log}"));
+    let v: serde_json::Value = serde_json::from_str(line).expect("JSON log line");
+    assert_eq!(v["fields"]["status"], 499);
+    assert_eq!(v["fields"]["decision"], "admitted");
+    assert_eq!(v["fields"]["key"], "default:/gone");
+}
+
 /// Hop-by-hop headers an upstream sends back do not reach the client.
 #[tokio::test(flavor = "multi_thread")]
 async fn hop_by_hop_headers_are_not_returned() {

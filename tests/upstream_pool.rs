@@ -31,12 +31,19 @@ enum Mode {
     /// body and keeps the connection (as an object store refusing an
     /// upload does); answers anything else 200.
     RefusePutsEarly,
+    /// Breaks the protocol as a server timing out an idle connection can
+    /// seem to: the second request on the first connection gets a 408 at
+    /// once, and its real answer ("late") 300 ms later on the same
+    /// connection.
+    Late408,
 }
 
 struct RawUpstream {
     addr: std::net::SocketAddr,
     connections: Arc<AtomicUsize>,
     requests: Arc<AtomicUsize>,
+    /// What happened, in order: `arrived PATH` and `late sent PATH`.
+    events: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl RawUpstream {
@@ -50,13 +57,23 @@ async fn start_raw_upstream(mode: Mode) -> RawUpstream {
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
     let requests = Arc::new(AtomicUsize::new(0));
-    let (c, r) = (connections.clone(), requests.clone());
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (c, r, ev) = (connections.clone(), requests.clone(), events.clone());
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
             let nth_connection = c.fetch_add(1, Ordering::SeqCst);
+            if matches!(mode, Mode::Late408) {
+                tokio::spawn(serve_late_408(
+                    stream,
+                    nth_connection == 0,
+                    r.clone(),
+                    ev.clone(),
+                ));
+                continue;
+            }
             tokio::spawn(serve_raw(stream, mode, nth_connection, r.clone()));
         }
     });
@@ -64,7 +81,76 @@ async fn start_raw_upstream(mode: Mode) -> RawUpstream {
         addr,
         connections,
         requests,
+        events,
     }
+}
+
+async fn serve_late_408(
+    mut s: tokio::net::TcpStream,
+    first: bool,
+    requests: Arc<AtomicUsize>,
+    events: Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    let mut buf = Vec::new();
+    let mut served = 0;
+    while let Some((path, len)) = read_head_path(&mut s, &mut buf).await {
+        if read_body(&mut s, &mut buf, len).await.is_none() {
+            return;
+        }
+        requests.fetch_add(1, Ordering::SeqCst);
+        events.lock().unwrap().push(format!("arrived {path}"));
+        served += 1;
+        if first && served == 2 {
+            let _ = s
+                .write_all(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 4\r\n\r\n408\n")
+                .await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            events.lock().unwrap().push(format!("late sent {path}"));
+            if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nlate\n")
+                .await
+                .is_err()
+            {
+                return;
+            }
+            continue;
+        }
+        if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n")
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// Like [`read_head`], with the request's path instead of its method.
+async fn read_head_path(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<(String, usize)> {
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let path = head.split(' ').nth(1).unwrap_or_default().to_string();
+    let len = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().to_string())
+        })
+        .map_or(0, |v| v.parse().unwrap());
+    buf.drain(..head_end);
+    Some((path, len))
 }
 
 /// Reads one request (head and a Content-Length body); `None` at a clean
@@ -285,4 +371,30 @@ async fn no_request_waits_behind_an_upload_the_upstream_answered_early() {
     assert_eq!(read.status, 200, "{}", read.text());
     upload.write_all(&[b'x'; 99_000]).await.unwrap();
     assert_eq!(up.requests.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_408_on_a_reused_connection_retires_it_and_holds_the_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::Late408).await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--workers", "1", "--upstream-timeout", "2s"])
+        .spawn();
+    assert_eq!(put(&p.url("/first"), "1").await.status, 200);
+    // Second request on that connection: the 408 comes back at once.
+    let a = put(&p.url("/k"), "2").await;
+    assert_eq!(a.status, 408, "{}", a.text());
+    // Each next request gets its own answer, never the late one.
+    let r = send("GET", &p.url("/other"), &[], "").await;
+    assert_eq!((r.status.as_u16(), r.text().as_str()), (200, "ok\n"));
+    // A newer write on the key reaches the upstream only after the old
+    // write's real answer: the 408 did not end it.
+    assert_eq!(put(&p.url("/k"), "3").await.status, 200);
+    let events = up.events.lock().unwrap().clone();
+    let late = events.iter().position(|e| e == "late sent /k");
+    let newer = events.iter().rposition(|e| e == "arrived /k");
+    assert!(
+        matches!((late, newer), (Some(l), Some(n)) if n > l),
+        "the newer write overtook the one the 408 answered: {events:?}"
+    );
 }

@@ -149,6 +149,16 @@ struct InFlight {
 }
 
 impl InFlight {
+    /// Keeps the write in flight until its deadline, whatever happens to
+    /// its request and answer.
+    fn keep_until_deadline(hold: Arc<InFlight>) {
+        let deadline = hold.deadline;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            drop(hold);
+        });
+    }
+
     /// A request body still being sent after an early answer is cut at the
     /// deadline only when the upstream connection next polls it, which it
     /// does not while the upstream reads nothing. So the write stops
@@ -350,18 +360,10 @@ impl Proxy {
         mut req: Request<Incoming>,
         peer: Peer,
     ) -> Result<Response<ProxyBody>, Infallible> {
-        let started = Instant::now();
         // The routes this request lives with, whatever a reload swaps in
         // meanwhile: the route (and its pool) it starts with is the one it
         // ends with.
         let (table, mapping) = self.enter();
-        let mut ctx = RequestContext {
-            peer: Some(peer),
-            // Held until the request is known to be a read, or by a write
-            // until it is no longer in flight.
-            mapping: Some(mapping),
-            ..RequestContext::default()
-        };
         // Keep a sane client-sent request id, else make one; it goes
         // upstream and back to the client, and into the access log.
         let request_id = req
@@ -376,48 +378,33 @@ impl Proxy {
             .cloned()
             .unwrap_or_else(|| self.next_request_id());
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
-        let version = req.version();
-        let mut resp = match self.serve(&table, req, &mut ctx).await {
+        let mut record = Record {
+            proxy: &self,
+            access_log: table.access_log,
+            started: Instant::now(),
+            request_id,
+            version: req.version(),
+            ctx: RequestContext {
+                peer: Some(peer),
+                // Held until the request is known to be a read, or by a
+                // write until it is no longer in flight.
+                mapping: Some(mapping),
+                ..RequestContext::default()
+            },
+            done: false,
+        };
+        let mut resp = match self.serve(&table, req, &mut record.ctx).await {
             Ok(resp) => resp,
             Err(err) => {
-                if ctx.write {
-                    ctx.decision = refusal_decision(&err);
+                if record.ctx.write {
+                    record.ctx.decision = refusal_decision(&err);
                 }
-                self.refuse(err, &ctx)
+                self.refuse(err, &record.ctx)
             }
         };
-        resp.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
-        if table.access_log {
-            tracing::info!(
-                target: "fencegate::access",
-                request_id = request_id.to_str().unwrap_or("-"),
-                client = %peer.addr,
-                method = %ctx.method,
-                route = ctx.route.as_deref().unwrap_or("-"),
-                key = ctx.key.as_deref().unwrap_or("-"),
-                token = ctx.token,
-                class = if ctx.write { "write" } else { "read" },
-                decision = ctx.decision.unwrap_or("-"),
-                status = resp.status().as_u16(),
-                version = ?version,
-                tls = peer.tls,
-                latency_ms = started.elapsed().as_secs_f64() * 1000.0,
-                upstream_ms = ctx.upstream_ms,
-                "request"
-            );
-        }
-        match &ctx.requests {
-            Some(counters) => counters.inc(ctx.write, resp.status()),
-            None => self
-                .metrics
-                .requests
-                .with_label_values(&[
-                    "-",
-                    if ctx.write { "write" } else { "read" },
-                    resp.status().as_str(),
-                ])
-                .inc(),
-        }
+        resp.headers_mut()
+            .insert(&X_REQUEST_ID, record.request_id.clone());
+        record.finish(resp.status());
         Ok(resp)
     }
 
@@ -593,6 +580,74 @@ impl Proxy {
         }))
     }
 }
+
+/// The access-log line and the request counter of one request, written
+/// once: with its answer's status, or with 499 (nginx's "client closed
+/// request") if the request is dropped first, so a write whose client went
+/// away still leaves its trace while its exchange runs on.
+struct Record<'a> {
+    proxy: &'a Proxy,
+    access_log: bool,
+    started: Instant,
+    request_id: HeaderValue,
+    version: http::Version,
+    ctx: RequestContext,
+    done: bool,
+}
+
+impl Record<'_> {
+    fn finish(&mut self, status: http::StatusCode) {
+        self.done = true;
+        let ctx = &self.ctx;
+        if self.access_log {
+            let peer = ctx.peer;
+            tracing::info!(
+                target: "fencegate::access",
+                request_id = self.request_id.to_str().unwrap_or("-"),
+                client = %peer.map_or_else(|| "-".to_string(), |p| p.addr.to_string()),
+                method = %ctx.method,
+                route = ctx.route.as_deref().unwrap_or("-"),
+                key = ctx.key.as_deref().unwrap_or("-"),
+                token = ctx.token,
+                class = if ctx.write { "write" } else { "read" },
+                decision = ctx.decision.unwrap_or("-"),
+                status = status.as_u16(),
+                version = ?self.version,
+                tls = peer.is_some_and(|p| p.tls),
+                latency_ms = self.started.elapsed().as_secs_f64() * 1000.0,
+                upstream_ms = ctx.upstream_ms,
+                "request"
+            );
+        }
+        match &ctx.requests {
+            Some(counters) => counters.inc(ctx.write, status),
+            None => self
+                .proxy
+                .metrics
+                .requests
+                .with_label_values(&[
+                    "-",
+                    if ctx.write { "write" } else { "read" },
+                    status.as_str(),
+                ])
+                .inc(),
+        }
+    }
+}
+
+impl Drop for Record<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(CLIENT_CLOSED);
+        }
+    }
+}
+
+/// nginx's status for a request whose client went away before its answer.
+const CLIENT_CLOSED: http::StatusCode = match http::StatusCode::from_u16(499) {
+    Ok(s) => s,
+    Err(_) => panic!("499 is a status code"),
+};
 
 #[derive(Default)]
 struct RequestContext {

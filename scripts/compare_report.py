@@ -79,8 +79,9 @@ def main():
         if kinds[s] != "rps":
             continue
         v = med(s, "value")
+        p50 = med(s, "p50")
         lines.append(
-            f"| {LABELS.get(s, s)} | {v:.0f} | {fmt(med(s, 'p50'), 3)} | {fmt(med(s, 'p99'))} "
+            f"| {LABELS.get(s, s)} | {v:.0f} | {fmt(p50, 3)} | {fmt(med(s, 'p99'))} "
             f"| {fmt(med(s, 'cpu'), 1) if s != 'direct' else '-'} | {v / direct:.2f}x | {v / best:.2f}x |"
         )
     ratio = lambda a, b: (  # noqa: E731

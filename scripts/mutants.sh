@@ -7,7 +7,7 @@
 #   scripts/mutants.sh core         token, key and fence (unit tests);
 #                                   CORE_FILES="src/fence.rs" narrows it
 #   scripts/mutants.sh shared       the fence's shared-store admission
-#   scripts/mutants.sh proxy        the classification in src/proxy.rs only
+#   scripts/mutants.sh proxy        the classification in src/proxy/ only
 #   scripts/mutants.sh --in-diff F  only mutants on lines a diff F changed
 #
 # Results land in target/mutants/<part>/mutants.out (missed.txt lists the
@@ -70,7 +70,7 @@ shared() {
 }
 
 proxy() {
-  run proxy --timeout 300 --file src/proxy.rs --re "$CLASSIFY" "$@" \
+  run proxy --timeout 300 --file src/proxy/classify.rs --file src/proxy/forward.rs --re "$CLASSIFY" "$@" \
     --cargo-arg=--test=contract --cargo-arg=--test=hostile --cargo-arg=--test=hostile_routes \
     --cargo-arg=--test=reload
 }

@@ -1,0 +1,79 @@
+#!/bin/bash
+# Where a steady-token request spends its time: system calls per request
+# (perf stat tracepoints), user and system CPU per request (/proc), for
+# HAProxy and for each fencegate binary given, under wrk (1 KiB PUTs, 64
+# connections). REC=1 also records a 1 s perf profile with call graphs of
+# each process into /tmp/perf.NAME.data (perf report -i ...).
+# Same layout as compare.sh; needs perf (Debian linux-perf), wrk, nginx, haproxy.
+#
+# Usage: scripts/profile.sh BIN...
+set -u
+W=$(mktemp -d); PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do pkill -9 -P "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; pkill -9 -f "$W" 2>/dev/null; rm -rf "$W"; }
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP=$(port)
+mkdir -p $W/up; cat > $W/up/conf <<C
+worker_processes 1; pid $W/up/pid; error_log $W/up/err;
+events { worker_connections 4096; }
+http { access_log off; client_body_temp_path $W/up/b; keepalive_requests 1000000; client_max_body_size 0;
+ server { listen 127.0.0.1:$UP; location / { return 200 "ok\n"; } } }
+C
+taskset -c 0 nginx -c $W/up/conf -p $W/up; sleep 0.3; PIDS+=("$(cat $W/up/pid)")
+HP=$(port)
+cat > $W/h.cfg <<C
+global
+  nbthread 1
+  maxconn 4096
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+  option http-keep-alive
+frontend fe
+  bind 127.0.0.1:$HP
+  default_backend be
+backend be
+  http-reuse always
+  server up 127.0.0.1:$UP
+C
+taskset -c 1 haproxy -f $W/h.cfg -D -p $W/h.pid; sleep 0.3; PIDS+=("$(cat $W/h.pid)")
+cat > $W/s.lua <<'L'
+wrk.method = "PUT"
+wrk.body = string.rep("x", 1024)
+wrk.headers["X-Fence-Token"] = "1"
+L
+EV=page-faults,raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_read,syscalls:sys_enter_write,syscalls:sys_enter_recvfrom,syscalls:sys_enter_sendto,syscalls:sys_enter_writev,syscalls:sys_enter_futex,context-switches
+run() { # name pid url
+  local c0=$(awk '{print $14+$15}' /proc/$2/stat); local u0=$(awk '{print $14}' /proc/$2/stat)
+  taskset -c 0 wrk -t1 -c64 -d8s -s $W/s.lua "$3" > $W/wrk.txt &
+  local wp=$!
+  sleep 1; perf stat -x, -e $EV -p $2 -- sleep 4 2> $W/perf.txt
+  [ -n "${REC:-}" ] && perf record -q --call-graph dwarf,8192 -F 2000 -o /tmp/perf.$1.data -p $2 -- sleep 1 >/dev/null 2>&1
+  wait $wp
+  local c1=$(awk '{print $14+$15}' /proc/$2/stat); local u1=$(awk '{print $14}' /proc/$2/stat)
+  local rps=$(awk '/Requests\/sec/ {print $2}' $W/wrk.txt)
+  python3 - "$1" "$rps" $W/perf.txt $((c1-c0)) $((u1-u0)) <<'P'
+import sys
+name, rps, f, ticks = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+reqs = rps*4
+ut=int(sys.argv[5])
+out = [f"{name}: {rps:.0f} req/s, cpu {ticks*10000/(rps*6):.1f} us/req, user {ut*10000/(rps*6):.1f} sys {(ticks-ut)*10000/(rps*6):.1f}"]
+for line in open(f):
+    p = line.strip().split(",")
+    if len(p) > 3 and p[0].replace('.','').isdigit():
+        out.append(f"  {p[2].split(':')[-1]:<24} {float(p[0])/reqs:6.2f}/req")
+print("\n".join(out))
+P
+}
+run haproxy "$(cat $W/h.pid)" "http://127.0.0.1:$HP/k"
+i=0
+for b in "$@"; do
+  i=$((i+1))
+  taskset -c 1 $b --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream http://127.0.0.1:$UP --store $W/f$i.redb > $W/fg$i.out 2>$W/fg$i.err &
+  pid=$!; PIDS+=($pid)
+  for _ in $(seq 100); do grep -q listening $W/fg$i.out 2>/dev/null && break; sleep 0.1; done
+  addr=$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' $W/fg$i.out)
+  run "fg$i" $pid "http://$addr/k"
+done

@@ -8,32 +8,12 @@
 #   SCRIPTS="steady newkey" adds the new-key case (default: steady only);
 #   FGFLAGS passes extra flags to every fencegate.
 set -u
+. "$(dirname "$0")/bench_lib.sh"
+bench_init
 R=$1; S=$2; shift 2
-W=$(mktemp -d); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do pkill -9 -P "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; pkill -9 -f "$W" 2>/dev/null; rm -rf "$W"; }
-trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 UP=$(port)
-mkdir -p $W/up; cat > $W/up/conf <<C
-worker_processes 1; pid $W/up/pid; error_log $W/up/err;
-events { worker_connections 4096; }
-http { access_log off; client_body_temp_path $W/up/b; keepalive_requests 1000000; client_max_body_size 0;
- server { listen 127.0.0.1:$UP; location / { return 200 "ok\n"; } } }
-C
-taskset -c 0 nginx -c $W/up/conf -p $W/up; sleep 0.3; PIDS+=("$(cat $W/up/pid)")
-cat > $W/steady.lua <<'L'
-wrk.method = "PUT"
-wrk.body = string.rep("x", 1024)
-wrk.headers["X-Fence-Token"] = "1"
-L
-cat > $W/newkey.lua <<'L'
-local n = 0
-local body = string.rep("x", 1024)
-request = function()
-  n = n + 1
-  return wrk.format("PUT", wrk.path .. n, { ["X-Fence-Token"] = "1" }, body)
-end
-L
+PIDS+=("$(start_nginx_upstream $W/up $UP)")
+write_wrk_scripts $W
 i=0; ADDRS=(); FPIDS=()
 for b in "$@"; do
   i=$((i+1))

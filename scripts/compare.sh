@@ -48,7 +48,7 @@ PIDS=()
 # Children first: nginx's workers do not name $WORK on their command line.
 cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do pkill -9 -P "$p" || true; kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. scripts/bench_lib.sh
 wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }
 nginx_conf() { # name port body
   mkdir -p "$WORK/$1"
@@ -96,23 +96,7 @@ taskset -c 1 nginx -c "$WORK/h2/conf" -p "$WORK/h2"; NGINX_H2_PID=$(cat "$WORK/h
 NGINX_H2_WORKER=$(pgrep -P "$NGINX_H2_PID" | head -1)
 
 HAPROXY_PORT=$(port)
-cat > "$WORK/haproxy.cfg" <<CONF
-global
-  nbthread 1
-  maxconn 4096
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 60s
-  timeout server 60s
-  option http-keep-alive
-frontend fe
-  bind 127.0.0.1:$HAPROXY_PORT
-  default_backend be
-backend be
-  http-reuse always
-  server up 127.0.0.1:$UP_PORT
-CONF
+write_haproxy_cfg "$WORK/haproxy.cfg" "$HAPROXY_PORT" "$UP_PORT"
 taskset -c 1 haproxy -f "$WORK/haproxy.cfg" -D -p "$WORK/haproxy.pid"; HAPROXY_PID=$(cat "$WORK/haproxy.pid"); PIDS+=("$HAPROXY_PID")
 
 REDIS_PORT=$(port)
@@ -149,22 +133,9 @@ if [ -n "${BASELINE_BIN:-}" ]; then
 fi
 sleep 1
 
-cat > "$WORK/steady.lua" <<'LUA'
-wrk.method = "PUT"
-wrk.body = string.rep("x", 1024)
-wrk.headers["X-Fence-Token"] = "1"
-LUA
-# Each run's URL path is a prefix of its own (round and system): wrk's Lua
-# random numbers repeat from run to run, and a key seen in an earlier round
-# is not a new key (an equal token on a known key writes nothing).
-cat > "$WORK/newkey.lua" <<'LUA'
-local n = 0
-local body = string.rep("x", 1024)
-request = function()
-  n = n + 1
-  return wrk.format("PUT", wrk.path .. n, { ["X-Fence-Token"] = "1" }, body)
-end
-LUA
+# Each run's URL path is a prefix of its own (round and system): see
+# write_wrk_scripts.
+write_wrk_scripts "$WORK"
 
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }

@@ -8,46 +8,18 @@
 #
 # Usage: scripts/profile.sh BIN...
 set -u
-W=$(mktemp -d); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do pkill -9 -P "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; pkill -9 -f "$W" 2>/dev/null; rm -rf "$W"; }
-trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. "$(dirname "$0")/bench_lib.sh"
+bench_init
 UP=$(port)
-mkdir -p $W/up; cat > $W/up/conf <<C
-worker_processes 1; pid $W/up/pid; error_log $W/up/err;
-events { worker_connections 4096; }
-http { access_log off; client_body_temp_path $W/up/b; keepalive_requests 1000000; client_max_body_size 0;
- server { listen 127.0.0.1:$UP; location / { return 200 "ok\n"; } } }
-C
-taskset -c 0 nginx -c $W/up/conf -p $W/up; sleep 0.3; PIDS+=("$(cat $W/up/pid)")
+PIDS+=("$(start_nginx_upstream $W/up $UP)")
 HP=$(port)
-cat > $W/h.cfg <<C
-global
-  nbthread 1
-  maxconn 4096
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 60s
-  timeout server 60s
-  option http-keep-alive
-frontend fe
-  bind 127.0.0.1:$HP
-  default_backend be
-backend be
-  http-reuse always
-  server up 127.0.0.1:$UP
-C
+write_haproxy_cfg $W/h.cfg $HP $UP
 taskset -c 1 haproxy -f $W/h.cfg -D -p $W/h.pid; sleep 0.3; PIDS+=("$(cat $W/h.pid)")
-cat > $W/s.lua <<'L'
-wrk.method = "PUT"
-wrk.body = string.rep("x", 1024)
-wrk.headers["X-Fence-Token"] = "1"
-L
+write_wrk_scripts $W
 EV=page-faults,raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_read,syscalls:sys_enter_write,syscalls:sys_enter_recvfrom,syscalls:sys_enter_sendto,syscalls:sys_enter_writev,syscalls:sys_enter_futex,context-switches
 run() { # name pid url
   local c0=$(awk '{print $14+$15}' /proc/$2/stat); local u0=$(awk '{print $14}' /proc/$2/stat)
-  taskset -c 0 wrk -t1 -c64 -d8s -s $W/s.lua "$3" > $W/wrk.txt &
+  taskset -c 0 wrk -t1 -c64 -d8s -s $W/steady.lua "$3" > $W/wrk.txt &
   local wp=$!
   sleep 1; perf stat -x, -e $EV -p $2 -- sleep 4 2> $W/perf.txt
   [ -n "${REC:-}" ] && perf record -q --call-graph dwarf,8192 -F 2000 -o /tmp/perf.$1.data -p $2 -- sleep 1 >/dev/null 2>&1

@@ -6,10 +6,8 @@
 #
 # Usage: scripts/transfer_ab.sh BIN...
 set -u
-W=$(mktemp -d); chmod 755 $W; PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do pkill -9 -P "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; pkill -9 -f "$W" 2>/dev/null; rm -rf "$W"; }
-trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. "$(dirname "$0")/bench_lib.sh"
+bench_init
 UP=$(port)
 mkdir -p $W/up/files; head -c $((256<<20)) /dev/urandom > $W/up/files/big; chmod -R a+rX $W/up; cp $W/up/files/big $W/upload.bin
 cat > $W/up/conf <<C

@@ -57,6 +57,8 @@ pub enum ProxyError {
     Recovering { retry_after: Duration },
     #[error("an older write to this key is still in flight upstream and may be applied after this one's wait limit; retry")]
     OlderInFlight { retry_after: Duration },
+    #[error("fencegate is shutting down and forwards no new write; retry (on another replica)")]
+    ShuttingDown,
     #[error("cannot connect to the upstream: {0}")]
     UpstreamConnect(String),
     #[error("the upstream did not answer within {0:?}")]
@@ -81,9 +83,10 @@ impl ProxyError {
             Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
             Self::LengthRequired => StatusCode::LENGTH_REQUIRED,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::StoreUnavailable(_) | Self::Recovering { .. } | Self::OlderInFlight { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::StoreUnavailable(_)
+            | Self::Recovering { .. }
+            | Self::OlderInFlight { .. }
+            | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             Self::UpstreamConnect(_) | Self::Upstream(_) => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -108,6 +111,7 @@ impl ProxyError {
             Self::StoreUnavailable(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
             Self::OlderInFlight { .. } => "older-write-in-flight",
+            Self::ShuttingDown => "shutting-down",
             Self::UpstreamConnect(_) => "upstream-unreachable",
             Self::UpstreamTimeout(_) => "upstream-timeout",
             Self::Upstream(_) => "upstream-failed",
@@ -132,6 +136,7 @@ impl ProxyError {
             Self::StoreUnavailable(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",
             Self::OlderInFlight { .. } => "Older write still in flight",
+            Self::ShuttingDown => "Shutting down",
             Self::UpstreamConnect(_) => "Upstream unreachable",
             Self::UpstreamTimeout(_) => "Upstream timeout",
             Self::Upstream(_) => "Upstream failed",
@@ -169,7 +174,7 @@ impl ProxyError {
                 body.insert("max_step".into(), json!(max_step.to_string()));
                 extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
             }
-            Self::StoreUnavailable(_) => {
+            Self::StoreUnavailable(_) | Self::ShuttingDown => {
                 extra.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
             }
             Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {

@@ -53,6 +53,11 @@ struct Pool {
     h1: VecDeque<(Instant, http1::SendRequest<ProxyBody>)>,
     /// An HTTP/2 connection carries every request of its worker at once.
     h2: Option<http2::SendRequest<ProxyBody>>,
+    /// Requests dialing a connection of their own that would take one
+    /// coming back first: under a burst a connection freed by a finished
+    /// request is usually ready before a new one is, and a dial per waiting
+    /// request would storm the upstream.
+    waiters: VecDeque<tokio::sync::oneshot::Sender<http1::SendRequest<ProxyBody>>>,
 }
 
 /// Why an exchange failed.
@@ -106,10 +111,7 @@ impl Upstream {
         loop {
             let (conn, fresh) = match self.checkout(worker) {
                 Some(conn) => (conn, false),
-                // Boxed: the dial's state (connector, TLS and HTTP/2
-                // handshakes) is kilobytes, and every request's future would
-                // carry it, to be copied as the request moves.
-                None => (Box::pin(self.dial(worker)).await?, true),
+                None => self.dial_or_wait(worker).await?,
             };
             let sent = match conn {
                 Conn::H1(mut sender) => {
@@ -168,9 +170,7 @@ impl Upstream {
 
     /// An idle connection of this worker, newest first, or `None`.
     fn checkout(&self, worker: usize) -> Option<Conn> {
-        let mut pool = self.pools[worker]
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut pool = self.pool(worker);
         if let Some(h2) = &pool.h2 {
             if !h2.is_closed() {
                 return Some(Conn::H2(h2.clone()));
@@ -189,6 +189,32 @@ impl Upstream {
             }
         }
         None
+    }
+
+    /// A fresh connection, or one that another request gives back first
+    /// (which counts as reused: a request that finds it closed goes on).
+    async fn dial_or_wait(&self, worker: usize) -> Result<(Conn, bool), UpstreamError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        {
+            let mut pool = self.pool(worker);
+            pool.waiters.retain(|w| !w.is_closed());
+            pool.waiters.push_back(tx);
+        }
+        // Boxed: the dial's state (connector, TLS and HTTP/2 handshakes) is
+        // kilobytes, and every request's future would carry it, to be
+        // copied as the request moves.
+        let dial = Box::pin(self.dial(worker));
+        tokio::select! {
+            biased;
+            Ok(sender) = rx => Ok((Conn::H1(sender), false)),
+            dialed = dial => Ok((dialed?, true)),
+        }
+    }
+
+    fn pool(&self, worker: usize) -> std::sync::MutexGuard<'_, Pool> {
+        self.pools[worker]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Dials the route's address and starts the connection's driver on this
@@ -211,10 +237,7 @@ impl Upstream {
             // The driver ends when the upstream closes the connection or
             // the last sender is dropped (pool reaped, route reloaded).
             tokio::spawn(conn);
-            self.pools[worker]
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .h2 = Some(sender.clone());
+            self.pool(worker).h2 = Some(sender.clone());
             Ok(Conn::H2(sender))
         } else {
             let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
@@ -231,8 +254,11 @@ impl Upstream {
             return;
         }
         if !sender.is_ready() {
+            // Bounded: an upload the upstream stopped reading does not keep
+            // the task (and the connection) past the idle timeout.
             tokio::spawn(async move {
-                if sender.ready().await.is_ok() {
+                let ready = tokio::time::timeout(self.idle_timeout, sender.ready()).await;
+                if matches!(ready, Ok(Ok(()))) {
                     self.idle_again(worker, sender);
                 }
             });
@@ -241,11 +267,16 @@ impl Upstream {
         self.idle_again(worker, sender);
     }
 
-    fn idle_again(&self, worker: usize, sender: http1::SendRequest<ProxyBody>) {
+    fn idle_again(&self, worker: usize, mut sender: http1::SendRequest<ProxyBody>) {
         let now = Instant::now();
-        let mut pool = self.pools[worker]
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut pool = self.pool(worker);
+        // A request waiting for a connection takes it at once.
+        while let Some(waiter) = pool.waiters.pop_front() {
+            match waiter.send(sender) {
+                Ok(()) => return,
+                Err(back) => sender = back,
+            }
+        }
         self.reap(&mut pool, now);
         if pool.h1.len() >= MAX_IDLE {
             pool.h1.pop_front();

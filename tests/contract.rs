@@ -1206,7 +1206,7 @@ async fn a_write_whose_client_hung_up_is_logged_as_499() {
         .args(&["--access-log", "--log-format", "json"])
         .spawn();
     let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
-    s.write_all(b"PUT /gone HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 4\r\nX-Request-Id: gone-1\r\nX-Test-Delay-Ms: 300\r\nContent-Length: 1\r\n\r\nx")
+    s.write_all(b"PUT /gone HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 4\r\nX-Request-Id: gone-1\r\nX-Test-Delay-Ms: 2000\r\nContent-Length: 1\r\n\r\nx")
         .await
         .unwrap();
     eventually("the write arrived", Duration::from_secs(5), || {

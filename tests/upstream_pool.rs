@@ -74,7 +74,13 @@ async fn start_raw_upstream(mode: Mode) -> RawUpstream {
                 ));
                 continue;
             }
-            tokio::spawn(serve_raw(stream, mode, nth_connection, r.clone()));
+            tokio::spawn(serve_raw(
+                stream,
+                mode,
+                nth_connection,
+                r.clone(),
+                ev.clone(),
+            ));
         }
     });
     RawUpstream {
@@ -123,11 +129,35 @@ async fn serve_late_408(
     }
 }
 
-/// Like [`read_head`], with the request's path instead of its method.
+/// Reads one request (head and a Content-Length body); `None` at a clean
+/// end of the connection.
+async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
+    let (_, len) = read_head(s, buf).await?;
+    read_body(s, buf, len).await
+}
+
+/// Reads a request head; its method and Content-Length.
+async fn read_head(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<(String, usize)> {
+    read_head_line(s, buf)
+        .await
+        .map(|(method, _, len)| (method, len))
+}
+
+/// Like [`read_head`], with the request's path as well.
 async fn read_head_path(
     s: &mut tokio::net::TcpStream,
     buf: &mut Vec<u8>,
 ) -> Option<(String, usize)> {
+    read_head_line(s, buf)
+        .await
+        .map(|(_, path, len)| (path, len))
+}
+
+/// Reads a request head; its method (lower case), path and Content-Length.
+async fn read_head_line(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+) -> Option<(String, String, usize)> {
     let head_end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
@@ -140,47 +170,15 @@ async fn read_head_path(
         buf.extend_from_slice(&chunk[..n]);
     };
     let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-    let path = head.split(' ').nth(1).unwrap_or_default().to_string();
-    let len = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("content-length:")
-                .map(|v| v.trim().to_string())
-        })
-        .map_or(0, |v| v.parse().unwrap());
-    buf.drain(..head_end);
-    Some((path, len))
-}
-
-/// Reads one request (head and a Content-Length body); `None` at a clean
-/// end of the connection.
-async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<()> {
-    let (_, len) = read_head(s, buf).await?;
-    read_body(s, buf, len).await
-}
-
-/// Reads a request head; its method and Content-Length.
-async fn read_head(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<(String, usize)> {
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let mut chunk = [0u8; 4096];
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-    let len: usize = head
+    let lower = head.to_ascii_lowercase();
+    let len: usize = lower
         .lines()
         .find_map(|l| l.strip_prefix("content-length:"))
         .map_or(0, |v| v.trim().parse().unwrap());
-    let method = head.split(' ').next().unwrap_or_default().to_string();
+    let method = lower.split(' ').next().unwrap_or_default().to_string();
+    let path = head.split(' ').nth(1).unwrap_or_default().to_string();
     buf.drain(..head_end);
-    Some((method, len))
+    Some((method, path, len))
 }
 
 async fn read_body(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, len: usize) -> Option<()> {
@@ -201,12 +199,17 @@ async fn serve_raw(
     mode: Mode,
     nth_connection: usize,
     requests: Arc<AtomicUsize>,
+    events: Arc<std::sync::Mutex<Vec<String>>>,
 ) {
     let mut buf = Vec::new();
     let mut served = 0;
     if matches!(mode, Mode::RefusePutsEarly) {
         while let Some((method, len)) = read_head(&mut s, &mut buf).await {
             requests.fetch_add(1, Ordering::SeqCst);
+            events
+                .lock()
+                .unwrap()
+                .push(format!("connection {nth_connection} {method}"));
             let answer = if method == "put" {
                 "HTTP/1.1 403 Forbidden\r\ncontent-length: 3\r\n\r\nno\n"
             } else {
@@ -369,8 +372,17 @@ async fn no_request_waits_behind_an_upload_the_upstream_answered_early() {
         tokio::time::timeout(Duration::from_secs(10), send("GET", &p.url("/r"), &[], "")).await;
     let read = read.expect("a read waited behind an upload still in progress");
     assert_eq!(read.status, 200, "{}", read.text());
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        2,
+        "the read took a connection of its own"
+    );
+    // The upload ends; later reads need no new connection.
     upload.write_all(&[b'x'; 99_000]).await.unwrap();
-    assert_eq!(up.requests.load(Ordering::SeqCst), 2);
+    for _ in 0..5 {
+        assert_eq!(send("GET", &p.url("/again"), &[], "").await.status, 200);
+    }
+    assert_eq!(up.connections.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -388,13 +400,57 @@ async fn a_408_on_a_reused_connection_retires_it_and_holds_the_write() {
     let r = send("GET", &p.url("/other"), &[], "").await;
     assert_eq!((r.status.as_u16(), r.text().as_str()), (200, "ok\n"));
     // A newer write on the key reaches the upstream only after the old
-    // write's real answer: the 408 did not end it.
-    assert_eq!(put(&p.url("/k"), "3").await.status, 200);
+    // write's real answer: the 408 did not end it. It waits, or is refused
+    // with 503 (older write in flight) while the old one may still be
+    // applied; retried, it goes through.
+    let mut tries = 0;
+    loop {
+        let newer = put(&p.url("/k"), "3").await;
+        match newer.status.as_u16() {
+            200 => break,
+            503 if tries < 20 => {
+                assert_eq!(
+                    newer.json()["type"],
+                    "urn:fencegate:problem:older-write-in-flight"
+                );
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            s => panic!("newer write: {s} {}", newer.text()),
+        }
+    }
     let events = up.events.lock().unwrap().clone();
     let late = events.iter().position(|e| e == "late sent /k");
     let newer = events.iter().rposition(|e| e == "arrived /k");
     assert!(
         matches!((late, newer), (Some(l), Some(n)) if n > l),
         "the newer write overtook the one the 408 answered: {events:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_while_a_write_answered_408_is_held_records_no_clean_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::Late408).await;
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&[
+            "--workers",
+            "1",
+            "--upstream-timeout",
+            "4s",
+            "--shutdown-grace",
+            "300ms",
+        ])
+        .spawn();
+    assert_eq!(put(&p.url("/first"), "1").await.status, 200);
+    assert_eq!(put(&p.url("/k"), "2").await.status, 408);
+    // The write may still be applied (its real answer is yet to come): the
+    // drain must not record a clean stop while it is held.
+    let exit = p.sigterm();
+    assert_eq!(exit.code(), Some(3), "{exit:?}\n{}", p.stderr());
+    assert!(
+        !p.stderr().contains("clean stop recorded"),
+        "{}",
+        p.stderr()
     );
 }

@@ -137,14 +137,22 @@ impl Mapping {
     }
 }
 
+/// A write's permits, its key-mapping token, and its token in the drain's
+/// tracker.
+type Held = (Vec<Permit>, Option<TaskTrackerToken>, TaskTrackerToken);
+
 /// What keeps a write in flight for those who must wait for it: its fence
 /// permits (newer writes to its keys) and its mapping token (writes under a
 /// mapping that replaced it). The write's exchange and body are cut at
 /// `deadline`, so nobody waits on it longer than that.
 struct InFlight {
     /// Taken (released) when the last holder is done, or at the deadline
-    /// by [`InFlight::release_at_deadline`], whichever comes first.
-    held: std::sync::Mutex<Option<(Vec<Permit>, Option<TaskTrackerToken>)>>,
+    /// by [`InFlight::release_at_deadline`], whichever comes first. The
+    /// second token counts the write in the drain's tracker of writes in
+    /// flight (`Proxy::exchanges`): whatever keeps the write in flight (a
+    /// 408, a body still uploading after an early answer) keeps a clean stop
+    /// from being recorded.
+    held: std::sync::Mutex<Option<Held>>,
     deadline: tokio::time::Instant,
 }
 
@@ -155,7 +163,8 @@ impl InFlight {
         let deadline = hold.deadline;
         tokio::spawn(async move {
             tokio::time::sleep_until(deadline).await;
-            drop(hold);
+            // Released here even if the body still holds a reference.
+            drop(hold.held.lock().expect("in-flight lock").take());
         });
     }
 
@@ -574,8 +583,14 @@ impl Proxy {
                 retry_after: Duration::from_secs(1),
             });
         }
+        // Counted before the check: the drain closes the tracker, then waits
+        // for it, so a write either counts or sees it closed.
+        let in_flight = self.exchanges.token();
+        if self.exchanges.is_closed() {
+            return Err(ProxyError::ShuttingDown);
+        }
         Ok(Arc::new(InFlight {
-            held: std::sync::Mutex::new(Some((permits, ctx.mapping.take()))),
+            held: std::sync::Mutex::new(Some((permits, ctx.mapping.take(), in_flight))),
             deadline,
         }))
     }
@@ -638,7 +653,13 @@ impl Record<'_> {
 impl Drop for Record<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.finish(CLIENT_CLOSED);
+            // A panic in the request path is the proxy's failure, not the
+            // client's.
+            self.finish(if std::thread::panicking() {
+                http::StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                CLIENT_CLOSED
+            });
         }
     }
 }
@@ -681,6 +702,7 @@ fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
         ProxyError::Recovering { .. } => "recovering",
         ProxyError::OlderInFlight { .. } => "older_in_flight",
         ProxyError::StoreUnavailable(_) => "store_error",
+        ProxyError::ShuttingDown => "shutting_down",
         _ => return None,
     })
 }

@@ -513,7 +513,7 @@ impl Writer {
         loop {
             // While unhealthy, nothing may come to heal the store: probe
             // once a second by itself.
-            let next = if self.healthy.load(Ordering::Acquire) {
+            let next = if self.healthy.load(Ordering::Acquire) || self.closed {
                 rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
             } else {
                 rx.recv_timeout(PROBE_EVERY)
@@ -598,11 +598,12 @@ impl Writer {
                 // heals whether or not anything asks /readyz.
                 let ping = batch.iter().any(|op| matches!(op, Op::Ping { .. }));
                 let due = self.last_probe.is_none_or(|at| at.elapsed() >= PROBE_EVERY);
-                let probed = if !self.healthy.load(Ordering::Acquire) && (ping || due) {
-                    self.probe().err()
-                } else {
-                    None
-                };
+                let probed =
+                    if !self.healthy.load(Ordering::Acquire) && !self.closed && (ping || due) {
+                        self.probe().err()
+                    } else {
+                        None
+                    };
                 batch
                     .iter()
                     .zip(answers)

@@ -83,6 +83,25 @@ enum Conn {
     H2(http2::SendRequest<ProxyBody>),
 }
 
+impl Conn {
+    /// Resolves when the connection can take a request; fails if it closed.
+    async fn ready(&mut self) -> hyper::Result<()> {
+        match self {
+            Conn::H1(s) => s.ready().await,
+            Conn::H2(s) => s.ready().await,
+        }
+    }
+}
+
+/// A 408 may have been sent on an idle connection just as a request went
+/// out on it (a server timing the connection out): the answer to that
+/// request may still come on the connection. So a 408 retires its
+/// connection, and the write it answers may still be applied (the proxy
+/// holds its keys until its deadline).
+pub fn retires_connection(status: http::StatusCode) -> bool {
+    status == http::StatusCode::REQUEST_TIMEOUT
+}
+
 impl Upstream {
     pub fn new(
         dial: Uri,
@@ -113,51 +132,40 @@ impl Upstream {
                 Some(conn) => (conn, false),
                 None => self.dial_or_wait(worker).await?,
             };
+            let mut conn = conn;
+            match &mut conn {
+                Conn::H1(_) => h1_form(&mut req),
+                Conn::H2(_) => h2_form(&mut req, &self.dial),
+            }
+            if let Err(e) = conn.ready().await {
+                // Closed while idle: nothing was written.
+                if fresh {
+                    return Err(closed_at_once(e));
+                }
+                continue;
+            }
             let sent = match conn {
-                Conn::H1(mut sender) => {
-                    h1_form(&mut req);
-                    if let Err(e) = sender.ready().await {
-                        // Closed while idle: nothing was written.
-                        if fresh {
-                            return Err(closed_at_once(e));
-                        }
-                        continue;
+                Conn::H1(mut sender) => match sender.try_send_request(req).await {
+                    Ok(resp) => {
+                        let back = (!retires_connection(resp.status()))
+                            .then(|| (self.clone(), worker, sender));
+                        return Ok(resp.map(|body| {
+                            PooledBody {
+                                body,
+                                back,
+                                ended: false,
+                            }
+                            .boxed()
+                        }));
                     }
-                    match sender.try_send_request(req).await {
-                        Ok(resp) => {
-                            // A 408 may have been sent on the idle connection
-                            // just as this request went out (a server timing
-                            // the connection out): the answer to this request
-                            // may still come on it. Never reuse it.
-                            let back = (resp.status() != http::StatusCode::REQUEST_TIMEOUT)
-                                .then(|| (self.clone(), worker, sender));
-                            return Ok(resp.map(|body| {
-                                PooledBody {
-                                    body,
-                                    back,
-                                    ended: false,
-                                }
-                                .boxed()
-                            }));
-                        }
-                        Err(e) => e,
+                    Err(e) => e,
+                },
+                Conn::H2(mut sender) => match sender.try_send_request(req).await {
+                    Ok(resp) => {
+                        return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
                     }
-                }
-                Conn::H2(mut sender) => {
-                    h2_form(&mut req, &self.dial);
-                    if let Err(e) = sender.ready().await {
-                        if fresh {
-                            return Err(closed_at_once(e));
-                        }
-                        continue;
-                    }
-                    match sender.try_send_request(req).await {
-                        Ok(resp) => {
-                            return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
-                        }
-                        Err(e) => e,
-                    }
-                }
+                    Err(e) => e,
+                },
             };
             let mut e = sent;
             match e.take_message() {

@@ -426,15 +426,14 @@ impl Proxy {
         let exchange = async move {
             let result = tokio::time::timeout_at(deadline, upstream.send(up)).await;
             if let Some(hold) = hold {
-                if matches!(&result, Ok(Ok(r)) if r.status() == http::StatusCode::REQUEST_TIMEOUT) {
-                    // A 408 may be the upstream timing out the connection
-                    // this write went out on, not an answer to it: the
-                    // write may still be applied. Its keys stay held until
-                    // its deadline.
-                    InFlight::keep_until_deadline(hold);
-                } else if Arc::strong_count(&hold) > 1 {
-                    // The body is still being sent (an early answer).
-                    InFlight::release_at_deadline(&hold);
+                // A 408 may not answer this write at all: it may still be
+                // applied, so its keys stay held to its deadline. An early
+                // answer with the body still being sent holds them while
+                // the body does.
+                let ambiguous =
+                    matches!(&result, Ok(Ok(r)) if crate::upstream::retires_connection(r.status()));
+                if ambiguous || Arc::strong_count(&hold) > 1 {
+                    InFlight::release_at_deadline(&hold, ambiguous);
                 }
             }
             result

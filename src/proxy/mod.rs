@@ -157,30 +157,23 @@ struct InFlight {
 }
 
 impl InFlight {
-    /// Keeps the write in flight until its deadline, whatever happens to
-    /// its request and answer.
-    fn keep_until_deadline(hold: Arc<InFlight>) {
-        let deadline = hold.deadline;
-        tokio::spawn(async move {
-            tokio::time::sleep_until(deadline).await;
-            // Released here even if the body still holds a reference.
-            drop(hold.held.lock().expect("in-flight lock").take());
-        });
-    }
-
     /// A request body still being sent after an early answer is cut at the
     /// deadline only when the upstream connection next polls it, which it
     /// does not while the upstream reads nothing. So the write stops
     /// holding its keys (and its mapping) at the deadline whatever the body
     /// does; newer writes wait [`crate::fence::CUT_GRACE`] beyond that anyway.
-    fn release_at_deadline(hold: &Arc<InFlight>) {
+    /// With `keep`, the write stays in flight until then even if nothing
+    /// else holds it (an answer that may not be its own: a 408).
+    fn release_at_deadline(hold: &Arc<InFlight>, keep: bool) {
         let weak = Arc::downgrade(hold);
+        let kept = keep.then(|| hold.clone());
         let deadline = hold.deadline;
         tokio::spawn(async move {
             tokio::time::sleep_until(deadline).await;
             if let Some(hold) = weak.upgrade() {
                 drop(hold.held.lock().expect("in-flight lock").take());
             }
+            drop(kept);
         });
     }
 }
@@ -389,6 +382,7 @@ impl Proxy {
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
         let mut record = Record {
             proxy: &self,
+            peer,
             access_log: table.access_log,
             started: Instant::now(),
             request_id,
@@ -602,6 +596,7 @@ impl Proxy {
 /// away still leaves its trace while its exchange runs on.
 struct Record<'a> {
     proxy: &'a Proxy,
+    peer: Peer,
     access_log: bool,
     started: Instant,
     request_id: HeaderValue,
@@ -615,11 +610,11 @@ impl Record<'_> {
         self.done = true;
         let ctx = &self.ctx;
         if self.access_log {
-            let peer = ctx.peer;
+            let peer = self.peer;
             tracing::info!(
                 target: "fencegate::access",
                 request_id = self.request_id.to_str().unwrap_or("-"),
-                client = %peer.map_or_else(|| "-".to_string(), |p| p.addr.to_string()),
+                client = %peer.addr,
                 method = %ctx.method,
                 route = ctx.route.as_deref().unwrap_or("-"),
                 key = ctx.key.as_deref().unwrap_or("-"),
@@ -628,7 +623,7 @@ impl Record<'_> {
                 decision = ctx.decision.unwrap_or("-"),
                 status = status.as_u16(),
                 version = ?self.version,
-                tls = peer.is_some_and(|p| p.tls),
+                tls = peer.tls,
                 latency_ms = self.started.elapsed().as_secs_f64() * 1000.0,
                 upstream_ms = ctx.upstream_ms,
                 "request"

@@ -339,7 +339,13 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
 }
 
 /// The literal parse: the target is kept byte for byte; the key is the fully
-/// percent-decoded path (what S3 calls the object's name).
+/// percent-decoded path (what S3 calls the object's name) with runs of `/`
+/// merged and no trailing `/`. Some S3 servers (SeaweedFS) read `a//b` and
+/// `a/b/` as `a/b`, others (AWS) as names of their own: merging them into
+/// one key is safe (at worst two objects share a fence), splitting them
+/// would not be. Dot segments (`.`, `..`, raw or encoded) are refused, as in
+/// the canonical parse: a backend that resolves them would write where no
+/// route or key of the raw path points.
 pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
     let (path, _query) = split_target(target)?;
     if !path.starts_with('/') {
@@ -347,8 +353,7 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
     }
     // Some S3 implementations read a raw `+` in the path as a space, others
     // as a plus: `a+b`, `a%2Bb`, `a b` and `a%20b` may all name one
-    // object. Merging them into one key is safe (at worst two objects share
-    // a fence); splitting them would not be.
+    // object. Merging them into one key is safe; splitting them would not be.
     let decode = |s: &str| -> Result<String, KeyError> {
         let out = percent_decode(s)?;
         if out.contains(&0) {
@@ -358,9 +363,22 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
             .map(|s| s.replace('+', " "))
             .map_err(|_| KeyError::NotUtf8)
     };
-    let key_path = decode(path)?;
+    let decoded = decode(path)?;
+    // Checked on the decoded name, whose `/` include the encoded ones.
+    let mut key_path = String::with_capacity(decoded.len());
+    for seg in decoded.split('/').filter(|s| !s.is_empty()) {
+        if seg == "." || seg == ".." {
+            return Err(KeyError::DotSegment);
+        }
+        key_path.push('/');
+        key_path.push_str(seg);
+    }
+    if key_path.is_empty() {
+        key_path.push('/');
+    }
     let segments = path[1..]
         .split('/')
+        .filter(|s| !s.is_empty())
         .map(decode)
         .collect::<Result<Vec<_>, _>>()?;
     Ok(CanonicalPath {
@@ -372,7 +390,8 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
 
 /// The form routes are matched on: the path fully percent-decoded, as a
 /// decoding backend reads it (a byte that is not UTF-8 becomes U+FFFD;
-/// route prefixes are plain ASCII, so that cannot change a match). Every
+/// route prefixes are plain ASCII, so that cannot change a match), with
+/// runs of `/` merged, as a backend that merges them reads it. Every
 /// spelling of a resource, in either mode, has this one form, so it meets
 /// one route, and that route's parse then gives the key.
 pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
@@ -380,13 +399,18 @@ pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
     if !path.starts_with('/') {
         return Err(KeyError::NotAPath);
     }
-    if !path.contains('%') {
-        // Nothing to decode: the common case costs no allocation.
+    if !path.contains('%') && !path.contains("//") {
+        // Nothing to decode or merge: the common case costs no allocation.
         return Ok(std::borrow::Cow::Borrowed(path));
     }
-    Ok(std::borrow::Cow::Owned(
-        String::from_utf8_lossy(&percent_decode(path)?).into_owned(),
-    ))
+    let decoded = String::from_utf8_lossy(&percent_decode(path)?).into_owned();
+    let mut form = String::with_capacity(decoded.len());
+    for c in decoded.chars() {
+        if !(c == '/' && form.ends_with('/')) {
+            form.push(c);
+        }
+    }
+    Ok(std::borrow::Cow::Owned(form))
 }
 
 /// Decodes every `%XX` escape; a `%` not followed by two hex digits is an
@@ -531,10 +555,42 @@ mod tests {
 
     #[test]
     fn literal_mode_keeps_the_target_and_decodes_the_key() {
-        let c = literal("/bucket/a//b%2Fc/../d?partNumber=1").unwrap();
-        assert_eq!(c.upstream_target, "/bucket/a//b%2Fc/../d?partNumber=1");
-        assert_eq!(c.key_path, "/bucket/a//b/c/../d");
-        assert_eq!(c.segments[0], "bucket");
+        let c = literal("/bucket/a//b%2Fc/d/?partNumber=1").unwrap();
+        assert_eq!(c.upstream_target, "/bucket/a//b%2Fc/d/?partNumber=1");
+        // One key for every spelling a merging server reads as one name.
+        assert_eq!(c.key_path, "/bucket/a/b/c/d");
+        assert_eq!(c.segments, ["bucket", "a", "b/c", "d"]);
+        for spelling in [
+            "//bucket/a/b/c/d",
+            "/bucket/a/b/c/d//",
+            "/bucket///a%2F%2Fb/c/d",
+        ] {
+            assert_eq!(
+                literal(spelling).unwrap().key_path,
+                c.key_path,
+                "{spelling}"
+            );
+        }
+        assert_eq!(literal("//bucket/x").unwrap().segments[0], "bucket");
+        assert_eq!(literal("/").unwrap().key_path, "/");
+        assert_eq!(literal("//").unwrap().key_path, "/");
+        for dots in [
+            "/b/../x",
+            "/b/./x",
+            "/b/%2e%2E/x",
+            "/b/x/..",
+            "/b/a%2F..%2Fx",
+            "/..",
+        ] {
+            assert_eq!(literal(dots), Err(KeyError::DotSegment), "{dots}");
+        }
+        assert_eq!(literal("/b/..x/.y/...").unwrap().key_path, "/b/..x/.y/...");
+        assert_eq!(route_form("//b//x/"), Ok("/b/x/".into()));
+        assert_eq!(route_form("/b%2F%2Fx"), Ok("/b/x".into()));
+        assert!(matches!(
+            route_form("/b/x"),
+            Ok(std::borrow::Cow::Borrowed("/b/x"))
+        ));
         assert_eq!(literal("/b/%6Fbj").unwrap().key_path, "/b/obj");
         // `+` and space are one name to some S3 implementations.
         for spelling in ["/b/a+b", "/b/a%2Bb", "/b/a%2bb", "/b/a%20b"] {
@@ -618,7 +674,8 @@ mod tests {
         );
         assert_eq!(
             route_form("/bkt/report%73//z"),
-            Ok("/bkt/reports//z".into())
+            Ok("/bkt/reports/z".into()),
+            "runs of `/` merged"
         );
         assert_eq!(route_form("/a/%FF"), Ok("/a/\u{FFFD}".into()));
         assert!(route_form("/a/%zz").is_err());
@@ -715,6 +772,26 @@ mod tests {
             if let (Ok(a), Ok(b)) = (canonicalize(&p), canonicalize(&other)) {
                 prop_assert_eq!(a.key_path, b.key_path);
             }
+        }
+
+        /// A server that merges runs of `/` reads every doubling of a
+        /// path's slashes (and a trailing one) as the path: route forms and
+        /// literal keys read it so too.
+        #[test]
+        fn doubled_slashes_are_one_name(p in path(), doubles in proptest::collection::vec(proptest::bool::ANY, 8)) {
+            let mut other = String::new();
+            for (n, c) in p.chars().enumerate() {
+                other.push(c);
+                if c == '/' && doubles[n % doubles.len()] {
+                    other.push('/');
+                }
+            }
+            if doubles[0] {
+                other.push('/');
+            }
+            let form = |t: &str| route_form(t).map(|f| f.trim_end_matches('/').to_string());
+            prop_assert_eq!(form(&p), form(&other), "{} vs {}", p, other);
+            prop_assert_eq!(literal(&p).map(|c| c.key_path), literal(&other).map(|c| c.key_path));
         }
 
         /// Canonicalization is idempotent: the forwarded target parses to the

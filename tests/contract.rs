@@ -767,7 +767,7 @@ async fn admin_endpoints() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("promtool not found: install it (Debian package `prometheus`), .ci/run does");
+        .expect("promtool not found: install it (Debian package `prometheus`), scripts/test does");
     use std::io::Write;
     child
         .stdin
@@ -995,11 +995,12 @@ async fn literal_routes_forward_the_raw_target_byte_for_byte() {
     let raw_target = "/bucket/a//b%2Fc%2fd?partNumber=1&uploadId=x%2By";
     assert_eq!(put(&p.url(raw_target), "5").await.status, 200);
     assert_eq!(up.records()[0].target, raw_target);
-    // The key is the decoded object name: another spelling of it is the
-    // same object for S3, hence the same fence.
+    // The key is the decoded object name with runs of `/` merged: another
+    // spelling of it is the same object for S3 (and `a//b` is `a/b` to
+    // servers that merge slashes), hence the same fence.
     let a = put(&p.url("/bucket/a//b/c%2Fd"), "4").await;
     assert_problem(&a, 409, "stale-token");
-    assert_eq!(a.json()["key"], "default:/bucket/a//b/c/d");
+    assert_eq!(a.json()["key"], "default:/bucket/a/b/c/d");
     assert_problem(&put(&p.url("/bucket/%zz"), "9").await, 400, "bad-target");
     // Names that are not UTF-8 once decoded, and an encoded NUL.
     for bad in [

@@ -16,10 +16,13 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{full, problem_response, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
+use crate::proxy::Proxy;
 
 /// State the admin endpoints read.
 pub struct Admin {
     pub fence: Arc<Fence>,
+    /// Its routes answer the lookup by request (`GET /v1/fences?path=`).
+    pub proxy: Arc<Proxy>,
     pub metrics: Arc<Metrics>,
     /// Swapped by a reload (token rotation).
     pub admin_token: arc_swap::ArcSwapOption<String>,
@@ -136,6 +139,7 @@ impl Admin {
             }
             "/healthz" if get => json_response(StatusCode::OK, json!({"status": "ok"})),
             "/readyz" if get => self.ready().await,
+            "/v1/fences" if get => self.lookup(req.uri().query().unwrap_or("")).await,
             p if p.starts_with("/v1/fences/") && get => {
                 let seg = &p["/v1/fences/".len()..];
                 match decode_segment(seg).filter(|k| !seg.is_empty() && !seg.contains('/') && !k.is_empty()) {
@@ -197,6 +201,71 @@ impl Admin {
             _ => problem(StatusCode::NOT_FOUND, "unknown admin endpoint"),
         };
         Ok(resp)
+    }
+
+    /// `GET /v1/fences?path=P[&host=H][&header=NAME:VALUE...]`: the fence
+    /// a write to `P` takes, in request terms (route, key template, key,
+    /// highest token), so nobody has to spell keys by hand. `header` is
+    /// only needed by `header:NAME` key templates.
+    async fn lookup(&self, query: &str) -> Response<ProxyBody> {
+        let mut path = None;
+        let mut host = None;
+        let mut headers = http::HeaderMap::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let Some(value) = crate::key::percent_decode(&value.replace('+', " "))
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok())
+            else {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("the {name} parameter is not percent-encoded UTF-8"),
+                );
+            };
+            match name {
+                "path" => path = Some(value),
+                "host" => host = Some(value),
+                "header" => {
+                    let parsed = value.split_once(':').and_then(|(n, v)| {
+                        Some((
+                            http::HeaderName::from_bytes(n.trim().as_bytes()).ok()?,
+                            HeaderValue::from_str(v.trim()).ok()?,
+                        ))
+                    });
+                    let Some((n, v)) = parsed else {
+                        return problem(
+                            StatusCode::BAD_REQUEST,
+                            "the header parameter must be NAME:VALUE",
+                        );
+                    };
+                    headers.append(n, v);
+                }
+                other => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        &format!("unknown parameter {other}: use path, host and header"),
+                    )
+                }
+            }
+        }
+        let Some(path) = path else {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "give the request's path: /v1/fences?path=/bucket/report.csv (and host=H when routes name hosts)",
+            );
+        };
+        let explained = match self.proxy.explain(host.as_deref(), &path, &headers) {
+            Ok(e) => e,
+            Err(e) => return problem(e.status(), &e.to_string()),
+        };
+        let highest = match &explained.key {
+            Ok(key) => match self.fence.store().highest(key).await {
+                Ok(h) => h,
+                Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            },
+            Err(_) => None,
+        };
+        json_response(StatusCode::OK, explained.to_json(highest))
     }
 
     /// `POST /v1/fences/{key}` with `{"token": "N"}`: raise the fence at

@@ -232,6 +232,12 @@ pub struct Route {
     pub upstream_tls: UpstreamTls,
 }
 
+impl AsRef<Route> for Route {
+    fn as_ref(&self) -> &Route {
+        self
+    }
+}
+
 impl Route {
     pub fn matches_path(&self, path: &str) -> bool {
         let p = self.path_prefix.trim_end_matches('/');

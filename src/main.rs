@@ -35,6 +35,25 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
+    /// Print where a write to PATH goes under the config (file and flags):
+    /// which route, key template and fence key, or why it would be refused.
+    /// Offline: nothing is started or opened. `fencegate explain --config
+    /// api.toml /acme/orders/42/items`.
+    Explain {
+        /// The request's path (`/bucket/report.csv`, as a client sends
+        /// it, percent-encoding included) or URL (`http://host/path`).
+        path: String,
+        /// The request's Host, needed when routes name hosts.
+        #[arg(long = "host")]
+        request_host: Option<String>,
+        /// A request header, `NAME: VALUE`, for `header:NAME` key templates
+        /// (repeatable).
+        #[arg(long = "header", value_name = "NAME: VALUE")]
+        headers: Vec<String>,
+        /// Print the JSON the admin lookup (`GET /v1/fences?path=`) answers.
+        #[arg(long)]
+        json: bool,
+    },
     /// GET a URL and exit 0 on a 2xx answer (container health checks, where
     /// the image has no curl): `fencegate probe http://127.0.0.1:9090/readyz`.
     Probe {
@@ -396,6 +415,75 @@ fn init_store(opts: &Opts) -> ExitCode {
     })
 }
 
+/// `fencegate explain PATH`: exit 0 when a write there has a fence key, 1
+/// when it would be refused (and why), 2 on bad arguments.
+fn explain(
+    config: &Config,
+    target: &str,
+    host: Option<&str>,
+    header_args: &[String],
+    json: bool,
+) -> ExitCode {
+    let mut headers = http::HeaderMap::new();
+    for h in header_args {
+        let parsed = h.split_once(':').and_then(|(n, v)| {
+            Some((
+                http::HeaderName::from_bytes(n.trim().as_bytes()).ok()?,
+                http::HeaderValue::from_str(v.trim()).ok()?,
+            ))
+        });
+        let Some((n, v)) = parsed else {
+            eprintln!("fencegate explain: --header {h:?} is not `NAME: VALUE`");
+            return ExitCode::from(2);
+        };
+        headers.append(n, v);
+    }
+    let explained = match fencegate::proxy::explain::explain(
+        &config.routes,
+        host,
+        target,
+        &headers,
+        config.limits.max_key_bytes,
+    ) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("fencegate explain: refused ({}): {e}", e.status().as_u16());
+            return ExitCode::FAILURE;
+        }
+    };
+    if json {
+        println!("{}", explained.to_json(None));
+    } else {
+        let r = &explained.route;
+        println!(
+            "route     {} (host {}, path prefix {})",
+            r.name,
+            r.host.as_deref().unwrap_or("any"),
+            r.path_prefix
+        );
+        println!(
+            "template  {} (namespace {}, {} keys)",
+            r.key,
+            r.namespace,
+            if r.literal_keys {
+                "literal"
+            } else {
+                "canonical"
+            }
+        );
+        println!("upstream  {}{}", r.upstream, explained.upstream_target);
+        match &explained.key {
+            Ok(k) => println!("key       {k}"),
+            Err(e) => println!("refused   {}: {e}", e.status().as_u16()),
+        }
+    }
+    if explained.key.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 /// `fencegate probe URL`: exit 0 on 2xx within 5 s.
 fn probe(url: &str) -> ExitCode {
     use http_body_util::Empty;
@@ -449,6 +537,15 @@ fn main() -> ExitCode {
     if let Some(Command::CheckConfig { .. }) = cli.command {
         print!("{}", config.to_toml());
         return ExitCode::SUCCESS;
+    }
+    if let Some(Command::Explain {
+        path,
+        request_host,
+        headers,
+        json,
+    }) = &cli.command
+    {
+        return explain(&config, path, request_host.as_deref(), headers, *json);
     }
     // A proxy holds two descriptors per request (client and upstream): a
     // soft limit of 1024 would cap it long before the hard limit does.

@@ -230,6 +230,7 @@ impl Server {
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
             fence: fence.clone(),
+            proxy: proxy.clone(),
             metrics: metrics.clone(),
             admin_token: arc_swap::ArcSwapOption::from_pointee(config.admin_token.clone()),
             draining: draining.clone(),

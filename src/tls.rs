@@ -429,6 +429,71 @@ pub fn upstream_connector(
     Ok(HttpsConnector::from((http, config)))
 }
 
+/// What to do about a TLS failure towards an upstream, if `e` (or an
+/// error it wraps) is one whose usual cause we know: the errors people hit
+/// first with a private or self-made certificate.
+pub fn advice(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    use rustls::CertificateError as C;
+    let mut next = Some(e);
+    while let Some(err) = next {
+        // An io::Error's `source` skips the error it wraps (hyper-rustls
+        // wraps tokio-rustls's io::Error, which wraps the rustls error),
+        // so wrapped errors are followed by hand.
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            next = Some(inner);
+            continue;
+        }
+        if let Some(rustls::Error::InvalidCertificate(cert)) = err.downcast_ref::<rustls::Error>() {
+            return Some(match cert {
+                C::Other(other)
+                    if matches!(
+                        other.0.downcast_ref::<webpki::Error>(),
+                        Some(webpki::Error::CaUsedAsEndEntity)
+                    ) =>
+                {
+                    "the upstream presents a CA certificate (basicConstraints CA:TRUE) as its own; \
+                     `openssl req -x509` makes such a certificate unless told otherwise. Give the \
+                     upstream a leaf certificate signed by a CA (add `-addext \
+                     basicConstraints=critical,CA:FALSE` when signing it) and give that CA as \
+                     upstream_ca (--upstream-ca); docs/gateway.md shows the commands"
+                        .into()
+                }
+                C::UnknownIssuer => {
+                    "the upstream's certificate chain does not lead to a CA fencegate \
+                     trusts: give the CA that signed it as upstream_ca (--upstream-ca), and make \
+                     the upstream send its intermediate certificates"
+                        .into()
+                }
+                C::NotValidForName | C::NotValidForNameContext { .. } => {
+                    "the upstream's certificate \
+                     does not name the host in the route's upstream URL: use a name (or IP \
+                     address) listed in its subjectAltName"
+                        .into()
+                }
+                C::Expired
+                | C::ExpiredContext { .. }
+                | C::NotValidYet
+                | C::NotValidYetContext { .. } => {
+                    "the upstream's certificate is outside its validity period: renew it, or \
+                     check the clocks of both machines"
+                        .into()
+                }
+                C::InvalidPurpose | C::InvalidPurposeContext { .. } => {
+                    "the upstream's certificate \
+                     is not for TLS servers: its extendedKeyUsage must include serverAuth"
+                        .into()
+                }
+                _ => return None,
+            });
+        }
+        next = err.source();
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -230,7 +230,16 @@ impl Upstream {
     /// the route asks for it).
     async fn dial(&self, worker: usize) -> Result<Conn, UpstreamError> {
         let mut connector = self.connector.clone();
-        let connect = |e: BoxError| UpstreamError::Connect(crate::proxy::error_chain(&*e));
+        let connect = |e: BoxError| {
+            let mut detail = crate::proxy::error_chain(&*e);
+            // The error is flattened here: advice on a TLS failure must be
+            // found now, while its rustls error is still in the chain.
+            if let Some(advice) = crate::tls::advice(&*e) {
+                detail.push_str(". What to do: ");
+                detail.push_str(&advice);
+            }
+            UpstreamError::Connect(detail)
+        };
         std::future::poll_fn(|cx| connector.poll_ready(cx))
             .await
             .map_err(connect)?;

@@ -484,6 +484,39 @@ async fn untrusted_upstream_certificate_is_a_502_with_a_clear_log() {
         log.contains("invalid peer certificate") && log.contains("UnknownIssuer"),
         "the log says why: {log}"
     );
+    assert!(
+        a.text()
+            .contains("give the CA that signed it as upstream_ca (--upstream-ca)"),
+        "and what to do: {}",
+        a.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ca_certificate_served_as_the_upstreams_own_gets_advice() {
+    // `openssl req -x509` without `-addext basicConstraints=CA:FALSE`:
+    // trusted as upstream_ca, but rustls refuses a CA certificate as the
+    // server's own (CaUsedAsEndEntity). The answer says what to do.
+    let dir = tempfile::tempdir().unwrap();
+    let cert = self_signed_ca_as_server(dir.path(), "openssl-x509");
+    let (up, _) = start_tls_upstream(&cert, None, true).await;
+    let p = ProxyBuilder::new(&up.https_url(), dir.path())
+        .args(&["--upstream-ca", &cert.cert.display().to_string()])
+        .spawn();
+    let a = put(&p.url("/o"), "1").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(up.arrivals(), 0);
+    let detail = a.json()["detail"].as_str().unwrap_or_default().to_string();
+    assert!(
+        detail.contains("CaUsedAsEndEntity")
+            && detail.contains("presents a CA certificate")
+            && detail.contains("basicConstraints=critical,CA:FALSE"),
+        "the answer says why and what to do: {detail}"
+    );
+    assert!(
+        p.stderr().contains("presents a CA certificate"),
+        "and the log"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

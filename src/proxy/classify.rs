@@ -141,6 +141,65 @@ pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
+/// The order routes are tried in: most specific first, a host-specific
+/// route before a catch-all host, then the longest prefix.
+pub(crate) fn match_order(route: &Route) -> (bool, std::cmp::Reverse<usize>) {
+    (
+        route.host.is_none(),
+        std::cmp::Reverse(route.path_prefix.trim_end_matches('/').len()),
+    )
+}
+
+/// The route that serves `target` (a path and query as sent) on `host`,
+/// and the target parsed as that route parses it; `None` when no route
+/// serves it. The route is chosen on the decoded path, the one form every
+/// spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`), then
+/// that route's own parse gives the key and the upstream target. A
+/// canonical route refuses what it cannot key unambiguously; the spelling
+/// cannot slip to another route. The proxy, the admin lookup and `fencegate
+/// explain` all take this one path.
+pub(crate) fn resolve<'r, R: AsRef<Route>>(
+    routes: &'r [R],
+    host: Option<&str>,
+    target: &str,
+) -> Result<Option<(&'r R, CanonicalPath)>, KeyError> {
+    let form = key::route_form(target)?;
+    let Some(found) = routes.iter().find(|r| {
+        let route = r.as_ref();
+        route.host.as_deref().is_none_or(|h| Some(h) == host) && route.matches_path(&form)
+    }) else {
+        return Ok(None);
+    };
+    let path = if found.as_ref().literal_keys {
+        key::literal(target)
+    } else {
+        key::canonicalize(target)
+    }?;
+    Ok(Some((found, path)))
+}
+
+/// The fence key (`namespace:resource`) `route` gives a parsed target,
+/// within the key length limit.
+pub(crate) fn route_key(
+    route: &Route,
+    path: &CanonicalPath,
+    headers: &HeaderMap,
+    max_key_bytes: usize,
+) -> Result<String, ProxyError> {
+    let text = route
+        .key
+        .key_text(path, headers)
+        .map_err(ProxyError::BadTarget)?;
+    let len = route.namespace.len() + 1 + text.len();
+    if len > max_key_bytes {
+        return Err(ProxyError::KeyTooLong {
+            len,
+            limit: max_key_bytes,
+        });
+    }
+    Ok(format!("{}:{}", route.namespace, text))
+}
+
 /// What a request is, decided before anything waits or is forwarded.
 pub(super) struct Classified<'t> {
     pub(super) rt: &'t RouteRuntime,
@@ -183,23 +242,7 @@ impl Proxy {
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into());
 
-        // The route is chosen on the decoded path, the one form every
-        // spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`),
-        // then that route's own parse gives the key and the upstream
-        // target. A canonical route refuses what it cannot key
-        // unambiguously; the spelling cannot slip to another route.
-        let parsed = key::route_form(&target).and_then(|form| {
-            let Some(rt) = table.find_route(host.as_deref(), &form) else {
-                return Ok(None);
-            };
-            if rt.route.literal_keys {
-                key::literal(&target)
-            } else {
-                key::canonicalize(&target)
-            }
-            .map(|path| Some((rt, path)))
-        });
-        let (rt, path) = match parsed {
+        let (rt, path) = match resolve(&table.routes, host.as_deref(), &target) {
             Ok(Some(found)) => found,
             Ok(None) => return Err(ProxyError::NoRoute),
             Err(e) => {
@@ -296,18 +339,7 @@ impl Proxy {
         path: &CanonicalPath,
         headers: &HeaderMap,
     ) -> Result<String, ProxyError> {
-        let text = route
-            .key
-            .key_text(path, headers)
-            .map_err(ProxyError::BadTarget)?;
-        let len = route.namespace.len() + 1 + text.len();
-        if len > self.limits.max_key_bytes {
-            return Err(ProxyError::KeyTooLong {
-                len,
-                limit: self.limits.max_key_bytes,
-            });
-        }
-        Ok(format!("{}:{}", route.namespace, text))
+        route_key(route, path, headers, self.limits.max_key_bytes)
     }
 
     /// The key of a COPY/MOVE `Destination`, parsed like a request target of
@@ -331,17 +363,10 @@ impl Proxy {
             }
         }
         let target = uri.path_and_query().map_or("/", |p| p.as_str());
-        let form = key::route_form(target).map_err(ProxyError::BadTarget)?;
-        let path = if rt.route.literal_keys {
-            key::literal(target)
-        } else {
-            key::canonicalize(target)
-        }
-        .map_err(ProxyError::BadTarget)?;
-        match table.find_route(host, &form) {
-            Some(other) if std::ptr::eq(other, rt) => {}
+        let path = match resolve(&table.routes, host, target).map_err(ProxyError::BadTarget)? {
+            Some((other, path)) if std::ptr::eq(other, rt) => path,
             _ => return Err(bad("is not served by the same route")),
-        }
+        };
         let rewritten = match (uri.scheme(), uri.authority()) {
             (Some(scheme), Some(auth)) => format!("{scheme}://{auth}{}", path.upstream_target),
             _ => path.upstream_target.clone(),

@@ -43,6 +43,7 @@ use crate::token::{token_from_headers, FENCE_TOKEN};
 use crate::upstream::Upstream;
 
 mod classify;
+pub mod explain;
 mod forward;
 
 use classify::*;
@@ -62,6 +63,12 @@ struct RouteRuntime {
     /// driven by tasks on its own runtime.
     upstream: Arc<Upstream>,
     metrics: RouteMetrics,
+}
+
+impl AsRef<Route> for RouteRuntime {
+    fn as_ref(&self) -> &Route {
+        &self.route
+    }
 }
 
 /// What a reload replaces: the routes and their upstream clients.
@@ -251,14 +258,7 @@ impl RouteTable {
                 metrics: metrics.route(&route.name),
             });
         }
-        // Most specific first: a host-specific route before a catch-all host,
-        // then the longest prefix.
-        routes.sort_by_key(|r| {
-            (
-                r.route.host.is_none(),
-                std::cmp::Reverse(r.route.path_prefix.trim_end_matches('/').len()),
-            )
-        });
+        routes.sort_by_key(|r| match_order(&r.route));
         let signature: Vec<_> = routes.iter().map(|r| MappingEntry::of(&r.route)).collect();
         let mapping = match previous {
             Some(p) if p.mapping.signature == signature => p.mapping.clone(),
@@ -269,12 +269,6 @@ impl RouteTable {
             routes,
             mapping,
             access_log: config.access_log,
-        })
-    }
-
-    fn find_route(&self, host: Option<&str>, path: &str) -> Option<&RouteRuntime> {
-        self.routes.iter().find(|r| {
-            r.route.host.as_deref().is_none_or(|h| Some(h) == host) && r.route.matches_path(path)
         })
     }
 }
@@ -303,6 +297,23 @@ impl Proxy {
     /// Builds the routes of `config` and swaps them in: requests that
     /// already picked a route finish on it (with its connection pool); new
     /// ones use the new table. On error nothing changes.
+    /// Where a write to `target` on `host` goes under the routes now in
+    /// force (see [`explain::explain`]).
+    pub fn explain(
+        &self,
+        host: Option<&str>,
+        target: &str,
+        headers: &HeaderMap,
+    ) -> Result<explain::Explained, ProxyError> {
+        explain::explain(
+            &self.routes.load().routes,
+            host,
+            target,
+            headers,
+            self.limits.max_key_bytes,
+        )
+    }
+
     pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
         let previous = self.routes.load_full();
         let table = RouteTable::build(config, &self.metrics, Some(&previous), self.workers)?;

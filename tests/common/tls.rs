@@ -25,6 +25,27 @@ pub struct TestCa {
     name: String,
 }
 
+/// A self-signed certificate for `localhost` and 127.0.0.1 with
+/// basicConstraints CA:TRUE, as `openssl req -x509` makes by default: a
+/// CA's certificate that a server presents as its own.
+pub fn self_signed_ca_as_server(dir: &Path, file: &str) -> Leaf {
+    let mut params =
+        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "localhost");
+    let key = KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    let leaf = Leaf {
+        cert: dir.join(format!("{file}.crt")),
+        key: dir.join(format!("{file}.key")),
+    };
+    std::fs::write(&leaf.cert, cert.pem()).unwrap();
+    std::fs::write(&leaf.key, key.serialize_pem()).unwrap();
+    leaf
+}
+
 /// A leaf certificate and key on disk.
 #[derive(Clone)]
 pub struct Leaf {

@@ -456,8 +456,8 @@ pub fn advice(e: &(dyn std::error::Error + 'static)) -> Option<String> {
                 {
                     "the upstream presents a CA certificate (basicConstraints CA:TRUE) as its own; \
                      `openssl req -x509` makes such a certificate unless told otherwise. Give the \
-                     upstream a leaf certificate signed by a CA (add `-addext \
-                     basicConstraints=critical,CA:FALSE` when signing it) and give that CA as \
+                     upstream a leaf certificate signed by a CA (with the extension \
+                     `basicConstraints=critical,CA:FALSE`) and give that CA as \
                      upstream_ca (--upstream-ca); docs/gateway.md shows the commands"
                         .into()
                 }

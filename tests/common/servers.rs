@@ -39,7 +39,7 @@ fn require(bin: &str, package: &str) -> String {
         .unwrap_or_default();
     assert!(
         !found.is_empty(),
-        "{bin} not found: install the Debian package `{package}` (.ci/run does)"
+        "{bin} not found: install the Debian package `{package}` (scripts/test does)"
     );
     found
 }
@@ -56,7 +56,7 @@ fn postgres_bin(name: &str) -> PathBuf {
     let bin = dirs.last().map(|d| d.join(name));
     match bin {
         Some(b) if b.exists() => b,
-        _ => panic!("PostgreSQL's {name} not found under /usr/lib/postgresql: install the Debian package `postgresql` (.ci/run does)"),
+        _ => panic!("PostgreSQL's {name} not found under /usr/lib/postgresql: install the Debian package `postgresql` (scripts/test does)"),
     }
 }
 

@@ -1,7 +1,7 @@
 """Real servers for the token-source recipes: fencegate, a recording
 upstream, etcd, redis-server, PostgreSQL and ZooKeeper, each on free
 loopback ports in a temp dir, stopped at teardown. A missing server fails
-the test with what to install (.ci/run installs everything).
+the test with what to install (scripts/test installs everything).
 
 FENCEGATE_BIN overrides the fencegate binary (default target/release).
 """
@@ -39,7 +39,7 @@ def free_port():
 def require(binary, package):
     path = shutil.which(binary)
     if path is None:
-        pytest.fail(f"{binary} not found: install the Debian package `{package}` (.ci/run does)",
+        pytest.fail(f"{binary} not found: install the Debian package `{package}` (scripts/test does)",
                     pytrace=False)
     return path
 
@@ -49,7 +49,7 @@ def newest_postgres_bin(name):
                    key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
     if not found:
         pytest.fail(f"PostgreSQL's {name} not found under /usr/lib/postgresql: install the "
-                    "Debian package `postgresql` (.ci/run does)", pytrace=False)
+                    "Debian package `postgresql` (scripts/test does)", pytrace=False)
     return str(found[-1])
 
 
@@ -270,7 +270,7 @@ def zookeeper_hosts(tmp_path_factory):
     java = require("java", "default-jre-headless")  # the zookeeper package pulls one in
     if not ZOOKEEPER_JAR.exists():
         pytest.fail(f"{ZOOKEEPER_JAR} not found: install the Debian package `zookeeper` "
-                    "(.ci/run does)", pytrace=False)
+                    "(scripts/test does)", pytrace=False)
     d = tmp_path_factory.mktemp("zookeeper")
     port = free_port()
     config = d / "zoo.cfg"

@@ -8,7 +8,7 @@ the lock with a higher token and writes, and A's late write is refused with
 409 and never reaches the upstream. Each
 recipe's command line is run once too, fencing ahead on the admin API.
 
-Run by .ci/run: `python3 -m pytest -q tests/recipes` after
+Run by scripts/test: `python3 -m pytest -q tests/recipes` after
 `cargo build --release`; FENCEGATE_BIN overrides the binary.
 """
 

@@ -1,0 +1,451 @@
+#!/usr/bin/env bash
+# Validates the deployment kit offline, without a cluster or a container
+# engine (docs/gateway.md, "Kubernetes"):
+#  1. renders each overlay of deploy/kubernetes with `kubectl kustomize` (no
+#     cluster needed; without kubectl, by following the kustomization files:
+#     they list resources and a configMapGenerator, no patches);
+#  2. kubernetes-validate --strict against Kubernetes 1.30 (the first with the
+#     preStop sleep action on by default) and 1.37, on the rendered overlays
+#     and on every manifest file. It has no schema for the PodMonitor CRD and
+#     only warns: that one warning is allowed, any other fails, and step 3
+#     checks the PodMonitor;
+#  3. cross-checks the rendered manifests against each other and fencegate:
+#     selectors and port names (Services, PDB, NetworkPolicy, PodMonitor),
+#     probes, the drain arithmetic of terminationGracePeriodSeconds, the
+#     security context against the Dockerfile's USER, TLS mounted without
+#     subPath, one replica for the embedded store;
+#  4. `fencegate check-config` on the ConfigMap's TOML with each workload's
+#     environment (needs a built binary, $FENCEGATE_BIN or
+#     target/release/fencegate: skipped without one, except under CI);
+#  5. checkov on deploy/kubernetes (kubernetes and kustomize frameworks) and
+#     on the Dockerfile, offline; every finding is fixed or skipped inline
+#     with its reason (checkov.io/skipN annotations); hadolint on the
+#     Dockerfile.
+# The tools are pinned in .ci/requirements-deploy.txt and installed into
+# their own venv (checkov's boto3 pin conflicts with .ci/requirements.txt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+K8S=deploy/kubernetes
+OVERLAYS=(shared-store embedded)
+K8S_VERSIONS=(1.30.0 1.37.0)
+# Outside the work tree, so that a fresh clone (CI) reuses it; reinstalled
+# when the pins change.
+VENV=${CHECK_DEPLOY_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/fencegate/deploy-venv}
+REQ=.ci/requirements-deploy.txt
+OUT=target/deploy-check
+BIN=${FENCEGATE_BIN:-target/release/fencegate}
+KUBECTL=${KUBECTL:-kubectl}
+
+fail() {
+  echo "check_deploy: FAILED: $*" >&2
+  exit 1
+}
+
+if ! cmp -s "$REQ" "$VENV/.requirements" 2>/dev/null; then
+  echo "check_deploy: installing $REQ into $VENV" >&2
+  mkdir -p "$(dirname "$VENV")"
+  python3 -m venv --clear "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REQ"
+  cp "$REQ" "$VENV/.requirements"
+fi
+PY=$VENV/bin/python
+rm -rf "$OUT"
+mkdir -p "$OUT"
+
+cat >"$OUT/check.py" <<'PY'
+"""Renders the overlays without kubectl, and cross-checks rendered output."""
+import difflib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+import yaml
+
+ERRORS = []
+
+
+def err(where, msg):
+    ERRORS.append(f"{where}: {msg}")
+
+
+def load_docs(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def render(directory):
+    """kustomize build for kustomizations made of resources, components and
+    configMapGenerator files (no patches, no transformers); ConfigMaps keep
+    their plain names (kustomize adds a hash suffix and rewrites references)."""
+    kust = load_docs(os.path.join(directory, "kustomization.yaml"))[0]
+    known = {"apiVersion", "kind", "resources", "components", "configMapGenerator"}
+    if set(kust) - known:
+        raise SystemExit(f"{directory}/kustomization.yaml: {sorted(set(kust) - known)} need kubectl kustomize")
+    docs = []
+    for entry in kust.get("resources", []) + kust.get("components", []):
+        path = os.path.join(directory, entry)
+        if os.path.isdir(path):
+            docs += render(path)
+        elif os.path.isfile(path):
+            docs += load_docs(path)
+        else:
+            raise SystemExit(f"{directory}/kustomization.yaml lists {entry}, which does not exist")
+    for gen in kust.get("configMapGenerator", []):
+        data = {}
+        for name in gen.get("files", []):
+            with open(os.path.join(directory, name)) as f:
+                data[os.path.basename(name)] = f.read()
+        meta = {"name": gen["name"]}
+        if "namespace" in gen:
+            meta["namespace"] = gen["namespace"]
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    return docs
+
+
+def seconds(text):
+    """fencegate's durations as used here: 250ms, 10s, 2m, 1h 30m."""
+    total = 0.0
+    for part in str(text).split():
+        m = re.fullmatch(r"(\d+)(ms|s|m|h)", part)
+        if not m:
+            raise ValueError(f"duration {text!r}")
+        total += int(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return total
+
+
+def subset(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def dockerfile_user():
+    user = None
+    with open("Dockerfile") as f:
+        for line in f:
+            m = re.match(r"\s*USER\s+(\d+)(?::(\d+))?\s*$", line)
+            if m:
+                user = (int(m.group(1)), int(m.group(2) or m.group(1)))
+    if user is None:
+        raise SystemExit("Dockerfile: no numeric USER")
+    return user
+
+
+PODMONITOR_SPEC = {
+    "attachMetadata", "bodySizeLimit", "convertClassicHistogramsToNHCB", "fallbackScrapeProtocol",
+    "jobLabel", "keepDroppedTargets", "labelLimit", "labelNameLengthLimit", "labelValueLengthLimit",
+    "namespaceSelector", "nativeHistogramBucketLimit", "nativeHistogramMinBucketFactor",
+    "podMetricsEndpoints", "podTargetLabels", "sampleLimit", "scrapeClass", "scrapeClassicHistograms",
+    "scrapeProtocols", "selector", "selectorMechanism", "targetLimit",
+}
+PODMONITOR_ENDPOINT = {
+    "authorization", "basicAuth", "bearerTokenSecret", "enableHttp2", "filterRunning",
+    "followRedirects", "honorLabels", "honorTimestamps", "interval", "metricRelabelings",
+    "noProxy", "oauth2", "params", "path", "port", "portNumber", "proxyConnectHeader",
+    "proxyFromEnvironment", "proxyUrl", "relabelings", "scheme", "scrapeTimeout", "targetPort",
+    "tlsConfig", "trackTimestampsStaleness",
+}
+# Fixed in fencegate: Server::wait lets lease releases settle this long.
+SETTLE_SECONDS = 2
+MIN_MARGIN_SECONDS = 5
+
+
+def check_workload(name, docs, workload, uid_gid):
+    where = f"{name}: {workload['kind']}/{workload['metadata']['name']}"
+    spec = workload["spec"]
+    pod = spec["template"]["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    if not subset(spec["selector"]["matchLabels"], labels):
+        err(where, "selector does not match the pod labels")
+    containers = {c["name"]: c for c in pod["containers"]}
+    c = containers.get("fencegate")
+    if c is None:
+        return err(where, "no container named fencegate")
+    env = {e["name"]: e for e in c.get("env", [])}
+    val = lambda k, default=None: env[k].get("value", default) if k in env else default
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+    # Ports agree with the listen addresses.
+    for port, var in (("http", "FENCEGATE_LISTEN"), ("https", "FENCEGATE_TLS_LISTEN"), ("admin", "FENCEGATE_ADMIN_LISTEN")):
+        addr = val(var)
+        if addr == "off" and port == "http" and port not in ports:
+            continue
+        if addr is None or port not in ports or not addr.endswith(f":{ports[port]}"):
+            err(where, f"container port {port} and {var}={addr} disagree")
+        elif addr.startswith("127.") and port == "admin":
+            err(where, "the admin listener is on loopback: probes and Prometheus cannot reach it")
+
+    # Probes on the admin port.
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = c.get(probe, {}).get("httpGet", {})
+        if get.get("path") != path or get.get("port") not in ("admin", ports.get("admin")):
+            err(where, f"{probe} must GET {path} on the admin port")
+    store_timeout = seconds(val("FENCEGATE_STORE_TIMEOUT", "2s"))
+    if c.get("readinessProbe", {}).get("timeoutSeconds", 1) <= store_timeout:
+        err(where, "readinessProbe.timeoutSeconds must exceed FENCEGATE_STORE_TIMEOUT (/readyz pings the store)")
+
+    # The drain arithmetic.
+    pre = c.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in pre:
+        pre_stop = pre["sleep"]["seconds"]
+    elif pre.get("exec", {}).get("command", [""])[0].endswith("sleep"):
+        pre_stop = int(pre["exec"]["command"][1])
+    else:
+        pre_stop = None
+        err(where, "no preStop sleep")
+    grace = seconds(val("FENCEGATE_SHUTDOWN_GRACE", "30s"))
+    needed = (pre_stop or 0) + grace + store_timeout + SETTLE_SECONDS + MIN_MARGIN_SECONDS
+    tgps = pod.get("terminationGracePeriodSeconds", 30)
+    if tgps < needed:
+        err(where, f"terminationGracePeriodSeconds {tgps} < preStop {pre_stop} + shutdown_grace {grace:g}"
+                   f" + store_timeout {store_timeout:g} + settle {SETTLE_SECONDS} + margin {MIN_MARGIN_SECONDS}")
+
+    # Security context: non-root as the image's user, read-only, no privileges.
+    psc, csc = pod.get("securityContext", {}), c.get("securityContext", {})
+    uid, gid = uid_gid
+    for sc, what in ((psc, "pod"), (csc, "container")):
+        if sc.get("runAsNonRoot") is not True or sc.get("runAsUser") != uid or sc.get("runAsGroup") != gid:
+            err(where, f"{what} securityContext must run as non-root {uid}:{gid} (the Dockerfile's USER)")
+        if sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            err(where, f"{what} securityContext needs seccompProfile RuntimeDefault")
+    if not (csc.get("readOnlyRootFilesystem") is True and csc.get("allowPrivilegeEscalation") is False
+            and csc.get("capabilities", {}).get("drop") == ["ALL"]):
+        err(where, "container needs readOnlyRootFilesystem, no privilege escalation, capabilities drop ALL")
+    if pod.get("automountServiceAccountToken") is not False:
+        err(where, "automountServiceAccountToken must be false")
+    res = c.get("resources", {})
+    for kind in ("requests", "limits"):
+        if not {"cpu", "memory"} <= set(res.get(kind, {})):
+            err(where, f"resources.{kind} needs cpu and memory")
+    image = c.get("image", "")
+    if "@sha256:" not in image and (":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")):
+        err(where, f"image {image} is not pinned to a tag or digest")
+
+    # Volumes: no subPath; TLS and config mounted as directories where the env points.
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    for m in mounts.values():
+        if "subPath" in m or "subPathExpr" in m:
+            err(where, f"volumeMount {m['name']} uses subPath: Secret and ConfigMap updates would not reach it")
+
+    def mounted(path, kind):
+        m = mounts.get(os.path.dirname(path))
+        if m is None:
+            err(where, f"nothing is mounted at {os.path.dirname(path)} for {path}")
+            return None
+        return volumes.get(m["name"], {}).get(kind)
+
+    for var, key in (("FENCEGATE_TLS_CERT", "tls.crt"), ("FENCEGATE_TLS_KEY", "tls.key")):
+        path = val(var)
+        secret = mounted(path, "secret") if path else None
+        if not path or os.path.basename(path) != key or not secret:
+            err(where, f"{var} must be {key} of a kubernetes.io/tls Secret mounted as a directory")
+    config = val("FENCEGATE_CONFIG")
+    cm = mounted(config, "configMap") if config else None
+    cms = [d for d in docs if d["kind"] == "ConfigMap" and cm and d["metadata"]["name"] == cm["name"]]
+    if not cms or os.path.basename(config) not in cms[0].get("data", {}):
+        err(where, f"FENCEGATE_CONFIG={config} is not a key of a mounted ConfigMap of this overlay")
+        toml = None
+    else:
+        toml = tomllib.loads(cms[0]["data"][os.path.basename(config)])
+        for r in toml.get("routes", []):
+            if seconds(r.get("upstream_timeout", "60s")) > grace:
+                err(where, f"route {r.get('name')}: upstream_timeout above FENCEGATE_SHUTDOWN_GRACE: a drain cannot finish its writes")
+
+    store = env.get("FENCEGATE_STORE", {})
+    if workload["kind"] == "StatefulSet":
+        if spec.get("replicas") != 1:
+            err(where, "the embedded store allows one replica only")
+        m = mounts.get(os.path.dirname(store.get("value", "")))
+        if m is None or m["name"] not in claims:
+            err(where, "FENCEGATE_STORE must be on the volumeClaimTemplate's volume")
+    elif "secretKeyRef" not in store.get("valueFrom", {}):
+        err(where, "FENCEGATE_STORE must come from a Secret")
+
+    # Everything that selects pods selects these, by names that exist.
+    for d in docs:
+        kind, dn = d["kind"], f"{d['kind']}/{d['metadata']['name']}"
+        if kind == "Service":
+            if not subset(d["spec"]["selector"], labels):
+                err(name, f"{dn} does not select the pods")
+            for p in d["spec"]["ports"]:
+                if isinstance(p.get("targetPort"), str) and p["targetPort"] not in ports:
+                    err(name, f"{dn} targets port {p['targetPort']}, which the container does not name")
+        elif kind == "PodDisruptionBudget" and not subset(d["spec"]["selector"]["matchLabels"], labels):
+            err(name, f"{dn} does not select the pods")
+        elif kind == "NetworkPolicy":
+            if not subset(d["spec"]["podSelector"]["matchLabels"], labels):
+                err(name, f"{dn} does not select the pods")
+            for rule in d["spec"].get("ingress", []):
+                for p in rule.get("ports", []):
+                    if isinstance(p.get("port"), str) and p["port"] not in ports:
+                        err(name, f"{dn} names port {p['port']}, which the container does not name")
+        elif kind == "PodMonitor":
+            s = d["spec"]
+            if d["apiVersion"] != "monitoring.coreos.com/v1":
+                err(name, f"{dn}: apiVersion {d['apiVersion']}")
+            if set(s) - PODMONITOR_SPEC:
+                err(name, f"{dn}: unknown spec fields {sorted(set(s) - PODMONITOR_SPEC)}")
+            if not subset(s.get("selector", {}).get("matchLabels"), labels):
+                err(name, f"{dn} does not select the pods")
+            for e in s.get("podMetricsEndpoints", []) or [None]:
+                if e is None:
+                    err(name, f"{dn} has no podMetricsEndpoints")
+                    continue
+                if set(e) - PODMONITOR_ENDPOINT:
+                    err(name, f"{dn}: unknown endpoint fields {sorted(set(e) - PODMONITOR_ENDPOINT)}")
+                if e.get("port") != "admin" or e.get("path") != "/metrics":
+                    err(name, f"{dn} must scrape /metrics on the admin port")
+                if seconds(e.get("scrapeTimeout", "10s")) > seconds(e.get("interval", "30s")):
+                    err(name, f"{dn}: scrapeTimeout above interval")
+    for d in docs:
+        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == pod.get("serviceAccountName"):
+            if d.get("automountServiceAccountToken") is not False:
+                err(name, "the ServiceAccount must not automount its token")
+            break
+    else:
+        err(where, f"ServiceAccount {pod.get('serviceAccountName')} is not in the overlay")
+    return {"env": env, "toml": toml, "config": cms[0]["data"][os.path.basename(config)] if cms else None}
+
+
+def check_config(name, found, binary, openssl_dir):
+    """fencegate check-config on the ConfigMap's file with the workload's
+    literal environment; paths and the store replaced by local ones."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    for k, e in found["env"].items():
+        if "value" in e:
+            env[k] = e["value"]
+    env["FENCEGATE_TLS_CERT"] = os.path.join(openssl_dir, "tls.crt")
+    env["FENCEGATE_TLS_KEY"] = os.path.join(openssl_dir, "tls.key")
+    store = found["env"].get("FENCEGATE_STORE", {})
+    env["FENCEGATE_STORE"] = ("redis://127.0.0.1:6379/0" if "valueFrom" in store
+                              else os.path.join(openssl_dir, "fences.redb"))
+    env.pop("FENCEGATE_CONFIG", None)
+    path = os.path.join(openssl_dir, f"{name}.toml")
+    with open(path, "w") as f:
+        f.write(found["config"])
+    run = subprocess.run([binary, "check-config", path], env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        err(name, f"fencegate check-config refused the ConfigMap with this environment: {run.stderr.strip()}")
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "render":
+        for directory in sys.argv[3:]:
+            with open(os.path.join(out, os.path.basename(directory) + ".yaml"), "w") as f:
+                yaml.safe_dump_all(render(directory), f, sort_keys=False)
+        return 0
+    if mode == "compare":
+        def plain(path):
+            hashed = re.compile(r"\b(fencegate-config)-[a-z0-9]{10}\b")
+            return {(d["kind"], hashed.sub(r"\1", d["metadata"]["name"])):
+                    hashed.sub(r"\1", yaml.safe_dump(d, sort_keys=True)) for d in load_docs(path)}
+        for name in sys.argv[3:]:
+            a = plain(os.path.join(out, name + ".yaml"))
+            b = plain(os.path.join(out, "files", name + ".yaml"))
+            if set(a) != set(b):
+                err(name, f"kubectl kustomize renders {sorted(a)}, the kustomization files {sorted(b)}")
+            for k in sorted(set(a) & set(b)):
+                if a[k] != b[k]:
+                    diff = difflib.unified_diff(a[k].splitlines(), b[k].splitlines(), "kubectl", "files", lineterm="")
+                    err(name, f"{k[0]}/{k[1]} renders differently:\n" + "\n".join(diff))
+        for e in ERRORS:
+            print(f"check_deploy: {e}", file=sys.stderr)
+        return 1 if ERRORS else 0
+    binary = sys.argv[3]
+    overlays = sys.argv[4:]
+    uid_gid = dockerfile_user()
+    tmp = tempfile.mkdtemp(dir=out)
+    have_bin = os.access(binary, os.X_OK)
+    if have_bin:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                        "-nodes", "-days", "1", "-subj", "/CN=fencegate", "-keyout", os.path.join(tmp, "tls.key"),
+                        "-out", os.path.join(tmp, "tls.crt")], check=True, capture_output=True)
+    for name in overlays:
+        docs = load_docs(os.path.join(out, name + ".yaml"))
+        workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+        if len(workloads) != 1:
+            err(name, f"{len(workloads)} workloads, expected one")
+            continue
+        try:
+            found = check_workload(name, docs, workloads[0], uid_gid)
+        except (KeyError, TypeError, ValueError, IndexError, tomllib.TOMLDecodeError) as e:
+            err(name, f"{workloads[0]['kind']}/{workloads[0]['metadata']['name']}: cannot read {type(e).__name__}: {e}")
+            continue
+        if found and found["config"] is not None and have_bin:
+            check_config(name, found, binary, tmp)
+    shutil.rmtree(tmp)
+    for e in ERRORS:
+        print(f"check_deploy: {e}", file=sys.stderr)
+    if not ERRORS:
+        print(f"cross-checks: {', '.join(overlays)} consistent"
+              + ("; fencegate check-config accepts their config" if have_bin else ""))
+    return 1 if ERRORS else 0
+
+
+sys.exit(main())
+PY
+
+# 1. Render.
+dirs=()
+rendered=()
+for o in "${OVERLAYS[@]}"; do
+  dirs+=("$K8S/$o")
+  rendered+=("$OUT/$o.yaml")
+done
+mkdir -p "$OUT/files"
+"$PY" "$OUT/check.py" render "$OUT/files" "${dirs[@]}" || fail "rendering the overlays from the kustomization files"
+if command -v "$KUBECTL" >/dev/null; then
+  renderer=kubectl
+  for o in "${OVERLAYS[@]}"; do
+    "$KUBECTL" kustomize "$K8S/$o" >"$OUT/$o.yaml" || fail "kubectl kustomize $K8S/$o"
+  done
+  # The fallback below renders the same objects (ConfigMap hash suffixes aside).
+  "$PY" "$OUT/check.py" compare "$OUT" "${OVERLAYS[@]}" || fail "the kustomization files render differently without kubectl"
+else
+  renderer=files
+  echo "check_deploy: no kubectl: rendered from the kustomization files; checkov's kustomize framework is skipped" >&2
+  cp "$OUT"/files/*.yaml "$OUT"/
+fi
+
+# 2. Schemas.
+mapfile -t manifests < <(find "$K8S" -name '*.yaml' ! -name kustomization.yaml | sort)
+kv=(--strict)
+for v in "${K8S_VERSIONS[@]}"; do kv+=(-k "$v"); done
+rc=0
+"$VENV/bin/kubernetes-validate" "${kv[@]}" "${rendered[@]}" "${manifests[@]}" >"$OUT/kubernetes-validate.log" 2>&1 || rc=$?
+unexpected=$(grep -v -e '^INFO ' -e "^WARN .* Couldn't find schema for kind PodMonitor with api version monitoring.coreos.com/v1 " \
+  "$OUT/kubernetes-validate.log" || true)
+passed=$(grep -c '^INFO .* passed for resource' "$OUT/kubernetes-validate.log" || true)
+if ((rc != 0)) || [[ -n $unexpected ]] || ((passed == 0)); then
+  printf '%s\n' "$unexpected" >&2
+  fail "kubernetes-validate (log: $OUT/kubernetes-validate.log)"
+fi
+echo "kubernetes-validate: $passed resource validations passed (--strict, Kubernetes ${K8S_VERSIONS[*]}; PodMonitor: cross-checks)"
+
+# 3 and 4. Cross-checks, and fencegate check-config.
+if [[ ! -x $BIN ]]; then
+  [[ -n ${CI:-} ]] && fail "no fencegate binary at $BIN (build it first, or set FENCEGATE_BIN)"
+  echo "check_deploy: no fencegate binary at $BIN: check-config of the ConfigMap skipped" >&2
+fi
+"$PY" "$OUT/check.py" check "$OUT" "$BIN" "${OVERLAYS[@]}" || fail "cross-checks"
+
+# 5. checkov, offline: no API key, no download of external checks, no update check.
+export CKV_SKIP_PACKAGE_UPDATE_CHECK=true
+unset BC_API_KEY PRISMA_API_URL
+ck=("$VENV/bin/checkov" --quiet --compact --skip-download)
+if [[ $renderer == kubectl ]]; then
+  "${ck[@]}" -d "$K8S" --framework kubernetes kustomize || fail "checkov on $K8S"
+else
+  "${ck[@]}" -d "$K8S" --framework kubernetes || fail "checkov on $K8S"
+  "${ck[@]}" -f "${rendered[@]}" --framework kubernetes || fail "checkov on the rendered overlays"
+fi
+"${ck[@]}" -f Dockerfile --framework dockerfile || fail "checkov on the Dockerfile"
+"$VENV/bin/hadolint" Dockerfile || fail "hadolint on the Dockerfile"
+echo "hadolint: Dockerfile clean"
+echo "check_deploy: OK"

@@ -494,6 +494,26 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             format!("`{path_prefix}` must be a plain decoded path (no escapes, spaces, '?', '#' or '\\')"),
         ));
     }
+    // Routes are matched with runs of `/` merged, and a dot segment or a
+    // path parameter (`;`) is refused before it could match: such a prefix
+    // would never match.
+    if path_prefix.contains(';') {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has a path parameter (`;`): no request could match it"),
+        ));
+    }
+    let inner = path_prefix.trim_end_matches('/');
+    if inner.len() > 1
+        && inner[1..]
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+    {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has an empty or dot segment (`//`, `/./`, `/../`): no request could match it"),
+        ));
+    }
     let upstream = parse_upstream(
         &f("upstream"),
         r.upstream
@@ -523,6 +543,16 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             WriteMethods::Only(set)
         }
     };
+    let literal_keys = r.literal_keys.unwrap_or(false);
+    // Literal keys read `+` as a space; routes are matched on the path as
+    // sent, so a `+` in a literal route's prefix would put `a+b` and `a%20b`
+    // (one name to the key) on two routes.
+    if literal_keys && path_prefix.contains('+') {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has a `+`, which literal keys read as a space: `+` and `%20` spellings of one name would meet two routes"),
+        ));
+    }
     Ok(Route {
         name,
         host,
@@ -531,7 +561,7 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
         key,
         namespace,
         write_methods,
-        literal_keys: r.literal_keys.unwrap_or(false),
+        literal_keys,
         strip_token: r.strip_token.unwrap_or(false),
         max_token_step: match r.max_token_step {
             Some(0) => {
@@ -1113,6 +1143,33 @@ mod tests {
             ),
             (
                 |r| r.routes[0].path_prefix = Some("api".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/a//b".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("//a".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/a/../b/".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/./a".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| r.routes[0].path_prefix = Some("/a;v=1".into()),
+                "routes[0].path_prefix",
+            ),
+            (
+                |r| {
+                    r.routes[0].path_prefix = Some("/a+b".into());
+                    r.routes[0].literal_keys = Some(true);
+                },
                 "routes[0].path_prefix",
             ),
             (

@@ -5,7 +5,10 @@
 //! as another. In the default (canonical) mode anything a backend might read
 //! two ways is refused; in literal mode (for S3-like backends where `//` and
 //! `%2F` are legal object names) the target is forwarded byte for byte and the
-//! key is the fully percent-decoded path, the identity S3 gives an object.
+//! key is the fully percent-decoded path, the identity S3 gives an object,
+//! with the names some S3 servers read as one merged (`+` and space, runs of
+//! `/`, a trailing `/`): two objects sharing a fence is safe, one object
+//! under two fences is not.
 
 use std::fmt;
 
@@ -49,7 +52,8 @@ pub enum KeyError {
 pub struct CanonicalPath {
     /// Segments in canonical spelling: unreserved escapes decoded, the other
     /// escapes kept with upper-case hex digits. In literal mode, the fully
-    /// decoded segments of the raw path.
+    /// decoded non-empty segments of the raw path (one may hold a decoded
+    /// `/`, which key templates refuse).
     pub segments: Vec<String>,
     /// The path as a key: canonical segments joined, without a trailing slash
     /// (over-merging `/a/` with `/a` is safe; splitting them would not be).
@@ -127,7 +131,7 @@ impl KeyTemplate {
                     // In literal mode a segment is decoded after the split;
                     // one that decodes to a '/' would be split differently
                     // by a backend that decodes first.
-                    if seg.is_empty() || seg.contains('/') {
+                    if seg.is_empty() || seg.contains(['/', '\\']) {
                         return Err(KeyError::TemplateMismatch(self.to_string()));
                     }
                     if let PatternPart::Literal(lit) = part {
@@ -339,9 +343,10 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
 }
 
 /// The literal parse: the target is kept byte for byte; the key is the fully
-/// percent-decoded path (what S3 calls the object's name) with runs of `/`
-/// merged and no trailing `/`. Some S3 servers (SeaweedFS) read `a//b` and
-/// `a/b/` as `a/b`, others (AWS) as names of their own: merging them into
+/// percent-decoded path (what S3 calls the object's name) with `\` read as
+/// `/`, runs of `/` merged and no trailing `/`. Some S3 servers (SeaweedFS)
+/// read `a//b`, `a\b` and `a/b/` as `a/b`, others (AWS) as names of their
+/// own: merging them into
 /// one key is safe (at worst two objects share a fence), splitting them
 /// would not be. Dot segments (`.`, `..`, raw or encoded) are refused, as in
 /// the canonical parse: a backend that resolves them would write where no
@@ -364,9 +369,10 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
             .map_err(|_| KeyError::NotUtf8)
     };
     let decoded = decode(path)?;
-    // Checked on the decoded name, whose `/` include the encoded ones.
+    // Checked on the decoded name, whose `/` include the encoded ones; a
+    // `\` is a `/` too (SeaweedFS reads `a\b` as `a/b`).
     let mut key_path = String::with_capacity(decoded.len());
-    for seg in decoded.split('/').filter(|s| !s.is_empty()) {
+    for seg in decoded.split(['/', '\\']).filter(|s| !s.is_empty()) {
         if seg == "." || seg == ".." {
             return Err(KeyError::DotSegment);
         }
@@ -377,7 +383,7 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
         key_path.push('/');
     }
     let segments = path[1..]
-        .split('/')
+        .split(['/', '\\'])
         .filter(|s| !s.is_empty())
         .map(decode)
         .collect::<Result<Vec<_>, _>>()?;
@@ -391,26 +397,43 @@ pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
 /// The form routes are matched on: the path fully percent-decoded, as a
 /// decoding backend reads it (a byte that is not UTF-8 becomes U+FFFD;
 /// route prefixes are plain ASCII, so that cannot change a match), with
-/// runs of `/` merged, as a backend that merges them reads it. Every
-/// spelling of a resource, in either mode, has this one form, so it meets
-/// one route, and that route's parse then gives the key.
+/// `\` read as `/` and runs of `/` merged, as a backend that does both reads
+/// it. Every spelling of a resource, in either mode, has this one form, so
+/// it meets one route, and that route's parse then gives the key.
 pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
     let (path, _query) = split_target(target)?;
     if !path.starts_with('/') {
         return Err(KeyError::NotAPath);
     }
-    if !path.contains('%') && !path.contains("//") {
+    if !path.contains(['%', '\\']) && !path.contains("//") {
         // Nothing to decode or merge: the common case costs no allocation.
         return Ok(std::borrow::Cow::Borrowed(path));
     }
     let decoded = String::from_utf8_lossy(&percent_decode(path)?).into_owned();
     let mut form = String::with_capacity(decoded.len());
     for c in decoded.chars() {
+        let c = if c == '\\' { '/' } else { c };
         if !(c == '/' && form.ends_with('/')) {
             form.push(c);
         }
     }
     Ok(std::borrow::Cow::Owned(form))
+}
+
+/// A route form as a backend that drops path parameters (`;...` in each
+/// segment: Tomcat, Jetty, Spring) reads it; `None` when it has none.
+pub fn without_params(form: &str) -> Option<String> {
+    if !form.contains(';') {
+        return None;
+    }
+    let mut bare = String::with_capacity(form.len());
+    for (i, seg) in form.split('/').enumerate() {
+        if i > 0 {
+            bare.push('/');
+        }
+        bare.push_str(seg.split(';').next().unwrap_or(""));
+    }
+    Some(bare)
 }
 
 /// Decodes every `%XX` escape; a `%` not followed by two hex digits is an
@@ -585,6 +608,19 @@ mod tests {
             assert_eq!(literal(dots), Err(KeyError::DotSegment), "{dots}");
         }
         assert_eq!(literal("/b/..x/.y/...").unwrap().key_path, "/b/..x/.y/...");
+        // `\`, raw or encoded, is a `/` to SeaweedFS.
+        for spelling in ["/bucket\\a\\b%5Cc/d", "/bucket/a%5C%5Cb/c\\d"] {
+            assert_eq!(
+                literal(spelling).unwrap().key_path,
+                c.key_path,
+                "{spelling}"
+            );
+        }
+        assert_eq!(literal("/b\\x").unwrap().segments, ["b", "x"]);
+        assert_eq!(literal("/b/..\\x"), Err(KeyError::DotSegment));
+        assert_eq!(route_form("/b\\x%5Cy"), Ok("/b/x/y".into()));
+        assert_eq!(without_params("/a;x/b;y=1;z/c"), Some("/a/b/c".into()));
+        assert_eq!(without_params("/a/b"), None);
         assert_eq!(route_form("//b//x/"), Ok("/b/x/".into()));
         assert_eq!(route_form("/b%2F%2Fx"), Ok("/b/x".into()));
         assert!(matches!(

@@ -83,6 +83,9 @@ namespace = "s3"
         "//bkt/reports/z.csv",
         "/bkt//reports///z.csv/",
         "/bkt%2F%2Freports/z.csv",
+        // `\`, raw or encoded, is a `/` to SeaweedFS too.
+        "/bkt\\reports\\z.csv",
+        "/bkt/reports%5Cz.csv",
     ] {
         let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
         assert_eq!(s, 409, "{spelling}: {a}");
@@ -107,9 +110,12 @@ namespace = "s3"
         let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
         assert_eq!(s, 409, "{spelling}: {a}");
     }
+    // A path parameter that changes no route is part of an S3 name.
+    let (s, a) = raw_status(&p, &put_raw("/bkt/x;y", "x", 10)).await;
+    assert_eq!(s, 200, "{a}");
     assert_eq!(
         tokens(&up),
-        ["10", "10", "10"],
+        ["10", "10", "10", "10"],
         "a stale spelling reached the backend"
     );
 }
@@ -139,6 +145,12 @@ namespace = "s3"
         "/bkt/api//x",
         "//bkt/api/x",
         "/bkt//api/x",
+        // Read as /bkt/api/x by a backend that takes `\` for `/` or drops
+        // path parameters (Tomcat, Jetty, Spring).
+        "/bkt\\api\\x",
+        "/bkt/api%5Cx",
+        "/bkt/api;/x",
+        "/bkt/api;jsessionid=1/x",
     ] {
         let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
         assert_eq!(s, 400, "{spelling}: {a}");

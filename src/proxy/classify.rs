@@ -164,12 +164,23 @@ pub(crate) fn resolve<'r, R: AsRef<Route>>(
     target: &str,
 ) -> Result<Option<(&'r R, CanonicalPath)>, KeyError> {
     let form = key::route_form(target)?;
-    let Some(found) = routes.iter().find(|r| {
-        let route = r.as_ref();
-        route.host.as_deref().is_none_or(|h| Some(h) == host) && route.matches_path(&form)
-    }) else {
+    let find = |form: &str| {
+        routes.iter().find(|r| {
+            let route = r.as_ref();
+            route.host.as_deref().is_none_or(|h| Some(h) == host) && route.matches_path(form)
+        })
+    };
+    let Some(found) = find(&form) else {
         return Ok(None);
     };
+    // A backend that drops path parameters reads `/api;x/1` as `/api/1`:
+    // a spelling that reads as another route's that way is refused (a
+    // canonical route refuses `;` itself, so this guards the literal ones).
+    if let Some(bare) = key::without_params(&form) {
+        if !find(&bare).is_some_and(|other| std::ptr::eq(other, found)) {
+            return Err(KeyError::PathParameter);
+        }
+    }
     let path = if found.as_ref().literal_keys {
         key::literal(target)
     } else {

@@ -65,20 +65,7 @@ fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ProxyB
 
 /// Decodes one percent-encoded path segment into the key text.
 fn decode_segment(seg: &str) -> Option<String> {
-    let b = seg.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    String::from_utf8(crate::key::percent_decode(seg).ok()?).ok()
 }
 
 impl Admin {
@@ -164,7 +151,7 @@ impl Admin {
                     }
                 }
             }
-            "/metrics" | "/healthz" | "/readyz" => {
+            "/metrics" | "/healthz" | "/readyz" | "/v1/fences" => {
                 let mut r = problem(StatusCode::METHOD_NOT_ALLOWED, "use GET");
                 r.headers_mut()
                     .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
@@ -205,15 +192,16 @@ impl Admin {
 
     /// `GET /v1/fences?path=P[&host=H][&header=NAME:VALUE...]`: the fence
     /// a write to `P` takes, in request terms (route, key template, key,
-    /// highest token), so nobody has to spell keys by hand. `header` is
-    /// only needed by `header:NAME` key templates.
+    /// highest token), so nobody has to spell keys by hand. Each value is
+    /// percent-decoded once (`curl -G --data-urlencode path=...`), so `P`
+    /// is the target exactly as a client sends it; `+` is a plus, not a
+    /// space. `header` is only needed by `header:NAME` key templates.
     async fn lookup(&self, query: &str) -> Response<ProxyBody> {
-        let mut path = None;
-        let mut host = None;
+        let (mut path, mut host) = (None, None);
         let mut headers = http::HeaderMap::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let Some(value) = crate::key::percent_decode(&value.replace('+', " "))
+            let Some(value) = crate::key::percent_decode(value)
                 .ok()
                 .and_then(|b| String::from_utf8(b).ok())
             else {
@@ -222,30 +210,26 @@ impl Admin {
                     &format!("the {name} parameter is not percent-encoded UTF-8"),
                 );
             };
-            match name {
-                "path" => path = Some(value),
-                "host" => host = Some(value),
-                "header" => {
-                    let parsed = value.split_once(':').and_then(|(n, v)| {
-                        Some((
-                            http::HeaderName::from_bytes(n.trim().as_bytes()).ok()?,
-                            HeaderValue::from_str(v.trim()).ok()?,
-                        ))
-                    });
-                    let Some((n, v)) = parsed else {
-                        return problem(
-                            StatusCode::BAD_REQUEST,
-                            "the header parameter must be NAME:VALUE",
-                        );
-                    };
-                    headers.append(n, v);
-                }
-                other => {
-                    return problem(
-                        StatusCode::BAD_REQUEST,
-                        &format!("unknown parameter {other}: use path, host and header"),
-                    )
-                }
+            let once = |slot: &mut Option<String>| match slot.replace(value.clone()) {
+                None => Ok(()),
+                Some(_) => Err(format!("the {name} parameter is given twice")),
+            };
+            let given = match name {
+                "path" => once(&mut path),
+                "host" => once(&mut host),
+                "header" => match crate::proxy::explain::parse_header(&value) {
+                    Some((n, v)) => {
+                        headers.append(n, v);
+                        Ok(())
+                    }
+                    None => Err("the header parameter must be NAME:VALUE".to_string()),
+                },
+                other => Err(format!(
+                    "unknown parameter {other}: use path, host and header"
+                )),
+            };
+            if let Err(why) = given {
+                return problem(StatusCode::BAD_REQUEST, &why);
             }
         }
         let Some(path) = path else {
@@ -258,14 +242,14 @@ impl Admin {
             Ok(e) => e,
             Err(e) => return problem(e.status(), &e.to_string()),
         };
-        let highest = match &explained.key {
-            Ok(key) => match self.fence.store().highest(key).await {
-                Ok(h) => h,
+        let mut answer = explained.to_json();
+        if let Ok(key) = &explained.key {
+            match self.fence.store().highest(key).await {
+                Ok(h) => answer["highest"] = json!(h.map(|h| h.to_string())),
                 Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
-            },
-            Err(_) => None,
-        };
-        json_response(StatusCode::OK, explained.to_json(highest))
+            }
+        }
+        json_response(StatusCode::OK, answer)
     }
 
     /// `POST /v1/fences/{key}` with `{"token": "N"}`: raise the fence at

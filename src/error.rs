@@ -118,6 +118,22 @@ impl ProxyError {
         }
     }
 
+    /// What the client is told. An upstream failure names no upstream
+    /// host, certificate name or setting (a TLS error lists every name in
+    /// the upstream's certificate): those are for the operator, and the log
+    /// line of the request has the whole cause.
+    fn client_detail(&self) -> String {
+        match self {
+            Self::UpstreamConnect(_) => {
+                "cannot connect to the upstream (fencegate's log has the cause)".into()
+            }
+            Self::Upstream(_) => {
+                "the upstream exchange failed (fencegate's log has the cause)".into()
+            }
+            other => other.to_string(),
+        }
+    }
+
     fn title(&self) -> &'static str {
         match self {
             Self::Token(TokenError::Missing) => "Fence token required",
@@ -154,7 +170,7 @@ impl ProxyError {
         );
         body.insert("title".into(), json!(self.title()));
         body.insert("status".into(), json!(status.as_u16()));
-        body.insert("detail".into(), json!(self.to_string()));
+        body.insert("detail".into(), json!(self.client_detail()));
         if let Some(k) = key {
             body.insert("key".into(), json!(k));
         }

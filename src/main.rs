@@ -37,11 +37,13 @@ enum Command {
     },
     /// Print where a write to PATH goes under the config (file and flags):
     /// which route, key template and fence key, or why it would be refused.
-    /// Offline: nothing is started or opened. `fencegate explain --config
-    /// api.toml /acme/orders/42/items`.
+    /// Offline: the config is read (and must be valid, `store` included),
+    /// but no listener, store or upstream is opened. `fencegate explain
+    /// --config api.toml /acme/orders/42/items`.
     Explain {
-        /// The request's path (`/bucket/report.csv`, as a client sends
-        /// it, percent-encoding included) or URL (`http://host/path`).
+        /// The request target as a client sends it: a path
+        /// (`/bucket/report.csv`, percent-encoding included) or a URL
+        /// (`http://host/path`).
         path: String,
         /// The request's Host, needed when routes name hosts.
         #[arg(long = "host")]
@@ -415,6 +417,20 @@ fn init_store(opts: &Opts) -> ExitCode {
     })
 }
 
+/// `s` with control characters escaped: a decoded key may hold them, and
+/// they are never sent to a terminal raw.
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// `fencegate explain PATH`: exit 0 when a write there has a fence key, 1
 /// when it would be refused (and why), 2 on bad arguments.
 fn explain(
@@ -426,13 +442,7 @@ fn explain(
 ) -> ExitCode {
     let mut headers = http::HeaderMap::new();
     for h in header_args {
-        let parsed = h.split_once(':').and_then(|(n, v)| {
-            Some((
-                http::HeaderName::from_bytes(n.trim().as_bytes()).ok()?,
-                http::HeaderValue::from_str(v.trim()).ok()?,
-            ))
-        });
-        let Some((n, v)) = parsed else {
+        let Some((n, v)) = fencegate::proxy::explain::parse_header(h) else {
             eprintln!("fencegate explain: --header {h:?} is not `NAME: VALUE`");
             return ExitCode::from(2);
         };
@@ -447,12 +457,16 @@ fn explain(
     ) {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("fencegate explain: refused ({}): {e}", e.status().as_u16());
+            eprintln!(
+                "fencegate explain: refused ({}): {}",
+                e.status().as_u16(),
+                printable(&e.to_string())
+            );
             return ExitCode::FAILURE;
         }
     };
     if json {
-        println!("{}", explained.to_json(None));
+        println!("{}", explained.to_json());
     } else {
         let r = &explained.route;
         println!(
@@ -471,10 +485,18 @@ fn explain(
                 "canonical"
             }
         );
-        println!("upstream  {}{}", r.upstream, explained.upstream_target);
+        println!(
+            "upstream  {}{}",
+            r.upstream,
+            printable(&explained.upstream_target)
+        );
         match &explained.key {
-            Ok(k) => println!("key       {k}"),
-            Err(e) => println!("refused   {}: {e}", e.status().as_u16()),
+            Ok(k) => println!("key       {}", printable(k)),
+            Err(e) => println!(
+                "refused   {}: {}",
+                e.status().as_u16(),
+                printable(&e.to_string())
+            ),
         }
     }
     if explained.key.is_ok() {

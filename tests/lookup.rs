@@ -135,7 +135,9 @@ async fn the_admin_lookup_answers_route_key_and_highest_for_a_path() {
     for (query, status, says) in [
         ("path=/orders/acme/42", 400, "give the host"),
         ("host=api.internal", 400, "path=/bucket/report.csv"),
-        ("path=orders&host=a", 400, "must start with `/`"),
+        ("path=orders&host=a", 400, "not a request target"),
+        ("path=/o&host=a&path=/p", 400, "given twice"),
+        ("path=http://h:1/x&host=h:2", 400, "names another host"),
         ("path=/orders/%2e%2e/x&host=a", 400, ""),
         (
             "path=/o&host=a&tenant=acme",
@@ -154,6 +156,8 @@ async fn the_admin_lookup_answers_route_key_and_highest_for_a_path() {
         );
         assert!(a.text().contains(says), "{query}: {}", a.text());
     }
+    let a = send("POST", &p.admin_url("/v1/fences?path=/x"), &[], "").await;
+    assert_eq!(a.status, 405, "{}", a.text());
     assert_eq!(up.count(), 2, "the lookups forwarded nothing");
 }
 
@@ -170,6 +174,14 @@ async fn the_admin_lookup_on_the_quick_start_flags_and_with_no_route() {
     assert_eq!(j["key"], "s3:/bucket/report.csv");
     assert_eq!(j["highest"], "34");
     assert_eq!(j["literal_keys"], true);
+    assert_eq!(j["target"], "/bucket/report.csv");
+    // Values are decoded once: the target exactly as a client sends it
+    // (`%2F` inside a name is sent as `%252F`), and `+` is a plus.
+    assert_eq!(put(&p.url("/bucket/a+b%2Fc"), "3").await.status, 200);
+    let j = lookup(&p, "path=/bucket/a+b%252Fc").await.json();
+    assert_eq!(j["target"], "/bucket/a+b%2Fc");
+    assert_eq!(j["key"], "s3:/bucket/a b/c", "{j}");
+    assert_eq!(j["highest"], "3");
     // A URL names its host.
     let j = lookup(&p, "path=http%3A%2F%2Fs3.local%2Fbucket%2Freport.csv")
         .await
@@ -250,6 +262,7 @@ fn explain_prints_the_route_template_and_key_offline() {
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(j["route"], "ledger");
     assert_eq!(j["key"], "ledger-locks:acct-9");
+    assert!(j.get("highest").is_none(), "no store was read: {j}");
 
     // Refused under a route: exit 1 and why.
     let (code, out, _) = explain(&["--config", config, "--host", "a", "/orders/acme"]);

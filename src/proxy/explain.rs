@@ -5,17 +5,19 @@
 //! explain` answer through the functions the proxy classifies writes with
 //! ([`resolve`], [`route_key`]), so what they print is what a write gets.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 use serde_json::json;
 
 use super::classify::{match_order, resolve, route_key};
 use crate::config::Route;
 use crate::error::ProxyError;
-use crate::key;
+use crate::key::{self, KeyError};
 
 /// Where a write to a target goes.
 #[derive(Debug)]
 pub struct Explained {
+    /// The request target explained, as a client sends it.
+    pub target: String,
     /// The route that serves the target.
     pub route: Route,
     /// The path and query sent upstream.
@@ -27,11 +29,12 @@ pub struct Explained {
 }
 
 impl Explained {
-    /// The JSON the admin lookup answers (`highest`: the key's highest
-    /// token, when the caller read it).
-    pub fn to_json(&self, highest: Option<u64>) -> serde_json::Value {
+    /// The JSON both the admin lookup and `explain --json` print (the
+    /// lookup adds the key's `highest`).
+    pub fn to_json(&self) -> serde_json::Value {
         let r = &self.route;
         let mut v = json!({
+            "target": self.target,
             "route": r.name,
             "route_host": r.host,
             "path_prefix": r.path_prefix,
@@ -41,10 +44,7 @@ impl Explained {
             "upstream": format!("{}{}", r.upstream, self.upstream_target),
         });
         match &self.key {
-            Ok(k) => {
-                v["key"] = json!(k);
-                v["highest"] = json!(highest.map(|h| h.to_string()));
-            }
+            Ok(k) => v["key"] = json!(k),
             Err(e) => {
                 v["key"] = serde_json::Value::Null;
                 v["refused"] = json!({"status": e.status().as_u16(), "detail": e.to_string()});
@@ -54,12 +54,14 @@ impl Explained {
     }
 }
 
-/// Resolves `target`, an origin-form path (`/bucket/report.csv`, with an
-/// optional query) or an absolute URL whose authority is the host, on
-/// `host` (a `Host` header's value; `None`: none sent) as the proxy would.
-/// `headers` are consulted only by `header:NAME` key templates. `Err` is
-/// the refusal that comes before any route is chosen: a target that does
-/// not parse (400), no route (404), no host where some route names one.
+/// Resolves `target`, as a client sends it in the request line: a path
+/// (`/bucket/report.csv`, percent-encoding and query included) or an
+/// absolute URL (`http://host:port/path`), on `host` (a `Host` header's
+/// value; `None`: none sent), as the proxy would. `headers` are consulted
+/// only by `header:NAME` key templates. `Err` is the refusal that comes
+/// before any route is chosen: a target that does not parse (400), no
+/// route (404), no host where some route names one, a URL whose host
+/// differs from `host`.
 pub fn explain<R: AsRef<Route>>(
     routes: &[R],
     host: Option<&str>,
@@ -67,23 +69,27 @@ pub fn explain<R: AsRef<Route>>(
     headers: &HeaderMap,
     max_key_bytes: usize,
 ) -> Result<Explained, ProxyError> {
-    let parse = |h: &str| {
-        key::authority_host(h)
-            .map(|(h, _)| h)
-            .map_err(ProxyError::BadTarget)
+    let not_a_target = || {
+        ProxyError::BadRequest(
+            "not a request target: give a path starting with `/` (percent-encoded as a client sends it) or an http:// URL"
+                .into(),
+        )
     };
-    let (url_host, target) = split_absolute(target)?;
-    let host = match (
-        url_host.map(parse).transpose()?,
-        host.map(parse).transpose()?,
-    ) {
-        (Some(u), Some(h)) if u != h => {
-            return Err(ProxyError::BadRequest(format!(
-                "the URL names host {u} and the host given is {h}"
-            )))
-        }
-        (u, h) => u.or(h),
+    let uri: Uri = target.parse().map_err(|_| not_a_target())?;
+    // (`Uri` also takes `host:port` alone, the CONNECT form.)
+    if uri.scheme().is_none() && !target.starts_with('/') {
+        return Err(not_a_target());
+    }
+    let parse = |h: &str| key::authority_host(h).map_err(ProxyError::BadTarget);
+    let from_url = uri.authority().map(|a| parse(a.as_str())).transpose()?;
+    let given = host.map(parse).transpose()?;
+    let host = match (from_url, given) {
+        // As for a request: an absolute-form target and a Host header
+        // must agree on host and port.
+        (Some(u), Some(h)) if u != h => return Err(ProxyError::BadTarget(KeyError::ForeignHost)),
+        (u, h) => u.or(h).map(|(h, _)| h),
     };
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
     let mut ordered: Vec<&Route> = routes.iter().map(AsRef::as_ref).collect();
     ordered.sort_by_key(|r| match_order(r));
     if host.is_none() && ordered.iter().any(|r| r.host.is_some()) {
@@ -91,37 +97,23 @@ pub fn explain<R: AsRef<Route>>(
             "some route names a host: give the host too".into(),
         ));
     }
-    let (route, path) = resolve(&ordered, host.as_deref(), target)
+    let (route, parsed) = resolve(&ordered, host.as_deref(), path)
         .map_err(ProxyError::BadTarget)?
         .ok_or(ProxyError::NoRoute)?;
     Ok(Explained {
+        target: target.to_string(),
         route: (*route).clone(),
-        key: route_key(route, &path, headers, max_key_bytes),
-        upstream_target: path.upstream_target,
+        key: route_key(route, &parsed, headers, max_key_bytes),
+        upstream_target: parsed.upstream_target,
     })
 }
 
-/// `http://host/path` names its host (returned first); a plain path names
-/// none.
-fn split_absolute(target: &str) -> Result<(Option<&str>, &str), ProxyError> {
-    let Some(rest) = target
-        .strip_prefix("http://")
-        .or_else(|| target.strip_prefix("https://"))
-    else {
-        if !target.starts_with('/') {
-            return Err(ProxyError::BadRequest(
-                "the path must start with `/` (or be an http:// or https:// URL)".into(),
-            ));
-        }
-        return Ok((None, target));
-    };
-    match rest.find(['/', '?']) {
-        Some(i) if rest.as_bytes()[i] == b'/' => {
-            let (authority, path) = rest.split_at(i);
-            Ok((Some(authority), path))
-        }
-        _ => Err(ProxyError::BadRequest(
-            "the URL has no path after its host".into(),
-        )),
-    }
+/// A header given as `NAME: VALUE` (a flag or a query parameter), for
+/// `header:NAME` key templates.
+pub fn parse_header(text: &str) -> Option<(HeaderName, HeaderValue)> {
+    let (name, value) = text.split_once(':')?;
+    Some((
+        HeaderName::from_bytes(name.trim().as_bytes()).ok()?,
+        HeaderValue::from_str(value.trim()).ok()?,
+    ))
 }

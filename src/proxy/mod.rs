@@ -288,15 +288,12 @@ impl Proxy {
             fence,
             metrics,
             limits: config.limits.clone(),
-            request_id_prefix: crate::store::shared::unique_id()[..16].to_string(),
+            request_id_prefix: crate::id::unique_id()[..16].to_string(),
             request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
         })
     }
 
-    /// Builds the routes of `config` and swaps them in: requests that
-    /// already picked a route finish on it (with its connection pool); new
-    /// ones use the new table. On error nothing changes.
     /// Where a write to `target` on `host` goes under the routes now in
     /// force (see [`explain::explain`]).
     pub fn explain(
@@ -314,6 +311,9 @@ impl Proxy {
         )
     }
 
+    /// Builds the routes of `config` and swaps them in: requests that
+    /// already picked a route finish on it (with its connection pool); new
+    /// ones use the new table. On error nothing changes.
     pub fn reload_routes(&self, config: &Config) -> Result<(), TlsError> {
         let previous = self.routes.load_full();
         let table = RouteTable::build(config, &self.metrics, Some(&previous), self.workers)?;

@@ -43,6 +43,7 @@ fail() {
 }
 
 if ! cmp -s "$REQ" "$VENV/.requirements" 2>/dev/null; then
+  [[ -z ${CHECK_DEPLOY_NO_INSTALL:-} ]] || fail "no $VENV with the tools of $REQ: run scripts/test without --no-install"
   echo "check_deploy: installing $REQ into $VENV" >&2
   mkdir -p "$(dirname "$VENV")"
   python3 -m venv --clear "$VENV"

@@ -257,11 +257,23 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
 /// outcome is known, it cannot have been applied.
 pub const NOT_CONNECTED: &str = "not connected";
 
+/// Marks a paused-body write whose connection fencegate closed while the
+/// client was still sending (it answered, 408 or 504, and closed before
+/// the client read the answer): an outcome the proxy chose, not one a
+/// fault lost. The checker still treats the write as maybe applied.
+pub const CLOSED_MID_BODY: &str = "closed while the body was being sent";
+
 impl Attempt {
     fn not_connected(&self) -> bool {
         self.lost
             .as_deref()
             .is_some_and(|l| l.starts_with(NOT_CONNECTED))
+    }
+
+    fn closed_mid_body(&self) -> bool {
+        self.lost
+            .as_deref()
+            .is_some_and(|l| l.starts_with(CLOSED_MID_BODY))
     }
 }
 
@@ -340,6 +352,8 @@ pub fn curl_paused(
         Ok(status) if status != 0 => Ok(status),
         // curl's exit code 7: it could not connect.
         _ if out.status.code() == Some(7) => Err(format!("{NOT_CONNECTED}: curl exit 7")),
+        // curl's exit code 55: sending failed, the connection was closed.
+        _ if out.status.code() == Some(55) => Err(format!("{CLOSED_MID_BODY}: curl exit 55")),
         _ => Err(format!("curl {} (http_code {code:?})", out.status)),
     }
 }
@@ -394,7 +408,7 @@ impl Report {
             faults,
             unknown: attempts
                 .iter()
-                .filter(|a| a.status == 0 && !a.not_connected())
+                .filter(|a| a.status == 0 && !a.not_connected() && !a.closed_mid_body())
                 .count(),
             paused: attempts.iter().filter(|a| a.paused).count(),
             paused_answered: attempts
@@ -418,7 +432,7 @@ impl Report {
         let bound = self.faults * CLIENTS;
         let mut why: Vec<String> = attempts
             .iter()
-            .filter(|a| !a.not_connected())
+            .filter(|a| !a.not_connected() && !a.closed_mid_body())
             .filter_map(|a| a.lost.as_ref().map(|l| format!("{}: {l}", a.id)))
             .collect();
         why.truncate(10);

@@ -815,7 +815,7 @@ impl Fence {
         // hanging up mid-call) releases it, so no orphan holds the key for a
         // whole lease TTL.
         let lease = WriteLease {
-            id: crate::store::shared::unique_id(),
+            id: crate::id::unique_id(),
             token,
         };
         let pending = PendingLease {

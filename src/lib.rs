@@ -15,14 +15,19 @@
 //! - [`fence`]: admission and ordering: stale / equal / raise, waiting behind
 //!   older in-flight writes, crash recovery.
 //! - [`store`]: the [`store::FenceStore`] trait and its engines
-//!   ([`store::embedded`], redb with group commit).
+//!   ([`store::embedded`], redb with group commit; Redis, PostgreSQL and
+//!   etcd behind [`store::shared`]).
 //! - [`proxy`]: the request path: classifying a request (`proxy/classify.rs`),
-//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`).
+//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`), and
+//!   the same classification for people (`proxy/explain.rs`: the admin
+//!   lookup by path and `fencegate explain`).
 //! - [`upstream`]: a route's upstream connections (a pool per worker) and
 //!   one exchange, with the rule that a write is never sent twice.
 //! - [`error`]: the one place where errors become HTTP answers
 //!   (problem+json).
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}`.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}` and
+//!   the lookup by path `/v1/fences?path=`.
+//! - [`id`]: identifiers no two processes share (request ids, lease ids).
 //! - [`metrics`]: the Prometheus registry and metric handles.
 //! - [`server`]: listeners (plain and TLS), connection serving, reload,
 //!   graceful shutdown.
@@ -40,6 +45,7 @@ pub mod admin;
 pub mod config;
 pub mod error;
 pub mod fence;
+pub mod id;
 pub mod key;
 pub mod metrics;
 pub mod proxy;

@@ -41,8 +41,11 @@ use crate::workers::Workers;
 pub enum ServerError {
     #[error(transparent)]
     Store(#[from] OpenError),
+    #[error(transparent)]
+    Connect(#[from] crate::store::ConnectError),
+    /// The shared store answered, but cannot be used (it has no marker).
     #[error("invalid `store`: {0}")]
-    SharedStore(String),
+    SharedStore(StoreError),
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error("cannot listen on {addr} (`{field}`): {reason}")]
@@ -171,9 +174,7 @@ impl Server {
             match tokio::time::timeout(bound, store.ping()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(StoreError::Uninitialised)) => {
-                    return Err(ServerError::SharedStore(
-                        StoreError::Uninitialised.to_string(),
-                    ))
+                    return Err(ServerError::SharedStore(StoreError::Uninitialised))
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(store = store.kind(), error = %e, "fence store not usable at start: writes fail closed until it is")

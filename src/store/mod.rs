@@ -18,12 +18,15 @@ use async_trait::async_trait;
 
 use crate::config::{SharedEngine, SharedStoreConfig};
 
+/// Why a shared store could not be set up from its config.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("invalid `store`: {0}")]
+pub struct ConnectError(pub String);
+
 /// Builds the shared store a config names. Connects lazily: a store that is
 /// down at start makes writes fail closed until it answers.
-pub fn connect_shared(
-    c: &SharedStoreConfig,
-) -> Result<Arc<dyn FenceStore>, crate::server::ServerError> {
-    let bad = |e: String| crate::server::ServerError::SharedStore(e);
+pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, ConnectError> {
+    let bad = ConnectError;
     Ok(match &c.engine {
         SharedEngine::Redis => Arc::new(shared::SharedStore::new(
             redis::RedisBackend::new(&c.url, c.timeout).map_err(bad)?,

@@ -132,25 +132,6 @@ pub fn busy(lease: WriteLease) -> LeaseOutcome {
     }
 }
 
-/// A fresh random-enough identifier (lease ids, epochs): no two processes or
-/// calls share one.
-pub fn unique_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.write_u32(std::process::id());
-    let a = h.finish();
-    h.write_u64(a);
-    format!("{a:016x}{:016x}", h.finish())
-}
-
 #[derive(Default)]
 struct GuardState {
     /// The marker as this replica last saw it.
@@ -510,7 +491,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         if self.backend.read_marker().await?.is_some() {
             return Ok(false);
         }
-        let m = self.backend.create_marker(&unique_id()).await?;
+        let m = self.backend.create_marker(&crate::id::unique_id()).await?;
         tracing::info!(store = self.backend.kind(), epoch = %m.epoch, "fence store initialised");
         Ok(true)
     }
@@ -543,7 +524,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             // joins the first's marker instead of overwriting it.
             current => {
                 self.backend
-                    .replace_marker(current.as_ref(), &unique_id())
+                    .replace_marker(current.as_ref(), &crate::id::unique_id())
                     .await?
             }
         };

@@ -374,6 +374,30 @@ async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
     );
 }
 
+/// A store restarted with its data: the first write through every replica
+/// afterwards succeeds (the broken connection it finds is replaced, and
+/// the call made again), and the fence is kept.
+async fn a_store_restart_fails_no_write(kind: StoreKind) {
+    let mut c = Cluster::start(kind, "2s").await;
+    for (i, p) in [&c.a, c.b()].into_iter().enumerate() {
+        let a = put(&p.url(&format!("/restart/{i}")), "5").await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    c.store.kill9();
+    c.store.restart();
+    for (i, p) in [&c.a, c.b()].into_iter().enumerate() {
+        let a = put(&p.url(&format!("/restart/{i}")), "6").await;
+        assert_eq!(
+            a.status,
+            200,
+            "the first write after the restart: {}",
+            a.text()
+        );
+        let a = put(&p.url(&format!("/restart/{i}")), "5").await;
+        assert_eq!(a.status, 409, "fence kept: {}", a.text());
+    }
+}
+
 async fn replica_killed_mid_write(kind: StoreKind) {
     use tokio::io::AsyncWriteExt;
     let mut c = Cluster::start(kind, "2s").await;
@@ -607,6 +631,7 @@ suite!(
         racing_tokens_on_one_key,
         concurrent_advances_then_kill_9,
         store_outage_fails_closed_and_heals,
+        a_store_restart_fails_no_write,
         replica_killed_mid_write,
         a_wiped_store_is_refused_until_confirmed,
         a_new_store_needs_init_store

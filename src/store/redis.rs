@@ -69,7 +69,14 @@ end
 const ACQUIRE: &str = r#"
 local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local h = redis.call('GET', KEYS[1])
-if h and lt(token, h) then return {'stale', h} end
+if h and lt(token, h) then
+  -- Registered by an earlier run of this call (sent again after a broken
+  -- connection) if at all: a stale answer leaves no lease behind.
+  local member = pad(token) .. ':' .. id
+  redis.call('ZREM', KEYS[3], member)
+  redis.call('HDEL', KEYS[2], member)
+  return {'stale', h}
+end
 if (not h) or lt(h, token) then redis.call('SET', KEYS[1], token) end
 local now = now_ms()
 local older = older_exists(token, now)
@@ -114,6 +121,9 @@ return 1
 "#;
 
 const MARKER: &str = "fencegate:marker";
+
+/// How long after a failed connection or call the next connect waits.
+const BACKOFF: Duration = Duration::from_millis(200);
 
 /// A Redis connection that reconnects (with backoff) after failures.
 pub struct RedisBackend {
@@ -191,11 +201,12 @@ impl RedisBackend {
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
-        // Back off after a failure instead of hammering a server that is down.
-        if let Some(t) = *self.last_failure.lock().expect("lock") {
-            if t.elapsed() < Duration::from_millis(200) {
-                return Err(unavailable("not connected (retrying)"));
-            }
+        // Back off after a failure instead of hammering a server that is
+        // down: the call waits out the pause, then tries (a server that
+        // came back, after a restart, answers it).
+        let since = self.last_failure.lock().expect("lock").map(|t| t.elapsed());
+        if let Some(pause) = since.and_then(|e| BACKOFF.checked_sub(e)) {
+            tokio::time::sleep(pause).await;
         }
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
@@ -220,32 +231,54 @@ impl RedisBackend {
         }
     }
 
-    /// Runs one command; on a connection-level failure the connection is
-    /// dropped so the next call reconnects.
+    /// Runs one command. On a broken connection (a restarted server closed
+    /// it; found by this call) it runs once more on a fresh connection, so
+    /// that no request fails for it: every operation of this backend may
+    /// run twice (the fence is a compare-and-raise, leases are named by the
+    /// caller and registered, refreshed or removed by name, the marker's
+    /// bump only rises). Other failures, a timeout among them, drop every
+    /// runtime's connection so the next call reconnects.
     async fn run<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: Fn(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let conn = self.connection().await?;
+        let e = match f(conn).await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        if !e.is_connection_dropped() || e.is_timeout() {
+            return Err(self.failed(e).await);
+        }
+        // The other runtimes' connections went with the server.
+        self.drop_connections().await;
+        let conn = self.connection().await?;
         match f(conn).await {
             Ok(v) => Ok(v),
-            Err(e) => {
-                if e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.is_timeout()
-                    || e.is_unrecoverable_error()
-                {
-                    // The server went away for every worker's connection:
-                    // each reconnects on its next call.
-                    let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
-                    for slot in slots {
-                        *slot.lock().await = None;
-                    }
-                    *self.last_failure.lock().expect("lock") = Some(Instant::now());
-                }
-                Err(unavailable(e))
-            }
+            Err(e) => Err(self.failed(e).await),
+        }
+    }
+
+    /// A failed call: a connection-level failure drops every runtime's
+    /// connection and starts the reconnect backoff.
+    async fn failed(&self, e: redis::RedisError) -> StoreError {
+        if e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_timeout()
+            || e.is_unrecoverable_error()
+        {
+            self.drop_connections().await;
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
+        }
+        unavailable(e)
+    }
+
+    /// Every runtime reconnects on its next call.
+    async fn drop_connections(&self) {
+        let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
+        for slot in slots {
+            *slot.lock().await = None;
         }
     }
 }
@@ -264,6 +297,7 @@ impl RedisBackend {
         let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
         let ttl_ms = ttl.as_millis().max(1) as u64;
         let id = lease_id.to_string();
+        let (fk, lk, ok, id) = (&fk, &lk, &ok, &id);
         self.run(|mut c| async move {
             script
                 .key(fk)
@@ -317,7 +351,7 @@ impl Backend for RedisBackend {
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        let k = fence_key(key);
+        let k = &fence_key(key);
         let v: Option<String> = self
             .run(|mut c| async move { redis::cmd("GET").arg(k).query_async(&mut c).await })
             .await?;
@@ -325,7 +359,7 @@ impl Backend for RedisBackend {
     }
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
-        let (k, t) = (fence_key(key), token.to_string());
+        let (k, t) = (&fence_key(key), &token.to_string());
         let script = &self.advance;
         let (status, value): (String, String) = self
             .run(|mut c| async move { script.key(k).arg(t).invoke_async(&mut c).await })
@@ -367,7 +401,8 @@ impl Backend for RedisBackend {
     async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         let (lk, ok) = (lease_key(key), lease_order_key(key));
         let script = &self.release;
-        let (id, token) = (lease.id.clone(), lease.token.to_string());
+        let (lk, ok) = (&lk, &ok);
+        let (id, token) = (&lease.id, &lease.token.to_string());
         let _: i64 = self
             .run(|mut c| async move {
                 script
@@ -412,7 +447,7 @@ impl Backend for RedisBackend {
     }
 
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
-        let e = epoch.to_string();
+        let e = epoch;
         let _: Value = self
             .run(|mut c| async move {
                 redis::pipe()
@@ -441,6 +476,7 @@ impl Backend for RedisBackend {
              redis.call('HINCRBY', KEYS[1], 'seq', 1) \
              return redis.call('HMGET', KEYS[1], 'epoch', 'seq')",
         );
+        let script = &script;
         let v: Option<(String, String)> = self
             .run(|mut c| async move { script.key(MARKER).invoke_async(&mut c).await })
             .await?;
@@ -468,7 +504,7 @@ impl Backend for RedisBackend {
             Some(m) => (m.epoch.clone(), m.seq.to_string()),
             None => (String::new(), String::new()),
         };
-        let new = epoch.to_string();
+        let (script, e, q, new) = (&script, &e, &q, epoch);
         let _: i64 = self
             .run(|mut c| async move {
                 script

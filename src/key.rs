@@ -421,17 +421,24 @@ pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
 }
 
 /// A route form as a backend that drops path parameters (`;...` in each
-/// segment: Tomcat, Jetty, Spring) reads it; `None` when it has none.
+/// segment: Tomcat, Jetty, Spring) and merges runs of `/` reads it; `None`
+/// when it has none.
 pub fn without_params(form: &str) -> Option<String> {
     if !form.contains(';') {
         return None;
     }
+    // A segment that was only parameters leaves an empty one, merged like
+    // any run of `/` (`/a/;x/b` reads as `/a/b`).
     let mut bare = String::with_capacity(form.len());
-    for (i, seg) in form.split('/').enumerate() {
-        if i > 0 {
+    for seg in form.split('/') {
+        let seg = seg.split(';').next().unwrap_or("");
+        if !seg.is_empty() {
             bare.push('/');
+            bare.push_str(seg);
         }
-        bare.push_str(seg.split(';').next().unwrap_or(""));
+    }
+    if bare.is_empty() {
+        bare.push('/');
     }
     Some(bare)
 }
@@ -481,6 +488,18 @@ pub fn authority_host(text: &str) -> Result<(String, Option<u16>), KeyError> {
         return Err(KeyError::BadAuthority(format!("`{text}` names no host")));
     }
     Ok((host, authority.port_u16()))
+}
+
+/// Whether `text` (a `Host` value or an authority) spells its host the way
+/// routes name hosts: no upper-case letter, no trailing dot. Route matching
+/// ignores both, but a backend may not (SeaweedFS reads `bkt.S3.LOCAL` and
+/// `bkt.s3.local.` as path-style requests, not as bucket `bkt`), so a
+/// request that meets a host route must spell its host plainly.
+pub fn host_spelled_plainly(text: &str) -> bool {
+    text.parse::<http::uri::Authority>().is_ok_and(|a| {
+        let h = a.host();
+        !h.ends_with('.') && !h.bytes().any(|b| b.is_ascii_uppercase())
+    })
 }
 
 #[cfg(test)]
@@ -620,6 +639,8 @@ mod tests {
         assert_eq!(literal("/b/..\\x"), Err(KeyError::DotSegment));
         assert_eq!(route_form("/b\\x%5Cy"), Ok("/b/x/y".into()));
         assert_eq!(without_params("/a;x/b;y=1;z/c"), Some("/a/b/c".into()));
+        assert_eq!(without_params("/rec/;x/sub/;/x"), Some("/rec/sub/x".into()));
+        assert_eq!(without_params("/;x"), Some("/".into()));
         assert_eq!(without_params("/a/b"), None);
         assert_eq!(route_form("//b//x/"), Ok("/b/x/".into()));
         assert_eq!(route_form("/b%2F%2Fx"), Ok("/b/x".into()));
@@ -685,6 +706,30 @@ mod tests {
         assert!(KeyTemplate::parse("/{}").is_err());
         assert!(KeyTemplate::parse("/a//b").is_err());
         assert_eq!(t.to_string(), "/{tenant}/{resource}/{id}");
+    }
+
+    #[test]
+    fn plain_host_spellings() {
+        for plain in [
+            "api.example",
+            "api.example:8080",
+            "[::1]:80",
+            "10.0.0.1",
+            "[::1]",
+        ] {
+            assert!(host_spelled_plainly(plain), "{plain}");
+        }
+        for other in [
+            "Api.example",
+            "api.example.",
+            "api.example.:80",
+            "API.EXAMPLE",
+            "[::ABCD]",
+            "",
+            "a b",
+        ] {
+            assert!(!host_spelled_plainly(other), "{other}");
+        }
     }
 
     #[test]

@@ -1048,11 +1048,24 @@ literal_keys = true
     }
     // The literal route still takes what is its own.
     assert_eq!(put(&p.url("/bucket//obj"), "1").await.status, 200);
-    // Host matching ignores case, the port and a trailing dot.
+    // Host matching ignores the port. A host route takes only the host
+    // spelled as it names it: a backend may read `Tenant.Example.` as
+    // another host (SeaweedFS reads it as a path-style request).
+    for other in ["Tenant.Example:8080", "tenant.example.", "TENANT.EXAMPLE"] {
+        let a = send(
+            "PUT",
+            &p.url("/t"),
+            &[("host", other), ("x-fence-token", "9")],
+            "",
+        )
+        .await;
+        assert_problem(&a, 400, "bad-request");
+        assert!(a.text().contains("spell the host"), "{other}: {}", a.text());
+    }
     let a = send(
         "PUT",
         &p.url("/t"),
-        &[("host", "Tenant.Example.:8080"), ("x-fence-token", "4")],
+        &[("host", "tenant.example:8080"), ("x-fence-token", "4")],
         "",
     )
     .await;

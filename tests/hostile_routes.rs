@@ -122,23 +122,31 @@ namespace = "s3"
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_canonical_route_is_not_bypassed_through_a_literal_catch_all() {
+    // The catch-all first: routes are tried most specific first, whatever
+    // their order in the file.
     let (_d, up, p) = with_routes(
         r#"
-[[routes]]
-name = "api"
-path_prefix = "/bkt/api"
-upstream = "{u}"
-
 [[routes]]
 name = "s3"
 upstream = "{u}"
 literal_keys = true
 namespace = "s3"
+
+[[routes]]
+name = "api"
+path_prefix = "/bkt/api"
+upstream = "{u}"
 "#,
     )
     .await;
     let (s, _) = raw_status(&p, &put_raw("/bkt/api/x", "x", 10)).await;
     assert_eq!(s, 200);
+    let (s, a) = raw_status(&p, &put_raw("/bkt/api/x", "x", 9)).await;
+    assert_eq!(s, 409, "{a}");
+    assert!(
+        a.contains("\"default:/bkt/api/x\""),
+        "the api route took it: {a}"
+    );
     for spelling in [
         "/bkt/api%2Fx",
         "/bkt/ap%69%2fx",
@@ -151,6 +159,9 @@ namespace = "s3"
         "/bkt/api%5Cx",
         "/bkt/api;/x",
         "/bkt/api;jsessionid=1/x",
+        "/bkt/;/api/x",
+        "/bkt/;x/api/x",
+        "/bkt/%3Bx/api/x",
     ] {
         let (s, a) = raw_status(&p, &put_raw(spelling, "x", 5)).await;
         assert_eq!(s, 400, "{spelling}: {a}");

@@ -145,6 +145,8 @@ async fn the_admin_lookup_answers_route_key_and_highest_for_a_path() {
             "unknown parameter tenant",
         ),
         ("path=/o&host=a&header=no-colon", 400, "NAME:VALUE"),
+        ("path=/entries&host=Ledger.internal", 400, "spell the host"),
+        ("path=/entries&host=ledger.internal.", 400, "spell the host"),
         ("path=%ff&host=a", 400, "not percent-encoded UTF-8"),
     ] {
         let a = lookup(&p, query).await;

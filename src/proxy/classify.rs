@@ -54,6 +54,23 @@ pub(super) fn request_host<B>(req: &Request<B>) -> Result<Option<String>, ProxyE
     }
 }
 
+/// Why a request that meets a host route with its host spelled otherwise
+/// is refused.
+pub(super) const HOST_SPELLING: &str = "spell the host as the route names it (lower case, no trailing dot): a backend may read another spelling as another host";
+
+/// Whether every source of a request's host (`Host`, an absolute-form
+/// target, HTTP/2's `:authority`) spells it plainly (see
+/// [`key::host_spelled_plainly`]).
+pub(super) fn host_sources_plain<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get(header::HOST)
+        .is_none_or(|h| h.to_str().is_ok_and(key::host_spelled_plainly))
+        && req
+            .uri()
+            .authority()
+            .is_none_or(|a| key::host_spelled_plainly(a.as_str()))
+}
+
 /// The percent-decoded values of `name` in a query string (`+` is a space
 /// there); `None` for a value that does not decode to UTF-8. Names are
 /// compared decoded, so `%5Fmethod` is `_method`.
@@ -262,6 +279,9 @@ impl Proxy {
             }
         };
         let route = &rt.route;
+        if route.host.is_some() && !host_sources_plain(req) {
+            return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
+        }
         ctx.route = Some(route.name.clone());
         ctx.requests = Some(rt.metrics.requests.clone());
         ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;

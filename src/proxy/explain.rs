@@ -8,7 +8,7 @@
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 use serde_json::json;
 
-use super::classify::{match_order, resolve, route_key};
+use super::classify::{match_order, resolve, route_key, HOST_SPELLING};
 use crate::config::Route;
 use crate::error::ProxyError;
 use crate::key::{self, KeyError};
@@ -82,6 +82,7 @@ pub fn explain<R: AsRef<Route>>(
     }
     let parse = |h: &str| key::authority_host(h).map_err(ProxyError::BadTarget);
     let from_url = uri.authority().map(|a| parse(a.as_str())).transpose()?;
+    let given_text = host;
     let given = host.map(parse).transpose()?;
     let host = match (from_url, given) {
         // As for a request: an absolute-form target and a Host header
@@ -100,6 +101,13 @@ pub fn explain<R: AsRef<Route>>(
     let (route, parsed) = resolve(&ordered, host.as_deref(), path)
         .map_err(ProxyError::BadTarget)?
         .ok_or(ProxyError::NoRoute)?;
+    let plain = uri
+        .authority()
+        .is_none_or(|a| key::host_spelled_plainly(a.as_str()))
+        && given_text.is_none_or(key::host_spelled_plainly);
+    if route.host.is_some() && !plain {
+        return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
+    }
     Ok(Explained {
         target: target.to_string(),
         route: (*route).clone(),

@@ -35,7 +35,7 @@ export CARGO_PROFILE_DEV_DEBUG=0
 export CARGO_PROFILE_TEST_DEBUG=0
 
 SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease'
-CLASSIFY='resolve|route_key|match_order|Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
+CLASSIFY='resolve|route_key|match_order|host_sources_plain|Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
 
 # The verdict comes from missed.txt, not from cargo-mutants' exit status:
 # a mutant whose tests time out (an infinite loop) changed behaviour the

@@ -61,7 +61,8 @@ impl Explained {
 /// only by `header:NAME` key templates. `Err` is the refusal that comes
 /// before any route is chosen: a target that does not parse (400), no
 /// route (404), no host where some route names one, a URL whose host
-/// differs from `host`.
+/// differs from `host`, a host spelled otherwise than the host route it
+/// meets names it.
 pub fn explain<R: AsRef<Route>>(
     routes: &[R],
     host: Option<&str>,

@@ -346,9 +346,8 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
 /// percent-decoded path (what S3 calls the object's name) with `\` read as
 /// `/`, runs of `/` merged and no trailing `/`. Some S3 servers (SeaweedFS)
 /// read `a//b`, `a\b` and `a/b/` as `a/b`, others (AWS) as names of their
-/// own: merging them into
-/// one key is safe (at worst two objects share a fence), splitting them
-/// would not be. Dot segments (`.`, `..`, raw or encoded) are refused, as in
+/// own: merging them into one key is safe (at worst two objects share a
+/// fence), splitting them would not be. Dot segments (`.`, `..`, raw or encoded) are refused, as in
 /// the canonical parse: a backend that resolves them would write where no
 /// route or key of the raw path points.
 pub fn literal(target: &str) -> Result<CanonicalPath, KeyError> {
@@ -409,15 +408,22 @@ pub fn route_form(target: &str) -> Result<std::borrow::Cow<'_, str>, KeyError> {
         // Nothing to decode or merge: the common case costs no allocation.
         return Ok(std::borrow::Cow::Borrowed(path));
     }
-    let decoded = String::from_utf8_lossy(&percent_decode(path)?).into_owned();
-    let mut form = String::with_capacity(decoded.len());
-    for c in decoded.chars() {
-        let c = if c == '\\' { '/' } else { c };
-        if !(c == '/' && form.ends_with('/')) {
-            form.push(c);
+    // Merged in place on the decoded bytes (`/` and `\` are ASCII, never
+    // part of a longer UTF-8 sequence): one allocation for a valid name.
+    let mut form = percent_decode(path)?;
+    let mut len = 0;
+    for i in 0..form.len() {
+        let b = if form[i] == b'\\' { b'/' } else { form[i] };
+        if !(b == b'/' && len > 0 && form[len - 1] == b'/') {
+            form[len] = b;
+            len += 1;
         }
     }
-    Ok(std::borrow::Cow::Owned(form))
+    form.truncate(len);
+    Ok(std::borrow::Cow::Owned(
+        String::from_utf8(form)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
+    ))
 }
 
 /// A route form as a backend that drops path parameters (`;...` in each

@@ -14,6 +14,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::key::KeyTemplate;
 
+mod store;
+pub use store::{
+    redact_url, store, url_password, Secret, SharedEngine, SharedStoreConfig, StoreConfig,
+    StoreTls, TlsVerify,
+};
+
 /// A configuration error, naming the field at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -47,6 +53,18 @@ pub struct RawConfig {
     pub store_timeout: Option<String>,
     /// Accept a shared store that lost data (after checking why).
     pub accept_store_reset: Option<bool>,
+    /// PEM CA certificates for a shared store's TLS, instead of the
+    /// system's.
+    pub store_ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) and key presented to a shared store.
+    pub store_client_cert: Option<PathBuf>,
+    pub store_client_key: Option<PathBuf>,
+    /// A file whose first line is the shared store's password.
+    pub store_password_file: Option<PathBuf>,
+    /// The password from the environment (`FENCEGATE_STORE_PASSWORD`); never
+    /// read from or written to a file.
+    #[serde(skip)]
+    pub store_password: Option<Secret>,
     /// How many highest tokens to keep in memory.
     pub highest_cache_entries: Option<u64>,
     /// Worker threads, each with its own listeners and upstream pools;
@@ -114,35 +132,6 @@ pub struct RawRoute {
     pub upstream_client_key: Option<PathBuf>,
     /// Offer HTTP/2 to an https upstream (ALPN); default false.
     pub upstream_http2: Option<bool>,
-}
-
-/// Where fences are kept.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreConfig {
-    /// The local redb file (one fencegate process).
-    Embedded { path: PathBuf, cache_bytes: usize },
-    /// A shared server several replicas use.
-    Shared(SharedStoreConfig),
-}
-
-/// A shared store and how to reach it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedStoreConfig {
-    pub engine: SharedEngine,
-    /// The URL as given (printed back by check-config).
-    pub url: String,
-    /// Bounds every store call and connect.
-    pub timeout: Duration,
-    /// Confirm a store reset (lost data) at start.
-    pub accept_reset: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SharedEngine {
-    Redis,
-    Postgres,
-    /// Client URLs (`http://host:port`), one per endpoint.
-    Etcd(Vec<String>),
 }
 
 /// Which methods are writes on a route.
@@ -375,80 +364,6 @@ pub fn parse_upstream(field: &str, text: &str) -> Result<Upstream, ConfigError> 
         }
     }
     Ok(Upstream { scheme, authority })
-}
-
-/// The store the config names, validated on its own (`fencegate init-store`
-/// needs nothing else).
-pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
-    let text = raw
-        .store
-        .as_deref()
-        .ok_or_else(|| invalid("store", "is required (a file path such as ./fences.redb)"))?;
-    let shared = |engine| -> Result<StoreConfig, ConfigError> {
-        Ok(StoreConfig::Shared(SharedStoreConfig {
-            engine,
-            url: text.to_string(),
-            timeout: duration("store_timeout", &raw.store_timeout, Duration::from_secs(2))?,
-            accept_reset: raw.accept_store_reset.unwrap_or(false),
-        }))
-    };
-    let path = match text.split_once("://") {
-        Some(("redb", p)) => p,
-        Some(("redis", _)) => return shared(SharedEngine::Redis),
-        Some(("rediss", _)) => {
-            return Err(invalid(
-                "store",
-                "rediss:// (TLS) is not supported yet; reach Redis over a trusted network or a TLS tunnel",
-            ))
-        }
-        Some(("postgres" | "postgresql", _)) => return shared(SharedEngine::Postgres),
-        Some(("etcd", rest)) => {
-            let mut endpoints = Vec::new();
-            for ep in rest.trim_end_matches('/').split(',') {
-                let ep = ep.trim();
-                if ep.is_empty() || ep.contains('/') || !ep.contains(':') {
-                    return Err(invalid("store", format!("etcd endpoint `{ep}` is not host:port")));
-                }
-                endpoints.push(format!("http://{ep}"));
-            }
-            return shared(SharedEngine::Etcd(endpoints));
-        }
-        Some((scheme, _)) => {
-            return Err(invalid(
-                "store",
-                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, postgres:// or etcd://"),
-            ))
-        }
-        None => text,
-    };
-    if path.is_empty() {
-        return Err(invalid("store", "the path is empty"));
-    }
-    let path = PathBuf::from(path);
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if !dir.is_dir() {
-        return Err(invalid(
-            "store",
-            format!("directory {} does not exist", dir.display()),
-        ));
-    }
-    if path.is_dir() {
-        return Err(invalid(
-            "store",
-            format!("{} is a directory", path.display()),
-        ));
-    }
-    let mib = raw.store_cache_mib.unwrap_or(64);
-    if mib == 0 || mib > 1 << 20 {
-        return Err(invalid("store_cache_mib", "must be between 1 and 1048576"));
-    }
-    Ok(StoreConfig::Embedded {
-        path,
-        cache_bytes: (mib as usize) << 20,
-    })
 }
 
 fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
@@ -843,20 +758,26 @@ impl RawConfig {
 impl Config {
     /// The effective configuration, every default filled in, as TOML.
     pub fn to_toml(&self) -> String {
-        let (store, cache_mib, store_timeout, accept) = match &self.store {
+        let (store, cache_mib, store_timeout, accept, shared) = match &self.store {
             StoreConfig::Embedded { path, cache_bytes } => (
                 path.display().to_string(),
                 Some((*cache_bytes >> 20) as u64),
                 None,
                 None,
+                None,
             ),
             StoreConfig::Shared(s) => (
-                s.url.clone(),
+                s.redacted_url(),
                 None,
                 Some(format_duration(s.timeout)),
                 Some(s.accept_reset),
+                Some(s),
             ),
         };
+        // PostgreSQL's certificate paths stay in its URL, where they were.
+        let tls = shared
+            .filter(|s| !matches!(s.engine, SharedEngine::Postgres { .. }))
+            .and_then(|s| s.tls.as_ref());
         let raw = RawConfig {
             listen: Some(self.listen.map_or("off".into(), |l| l.to_string())),
             admin_listen: Some(self.admin_listen.to_string()),
@@ -864,6 +785,11 @@ impl Config {
             store_cache_mib: cache_mib,
             store_timeout,
             accept_store_reset: accept,
+            store_ca: tls.and_then(|t| t.ca.clone()),
+            store_client_cert: tls.and_then(|t| t.client_cert.clone()),
+            store_client_key: tls.and_then(|t| t.client_key.clone()),
+            store_password_file: shared.and_then(|s| s.password_file.clone()),
+            store_password: None,
             highest_cache_entries: Some(self.highest_cache_entries as u64),
             workers: self.workers.map(|n| n as u64),
             admin_token_file: self.admin_token_file.clone(),
@@ -1071,7 +997,6 @@ mod tests {
                 "tls.cert",
             ),
             (|r| r.store = Some("/no/such/dir/f.redb".into()), "store"),
-            (|r| r.store = Some("rediss://x".into()), "store"),
             (|r| r.store = Some("mongodb://x".into()), "store"),
             (|r| r.store = Some("etcd://a:1,/x".into()), "store"),
             (
@@ -1210,17 +1135,23 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(shared("redis://127.0.0.1:6379/0"), SharedEngine::Redis);
-        assert_eq!(shared("postgres://u@127.0.0.1/db"), SharedEngine::Postgres);
-        assert_eq!(
+        assert!(matches!(
+            shared("postgres://u@127.0.0.1/db"),
+            SharedEngine::Postgres { prefer: false, .. }
+        ));
+        assert!(matches!(
             shared("postgresql://u@127.0.0.1/db"),
-            SharedEngine::Postgres
-        );
+            SharedEngine::Postgres { .. }
+        ));
         assert_eq!(
             shared("etcd://127.0.0.1:2379,127.0.0.2:2379"),
-            SharedEngine::Etcd(vec![
-                "http://127.0.0.1:2379".into(),
-                "http://127.0.0.2:2379".into()
-            ])
+            SharedEngine::Etcd {
+                endpoints: vec![
+                    "http://127.0.0.1:2379".into(),
+                    "http://127.0.0.2:2379".into()
+                ],
+                user: None
+            }
         );
         assert!(matches!(
             store("redb:///tmp/x.redb"),

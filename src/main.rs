@@ -90,6 +90,21 @@ struct Opts {
     /// Timeout of shared-store calls (redis://, postgres://, etcd://).
     #[arg(long, env = "FENCEGATE_STORE_TIMEOUT", global = true)]
     store_timeout: Option<String>,
+    /// PEM CA certificates for a shared store's TLS (rediss://, etcds://,
+    /// PostgreSQL sslmode=verify-*), instead of the system's.
+    #[arg(long, env = "FENCEGATE_STORE_CA", global = true)]
+    store_ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) presented to a shared store.
+    #[arg(long, env = "FENCEGATE_STORE_CLIENT_CERT", global = true)]
+    store_client_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "FENCEGATE_STORE_CLIENT_KEY", global = true)]
+    store_client_key: Option<PathBuf>,
+    /// A file whose first line is the shared store's password (Redis ACL
+    /// user, PostgreSQL role, etcd user). FENCEGATE_STORE_PASSWORD in the
+    /// environment is the other way; a password in the URL the last.
+    #[arg(long, env = "FENCEGATE_STORE_PASSWORD_FILE", global = true)]
+    store_password_file: Option<PathBuf>,
     /// Accept a shared store that lost data: write back the fences this
     /// replica knows and record a new marker (see docs/stores.md).
     #[arg(long, env = "FENCEGATE_ACCEPT_STORE_RESET", global = true)]
@@ -201,6 +216,16 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.store, &opts.store);
     set(&mut raw.shutdown_grace, &opts.shutdown_grace);
     set(&mut raw.store_timeout, &opts.store_timeout);
+    set(&mut raw.store_ca, &opts.store_ca);
+    set(&mut raw.store_client_cert, &opts.store_client_cert);
+    set(&mut raw.store_client_key, &opts.store_client_key);
+    set(&mut raw.store_password_file, &opts.store_password_file);
+    // Only from the environment: a flag would show in `ps`.
+    if let Ok(pw) = std::env::var("FENCEGATE_STORE_PASSWORD") {
+        if !pw.is_empty() {
+            raw.store_password = Some(fencegate::config::Secret::new(pw));
+        }
+    }
     if opts.access_log {
         raw.access_log = Some(true);
     }
@@ -402,11 +427,14 @@ fn init_store(opts: &Opts) -> ExitCode {
         .await;
         match result {
             Ok(true) => {
-                println!("initialised {}", shared.url);
+                println!("initialised {}", shared.redacted_url());
                 ExitCode::SUCCESS
             }
             Ok(false) => {
-                println!("{} is initialised already; nothing changed", shared.url);
+                println!(
+                    "{} is initialised already; nothing changed",
+                    shared.redacted_url()
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -168,13 +168,16 @@ impl Server {
             // Connect now, so schema setup, durability warnings and the
             // marker check happen at start. A store without a marker stops
             // the start (it is new, or was wiped: an operator must say
-            // which); one that is down only makes writes fail closed until
-            // it answers, and is checked then.
+            // which), as does one that refuses our credentials or
+            // certificates; one that is down only makes writes fail closed
+            // until it answers, and is checked then.
             let bound = shared.timeout * 3 + Duration::from_secs(1);
             match tokio::time::timeout(bound, store.ping()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(StoreError::Uninitialised)) => {
-                    return Err(ServerError::SharedStore(StoreError::Uninitialised))
+                // A wrong password or certificate is a setting to fix: say
+                // so now rather than fail every write.
+                Ok(Err(e @ (StoreError::Uninitialised | StoreError::Refused(_)))) => {
+                    return Err(ServerError::SharedStore(e))
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(store = store.kind(), error = %e, "fence store not usable at start: writes fail closed until it is")

@@ -29,7 +29,7 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{TlsConfig, Upstream, UpstreamTls};
+use crate::config::{StoreTls, TlsConfig, TlsVerify, Upstream, UpstreamTls};
 
 /// A TLS file that cannot be used, naming its config field.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -379,6 +379,149 @@ impl TlsTerminator {
     }
 }
 
+/// The client config for a shared store's TLS (PostgreSQL, etcd): roots
+/// from `store_ca` or the system, an optional client certificate, and the
+/// certificate checked as far as `tls.verify` says.
+pub fn store_client_config(tls: &StoreTls) -> Result<Arc<ClientConfig>, TlsError> {
+    let roots = match &tls.ca {
+        Some(ca) => Arc::new(roots_from("store_ca", ca)?),
+        None => system_roots().map_err(|e| error("store_ca", e))?,
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| error("store", e.to_string()))?;
+    let builder = match tls.verify {
+        TlsVerify::Full => builder.with_root_certificates(roots),
+        verify => {
+            let webpki =
+                rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
+                    .build()
+                    .map_err(|e| error("store_ca", e.to_string()))?;
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(LaxVerifier {
+                    webpki,
+                    check_chain: verify == TlsVerify::Chain,
+                }))
+        }
+    };
+    let config = match (&tls.client_cert, &tls.client_key) {
+        (Some(cert), Some(key)) => builder
+            .with_client_auth_cert(
+                certificates("store_client_cert", cert)?,
+                private_key("store_client_key", key)?,
+            )
+            .map_err(|e| {
+                error(
+                    "store_client_key",
+                    format!("does not fit store_client_cert: {e}"),
+                )
+            })?,
+        _ => builder.with_no_client_auth(),
+    };
+    Ok(Arc::new(config))
+}
+
+/// A client config for connectors that only ever speak plain HTTP (etcd
+/// over `http://`): no roots, never used for a handshake.
+pub fn plain_client_config() -> Arc<ClientConfig> {
+    Arc::new(
+        ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default TLS versions")
+            .with_root_certificates(RootCertStore::empty())
+            .with_no_client_auth(),
+    )
+}
+
+/// PEM bytes of a store's CA and client certificate and key, checked to
+/// parse (for clients that take PEM rather than a rustls config: Redis).
+pub struct StorePem {
+    pub ca: Option<Vec<u8>>,
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+pub fn store_pem(tls: &StoreTls) -> Result<StorePem, TlsError> {
+    let read = |field: &str, p: &Path| {
+        std::fs::read(p).map_err(|e| error(field, format!("cannot read {}: {e}", p.display())))
+    };
+    let ca = match &tls.ca {
+        Some(p) => {
+            roots_from("store_ca", p)?;
+            Some(read("store_ca", p)?)
+        }
+        None => None,
+    };
+    let client = match (&tls.client_cert, &tls.client_key) {
+        (Some(c), Some(k)) => {
+            certificates("store_client_cert", c)?;
+            private_key("store_client_key", k)?;
+            Some((read("store_client_cert", c)?, read("store_client_key", k)?))
+        }
+        _ => None,
+    };
+    Ok(StorePem { ca, client })
+}
+
+/// PostgreSQL's `verify-ca` (chain checked, any name) and `require` /
+/// `prefer` without a CA (nothing checked, as libpq does). The handshake's
+/// signatures are checked in both: the peer holds the certificate's key.
+#[derive(Debug)]
+struct LaxVerifier {
+    webpki: Arc<rustls::client::WebPkiServerVerifier>,
+    check_chain: bool,
+}
+
+impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if !self.check_chain {
+            return Ok(rustls::client::danger::ServerCertVerified::assertion());
+        }
+        match self.webpki.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
+}
+
 /// The connector of a route: plain HTTP or verified TLS, as the upstream's
 /// scheme says.
 pub type UpstreamConnector = HttpsConnector<HttpConnector>;
@@ -427,6 +570,50 @@ pub fn upstream_connector(
     };
     // Plain HTTP for http:// upstreams, TLS for https:// ones.
     Ok(HttpsConnector::from((http, config)))
+}
+
+/// Whether `e` (or an error it wraps) is a TLS certificate refusal: ours of
+/// the peer's certificate, or the peer's of ours (a fatal alert about
+/// certificates). Such a failure is a setting to fix, not an outage.
+pub fn certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    use rustls::AlertDescription as A;
+    let mut next = Some(e);
+    while let Some(err) = next {
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            next = Some(inner);
+            continue;
+        }
+        match err.downcast_ref::<rustls::Error>() {
+            Some(rustls::Error::InvalidCertificate(_)) => return true,
+            Some(rustls::Error::AlertReceived(
+                A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::CertificateRequired
+                | A::AccessDenied,
+            )) => return true,
+            _ => {}
+        }
+        next = err.source();
+    }
+    // Some clients flatten the error into text.
+    let text = e.to_string();
+    text.contains("invalid peer certificate")
+        || [
+            "BadCertificate",
+            "UnknownCA",
+            "CertificateRequired",
+            "CertificateUnknown",
+            "CertificateExpired",
+        ]
+        .iter()
+        .any(|a| text.contains(&format!("received fatal alert: {a}")))
 }
 
 /// What to do about a TLS failure towards an upstream, if `e` (or an

@@ -11,6 +11,34 @@ use common::*;
 
 const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 
+/// Which store a case runs on, and whether over TLS with credentials.
+#[derive(Clone, Copy, Debug)]
+struct Spec {
+    kind: StoreKind,
+    secure: bool,
+}
+
+const fn plain(kind: StoreKind) -> Spec {
+    Spec {
+        kind,
+        secure: false,
+    }
+}
+
+const fn secure(kind: StoreKind) -> Spec {
+    Spec { kind, secure: true }
+}
+
+impl Spec {
+    fn start(self) -> StoreServer {
+        if self.secure {
+            StoreServer::start_secure(self.kind)
+        } else {
+            StoreServer::start(self.kind)
+        }
+    }
+}
+
 /// Replicas on one store, in front of one recording upstream.
 struct Cluster {
     store: StoreServer,
@@ -22,8 +50,8 @@ struct Cluster {
 }
 
 impl Cluster {
-    async fn start(kind: StoreKind, upstream_timeout: &str) -> Cluster {
-        let store = StoreServer::start(kind);
+    async fn start(kind: Spec, upstream_timeout: &str) -> Cluster {
+        let store = kind.start();
         let up = start_upstream().await;
         let token_dir = tempfile::tempdir().unwrap();
         let token_file = token_dir.path().join("admin-token");
@@ -38,10 +66,17 @@ impl Cluster {
                     "1s",
                 ])
                 .args(&["--admin-token-file", token_file.to_str().unwrap()])
+                .args(
+                    &store
+                        .proxy_args()
+                        .iter()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>(),
+                )
                 .spawn()
         };
         let a = replica();
-        let b = (kind != StoreKind::Embedded).then(replica);
+        let b = (kind.kind != StoreKind::Embedded).then(replica);
         Cluster {
             store,
             up,
@@ -88,7 +123,7 @@ async fn put_when_ready(url: &str, token: &str, within: Duration) -> Answer {
     }
 }
 
-async fn tokens_across_replicas(kind: StoreKind) {
+async fn tokens_across_replicas(kind: Spec) {
     let c = Cluster::start(kind, "2s").await;
     assert_eq!(put(&c.a.url("/k"), "5").await.status, 200);
     assert_eq!(
@@ -120,7 +155,7 @@ async fn tokens_across_replicas(kind: StoreKind) {
     assert_eq!(c.up.arrivals(), 3, "a refused write reached the backend");
 }
 
-async fn full_u64_range(kind: StoreKind) {
+async fn full_u64_range(kind: Spec) {
     let c = Cluster::start(kind, "2s").await;
     let max = u64::MAX.to_string();
     assert_eq!(
@@ -144,7 +179,7 @@ async fn full_u64_range(kind: StoreKind) {
     assert_eq!(c.up.arrivals(), 4, "the refused write reached the backend");
 }
 
-async fn ordering_across_replicas(kind: StoreKind) {
+async fn ordering_across_replicas(kind: Spec) {
     let c = Cluster::start(kind, "5s").await;
     let url = c.a.url("/o");
     let old = tokio::spawn(async move {
@@ -173,7 +208,7 @@ async fn ordering_across_replicas(kind: StoreKind) {
     // The wait polled the store with pauses (the store's 5 ms hint, or a
     // backoff to 50 ms: about 100 polls here), not back to back (several
     // hundred or more).
-    if kind != StoreKind::Embedded {
+    if kind.kind != StoreKind::Embedded {
         let polls = metric(
             c.b(),
             "fencegate_store_latency_seconds_count{op=\"poll_lease\"}",
@@ -194,7 +229,7 @@ async fn ordering_across_replicas(kind: StoreKind) {
 /// A COPY holding its destination while it waits behind an older write on
 /// its source is refused once a newer token takes the destination on the
 /// other replica: it must not be sent after that newer write was let in.
-async fn copy_overtaken_across_replicas(kind: StoreKind) {
+async fn copy_overtaken_across_replicas(kind: Spec) {
     let c = Cluster::start(kind, "10s").await;
     let z = slow_put(c.a.url("/z"), "4", "3000");
     eventually("z in flight", Duration::from_secs(5), || {
@@ -225,7 +260,7 @@ async fn copy_overtaken_across_replicas(kind: StoreKind) {
     );
 }
 
-async fn concurrent_advances_then_kill_9(kind: StoreKind) {
+async fn concurrent_advances_then_kill_9(kind: Spec) {
     let mut c = Cluster::start(kind, "1s").await;
     let mut tasks = Vec::new();
     for i in 0..300u32 {
@@ -263,7 +298,7 @@ async fn concurrent_advances_then_kill_9(kind: StoreKind) {
     }
 }
 
-async fn racing_tokens_on_one_key(kind: StoreKind) {
+async fn racing_tokens_on_one_key(kind: Spec) {
     let c = Cluster::start(kind, "5s").await;
     // 60 writers race on one key with tokens 1..=60 over both replicas,
     // each write held 20 ms by the backend.
@@ -327,7 +362,7 @@ async fn racing_tokens_on_one_key(kind: StoreKind) {
     );
 }
 
-async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
+async fn store_outage_fails_closed_and_heals(kind: Spec) {
     let mut c = Cluster::start(kind, "2s").await;
     assert_eq!(put(&c.a.url("/s"), "5").await.status, 200);
     let before = c.up.arrivals();
@@ -361,13 +396,8 @@ async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
         "writes resume without a restart: {}",
         a.text()
     );
-    assert_eq!(
-        put_when_ready(&c.a.url("/s"), "4", Duration::from_secs(10))
-            .await
-            .status,
-        409,
-        "fence kept"
-    );
+    let a = put_when_ready(&c.a.url("/s"), "4", Duration::from_secs(10)).await;
+    assert_eq!(a.status, 409, "fence kept: {}", a.text());
     assert_eq!(
         send("GET", &c.a.admin_url("/readyz"), &[], "").await.status,
         200
@@ -377,7 +407,7 @@ async fn store_outage_fails_closed_and_heals(kind: StoreKind) {
 /// A store restarted with its data: the first write through every replica
 /// afterwards succeeds (the broken connection it finds is replaced, and
 /// the call made again), and the fence is kept.
-async fn a_store_restart_fails_no_write(kind: StoreKind) {
+async fn a_store_restart_fails_no_write(kind: Spec) {
     let mut c = Cluster::start(kind, "2s").await;
     for (i, p) in [&c.a, c.b()].into_iter().enumerate() {
         let a = put(&p.url(&format!("/restart/{i}")), "5").await;
@@ -398,11 +428,12 @@ async fn a_store_restart_fails_no_write(kind: StoreKind) {
     }
 }
 
-async fn replica_killed_mid_write(kind: StoreKind) {
+async fn replica_killed_mid_write(kind: Spec) {
     use tokio::io::AsyncWriteExt;
     let mut c = Cluster::start(kind, "2s").await;
     // Token 1 goes out through replica a, which dies while the backend is
     // still applying it.
+    let sent = Instant::now();
     let mut s = tokio::net::TcpStream::connect(c.a.addr).await.unwrap();
     s.write_all(b"PUT /r HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-Test-Delay-Ms: 1500\r\nContent-Length: 1\r\n\r\nx")
         .await
@@ -412,7 +443,7 @@ async fn replica_killed_mid_write(kind: StoreKind) {
     })
     .await;
     c.a.kill9();
-    if kind == StoreKind::Embedded {
+    if kind.kind == StoreKind::Embedded {
         c.a.restart();
     }
     // Token 2 is held (or refused with 503) until token 1 can no longer be
@@ -430,9 +461,20 @@ async fn replica_killed_mid_write(kind: StoreKind) {
         "token 2 overtook the dead replica's write"
     );
     assert_eq!(c.up.arrivals(), 2, "a refused attempt reached the backend");
+    if kind.kind != StoreKind::Embedded {
+        // The dead replica's lease lives the write's limit plus the store
+        // timeout and a second (2 + 1 + 1 s here); etcd rounds it up by at
+        // most an eighth, to whole seconds (5 s). Past that, and etcd's
+        // expiry tick and the retry pauses, the key is free.
+        let waited = t2.arrived.duration_since(sent);
+        assert!(
+            waited < Duration::from_millis(6500),
+            "the dead replica held the key {waited:?}"
+        );
+    }
 }
 
-async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
+async fn a_wiped_store_is_refused_until_confirmed(kind: Spec) {
     let c = Cluster::start(kind, "2s").await;
     assert_eq!(put(&c.a.url("/w"), "5").await.status, 200);
     assert_eq!(put(&c.b().url("/w"), "5").await.status, 200);
@@ -485,13 +527,15 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: StoreKind) {
 
 /// A store nobody initialised is refused at start (it could be a wiped
 /// one); `fencegate init-store` marks it once, and is idempotent.
-async fn a_new_store_needs_init_store(kind: StoreKind) {
+async fn a_new_store_needs_init_store(kind: Spec) {
     let c = Cluster::start(kind, "2s").await;
-    let fresh = StoreServer::start_uninitialised(kind);
+    let fresh = StoreServer::start_with(kind.kind, kind.secure);
+    let args = fresh.proxy_args();
     let on_fresh = || {
         ProxyBuilder::new(&c.up.url(), fresh.dir.path())
             .store_url(&fresh.url())
             .args(&["--store-timeout", "1s"])
+            .args(&args.iter().map(String::as_str).collect::<Vec<_>>())
     };
     let (status, stderr) = on_fresh().start_refused();
     assert!(!status.success(), "{stderr}");
@@ -510,7 +554,7 @@ async fn a_new_store_needs_init_store(kind: StoreKind) {
 /// an orphan would hold every newer write to the key for a whole lease TTL.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_acquire_leaves_no_lease_behind() {
-    let c = Cluster::start(StoreKind::Redis, "10s").await;
+    let c = Cluster::start(plain(StoreKind::Redis), "10s").await;
     assert_eq!(put(&c.a.url("/o"), "1").await.status, 200);
     // Its lease is released right after the write (not left to expire).
     no_leases_within(&c.store, Duration::from_secs(2)).await;
@@ -584,6 +628,88 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake_across_replicas() 
     );
 }
 
+/// A replica refuses to start, naming the store and the cause, on a store
+/// whose certificate its CA did not sign or that refuses its password; a
+/// password never shows in what fencegate prints.
+async fn wrong_ca_or_password_stops_the_start(kind: Spec) {
+    assert!(kind.secure);
+    let store = kind.start();
+    let up = start_upstream().await;
+    let sec = store.secure.as_ref().unwrap();
+    let engine = match kind.kind {
+        StoreKind::Redis => "redis",
+        StoreKind::Postgres => "postgres",
+        StoreKind::Etcd => "etcd",
+        StoreKind::Embedded => unreachable!(),
+    };
+    let with = |flag: &str, value: &str| {
+        let mut args = store.proxy_args();
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1] = value.to_string();
+        args
+    };
+    let refused = |args: Vec<String>| {
+        ProxyBuilder::new(&up.url(), store.dir.path())
+            .store_url(&store.url())
+            .args(&["--store-timeout", "2s"])
+            .args(&args.iter().map(String::as_str).collect::<Vec<_>>())
+            .start_refused()
+    };
+    let (status, stderr) = refused(with("--store-ca", sec.wrong_ca.to_str().unwrap()));
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("refused the connection") && stderr.contains(engine),
+        "{stderr}"
+    );
+    assert!(stderr.contains("UnknownIssuer"), "{stderr}");
+    let wrong = store.dir.path().join("wrong-password");
+    std::fs::write(
+        &wrong,
+        "not-the-password
+",
+    )
+    .unwrap();
+    let (status, stderr) = refused(with("--store-password-file", wrong.to_str().unwrap()));
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("refused the connection") && stderr.contains(engine),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("not-the-password"), "{stderr}");
+    assert_eq!(up.arrivals(), 0);
+    // The right settings start, and a password given in the URL is shown
+    // redacted.
+    let mut url = store.url();
+    url = url.replacen("fencegate@", &format!("fencegate:{}@", sec.password), 1);
+    let mut args = store.proxy_args();
+    args.truncate(args.len() - 2);
+    let out = std::process::Command::new(bin())
+        .args([
+            "check-config",
+            "/dev/null",
+            "--upstream",
+            &up.url(),
+            "--store",
+            &url,
+        ])
+        .args(&args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains(&sec.password), "{text}");
+    assert!(text.contains("fencegate:****@"), "{text}");
+    let p = ProxyBuilder::new(&up.url(), store.dir.path())
+        .store_url(&url)
+        .args(&args.iter().map(String::as_str).collect::<Vec<_>>())
+        .spawn();
+    assert_eq!(put(&p.url("/tls"), "1").await.status, 200);
+}
+
 /// Redis holds no write lease within `d` (a lease TTL here is ~12 s).
 async fn no_leases_within(store: &StoreServer, d: Duration) {
     let deadline = Instant::now() + d;
@@ -609,7 +735,7 @@ macro_rules! suite {
 
 suite!(
     embedded,
-    StoreKind::Embedded,
+    plain(StoreKind::Embedded),
     [
         tokens_across_replicas,
         full_u64_range,
@@ -622,7 +748,7 @@ suite!(
 );
 suite!(
     redis,
-    StoreKind::Redis,
+    plain(StoreKind::Redis),
     [
         tokens_across_replicas,
         full_u64_range,
@@ -639,7 +765,7 @@ suite!(
 );
 suite!(
     postgres,
-    StoreKind::Postgres,
+    plain(StoreKind::Postgres),
     [
         tokens_across_replicas,
         full_u64_range,
@@ -655,7 +781,7 @@ suite!(
 );
 suite!(
     etcd,
-    StoreKind::Etcd,
+    plain(StoreKind::Etcd),
     [
         tokens_across_replicas,
         full_u64_range,
@@ -667,5 +793,54 @@ suite!(
         replica_killed_mid_write,
         a_wiped_store_is_refused_until_confirmed,
         a_new_store_needs_init_store
+    ]
+);
+
+// The same cases over TLS with client certificates and a password-protected
+// user, as these stores run in production.
+suite!(
+    redis_tls,
+    secure(StoreKind::Redis),
+    [
+        tokens_across_replicas,
+        ordering_across_replicas,
+        racing_tokens_on_one_key,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        a_store_restart_fails_no_write,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store,
+        wrong_ca_or_password_stops_the_start
+    ]
+);
+suite!(
+    postgres_tls,
+    secure(StoreKind::Postgres),
+    [
+        tokens_across_replicas,
+        ordering_across_replicas,
+        racing_tokens_on_one_key,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store,
+        wrong_ca_or_password_stops_the_start
+    ]
+);
+suite!(
+    etcd_tls,
+    secure(StoreKind::Etcd),
+    [
+        tokens_across_replicas,
+        ordering_across_replicas,
+        racing_tokens_on_one_key,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store,
+        wrong_ca_or_password_stops_the_start
     ]
 );

@@ -1,11 +1,13 @@
-//! The etcd store, over etcd's v3 JSON gateway (plain HTTP/1.1 with the
-//! proxy's own client: no gRPC stack or protoc in the build).
+//! The etcd store, over etcd's v3 JSON gateway (HTTP/1.1, or HTTPS for
+//! `etcds://`, with the proxy's own client: no gRPC stack or protoc in the
+//! build). With a user, calls carry the token etcd's auth gave for it.
 //!
 //! Keyspace (`HEX` is the fence key in hex, so keys never nest):
 //! - `fencegate/f/HEX`: the highest token, zero-padded to 20 digits so that
 //!   etcd's byte-wise compare is numeric order over the whole u64 range.
 //! - `fencegate/l/HEX/TOKEN20/ID`: an in-flight lease, attached to an etcd
-//!   lease of this replica (expires on etcd's clock if the replica dies).
+//!   lease of this replica (expires on etcd's clock if the replica dies, at
+//!   most an eighth after the write's own lease would).
 //! - `fencegate/marker`: `EPOCH SEQ` (amnesia detection).
 //!
 //! Admission is one transaction: if the stored highest is greater, read it
@@ -14,17 +16,22 @@
 //! commits through its Raft quorum and fsyncs its WAL.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use async_trait::async_trait;
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
+
+use crate::config::Secret;
 
 use super::shared::{busy, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
@@ -42,15 +49,46 @@ struct ReplicaLease {
 pub struct EtcdBackend {
     endpoints: Vec<String>,
     current: AtomicUsize,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     timeout: Duration,
     session: AtomicU64,
     failing: AtomicBool,
     lease: tokio::sync::Mutex<Option<ReplicaLease>>,
+    /// etcd auth: the user and password, and the token they were last
+    /// exchanged for (sent as `Authorization` with every call).
+    auth: Option<(String, Secret)>,
+    token: ArcSwapOption<String>,
+    /// One re-authentication at a time.
+    authenticating: tokio::sync::Mutex<()>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("etcd: {e}"))
+}
+
+/// A failed exchange: a certificate refused (by either side) is a setting
+/// to fix; anything else an outage.
+fn exchange_failed(e: hyper_util::client::legacy::Error) -> StoreError {
+    if crate::tls::certificate_refused(&e) {
+        let mut why = e.to_string();
+        let mut next = std::error::Error::source(&e);
+        while let Some(inner) = next {
+            why = format!("{why}: {inner}");
+            next = inner.source();
+        }
+        StoreError::Refused(format!("etcd: {why}"))
+    } else {
+        unavailable(e)
+    }
+}
+
+/// Whether an error answer says the auth token is missing, expired or
+/// revoked (etcd's simple tokens expire after five idle minutes): get a new
+/// one and ask again.
+fn token_invalid(status: http::StatusCode, message: &str) -> bool {
+    status == http::StatusCode::UNAUTHORIZED
+        || message.contains("invalid auth token")
+        || message.contains("user name is empty")
 }
 
 fn b64(s: &str) -> String {
@@ -92,54 +130,173 @@ fn count(v: &Value) -> u64 {
         .unwrap_or(0)
 }
 
+/// An etcd lease for keys that must live `ttl`: an eighth more, in whole
+/// seconds, at least one second more.
+fn grant_for(ttl: Duration) -> Duration {
+    let ms = ttl.as_millis() as u64;
+    let secs = (ms + ms / 8).div_ceil(1000).max(ms / 1000 + 1).max(2);
+    Duration::from_secs(secs)
+}
+
 impl EtcdBackend {
-    pub fn new(endpoints: Vec<String>, timeout: Duration) -> Self {
+    /// `tls`: the client config for `https://` endpoints (`etcds://`);
+    /// `auth`: etcd user and password.
+    pub fn new(
+        endpoints: Vec<String>,
+        tls: Option<Arc<rustls::ClientConfig>>,
+        auth: Option<(String, Secret)>,
+        timeout: Duration,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(timeout));
         connector.set_nodelay(true);
+        connector.enforce_http(false);
+        let tls = tls.unwrap_or_else(crate::tls::plain_client_config);
+        let mut tls = (*tls).clone();
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
         Self {
             endpoints,
             current: AtomicUsize::new(0),
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: Client::builder(TokioExecutor::new())
+                .build(HttpsConnector::from((connector, tls))),
             timeout,
             session: AtomicU64::new(0),
             failing: AtomicBool::new(true),
             lease: tokio::sync::Mutex::new(None),
+            auth,
+            token: ArcSwapOption::empty(),
+            authenticating: tokio::sync::Mutex::new(()),
         }
     }
 
     /// POSTs to the current endpoint, moving to the next one on a
-    /// connection failure.
+    /// connection failure; with auth, gets a token first and a new one
+    /// when etcd says it is no longer valid.
     async fn post(&self, path: &str, body: Value) -> Result<Value, StoreError> {
         let body = Bytes::from(body.to_string());
+        if self.auth.is_none() {
+            return self.send(path, &body, None).await.map_err(|(e, _)| e);
+        }
+        let mut fresh = false;
+        loop {
+            let token = match self.token.load_full() {
+                Some(t) => t,
+                None => {
+                    fresh = true;
+                    self.authenticate().await?
+                }
+            };
+            match self.send(path, &body, Some(&token)).await {
+                Err((_, true)) if !fresh => {
+                    // Expired or revoked: once more with a new token (unless
+                    // another call replaced it already).
+                    self.token
+                        .compare_and_swap(&Some(token), None::<Arc<String>>);
+                    fresh = true;
+                }
+                other => return other.map_err(|(e, _)| e),
+            }
+        }
+    }
+
+    /// Exchanges the user and password for a token.
+    async fn authenticate(&self) -> Result<Arc<String>, StoreError> {
+        let _one = self.authenticating.lock().await;
+        if let Some(t) = self.token.load_full() {
+            return Ok(t);
+        }
+        let (user, password) = self.auth.as_ref().expect("auth is set");
+        let body = Bytes::from(json!({"name": user, "password": password.expose()}).to_string());
+        let v = match self.send("/v3/auth/authenticate", &body, None).await {
+            Ok(v) => v,
+            Err((StoreError::Unavailable(why), _)) if why.contains("authentication failed") => {
+                return Err(StoreError::Refused(format!(
+                    "etcd: user {user}: {}",
+                    why.trim_start_matches("etcd: ")
+                )))
+            }
+            Err((e, _)) => return Err(e),
+        };
+        let token = v["token"]
+            .as_str()
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                StoreError::Refused(format!(
+                    "etcd: user {user} authenticated but got no token (is auth enabled on the cluster?)"
+                ))
+            })?;
+        let token = Arc::new(token.to_string());
+        self.token.store(Some(token.clone()));
+        Ok(token)
+    }
+
+    /// One POST, over the endpoints in turn; the error says whether etcd
+    /// refused the auth token.
+    async fn send(
+        &self,
+        path: &str,
+        body: &Bytes,
+        token: Option<&str>,
+    ) -> Result<Value, (StoreError, bool)> {
         let mut last = None;
         for _ in 0..self.endpoints.len() {
             let i = self.current.load(Ordering::Relaxed) % self.endpoints.len();
             let url = format!("{}{path}", self.endpoints[i]);
-            let req = http::Request::post(&url)
-                .header("content-type", "application/json")
+            let mut req = http::Request::post(&url).header("content-type", "application/json");
+            if let Some(t) = token {
+                req = req.header("authorization", t);
+            }
+            let req = req
                 .body(Full::new(body.clone()))
-                .map_err(unavailable)?;
+                .map_err(|e| (unavailable(e), false))?;
             let result = tokio::time::timeout(self.timeout, async {
-                let resp = self.client.request(req).await.map_err(unavailable)?;
+                let resp = self
+                    .client
+                    .request(req)
+                    .await
+                    .map_err(|e| (exchange_failed(e), false))?;
                 let status = resp.status();
                 let bytes = resp
                     .into_body()
                     .collect()
                     .await
-                    .map_err(unavailable)?
+                    .map_err(|e| (unavailable(e), false))?
                     .to_bytes();
-                let v: Value = serde_json::from_slice(&bytes).map_err(unavailable)?;
+                let v: Value = match serde_json::from_slice(&bytes) {
+                    Ok(v) => v,
+                    // The gateway answers some refusals in plain text.
+                    Err(_) if !status.is_success() => {
+                        json!({"message": String::from_utf8_lossy(&bytes).trim()})
+                    }
+                    Err(e) => return Err((unavailable(e), false)),
+                };
                 if !status.is_success() {
-                    return Err(unavailable(format!(
-                        "{status}: {}",
-                        v["message"].as_str().unwrap_or("")
-                    )));
+                    let message = v["message"].as_str().or(v["error"].as_str()).unwrap_or("");
+                    if message.contains("CommonName of client") {
+                        return Err((
+                            StoreError::Refused(format!(
+                                "etcd: {message} (with etcd auth on, its HTTP gateway takes only client certificates without a CommonName, docs/stores.md)"
+                            )),
+                            false,
+                        ));
+                    }
+                    if message.contains("permission denied") {
+                        return Err((
+                            StoreError::Refused(format!(
+                                "etcd: {message} (the user needs read-write on the prefix fencegate/, docs/stores.md)"
+                            )),
+                            false,
+                        ));
+                    }
+                    return Err((
+                        unavailable(format!("{status}: {message}")),
+                        token_invalid(status, message),
+                    ));
                 }
                 Ok(v)
             })
             .await
-            .unwrap_or_else(|_| Err(unavailable("timed out")));
+            .unwrap_or_else(|_| Err((unavailable("timed out"), false)));
             match result {
                 Ok(v) => {
                     if self.failing.swap(false, Ordering::AcqRel) {
@@ -149,33 +306,43 @@ impl EtcdBackend {
                     }
                     return Ok(v);
                 }
-                Err(e) => {
+                // An answer, not an outage: the next endpoint would say the
+                // same.
+                Err((e @ StoreError::Refused(_), auth)) => return Err((e, auth)),
+                Err((e, true)) => return Err((e, true)),
+                Err((e, false)) => {
                     self.failing.store(true, Ordering::Release);
                     self.current.store(i + 1, Ordering::Relaxed);
                     last = Some(e);
                 }
             }
         }
-        Err(last.unwrap_or_else(|| unavailable("no endpoint")))
+        Err((last.unwrap_or_else(|| unavailable("no endpoint")), false))
     }
 
     /// The replica lease to attach a new in-flight key to. It is granted for
-    /// twice `ttl` and used for new keys only during the first third of its
-    /// life, so every key lives at least 4/3 of `ttl`: the write plus the
-    /// store's own latency.
+    /// `ttl` plus an eighth (rounded up to whole seconds, etcd's unit) and
+    /// used for new keys only while it has at least `ttl` left, so every key
+    /// lives at least `ttl` (the write plus the store's latency) and a dead
+    /// replica's keys no longer than the grant: a newer write elsewhere
+    /// waits at most an eighth past the lease.
     async fn replica_lease(&self, ttl: Duration) -> Result<String, StoreError> {
         let mut slot = self.lease.lock().await;
         if let Some(l) = slot.as_ref() {
-            if l.ttl >= ttl * 2 && l.granted.elapsed() < l.ttl / 3 {
+            // Stamped before the grant was sent: etcd's clock for it started
+            // no earlier, so this underestimates what is left.
+            let left = l.ttl.saturating_sub(l.granted.elapsed());
+            if left >= ttl && l.ttl <= grant_for(ttl) {
                 return Ok(l.id.clone());
             }
         }
-        let secs = (ttl * 2).as_secs_f64().ceil().max(2.0) as u64;
-        let grant_ttl = Duration::from_secs(secs);
-        // Stamped before sending: the lease's clock may start any time after.
+        let grant_ttl = grant_for(ttl);
         let sent = Instant::now();
         let v = self
-            .post("/v3/lease/grant", json!({"TTL": secs.to_string()}))
+            .post(
+                "/v3/lease/grant",
+                json!({"TTL": grant_ttl.as_secs().to_string()}),
+            )
             .await?;
         let id = v["ID"]
             .as_str()

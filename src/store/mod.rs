@@ -8,6 +8,7 @@
 pub mod embedded;
 pub mod etcd;
 pub mod postgres;
+mod postgres_tls;
 pub mod redis;
 pub mod shared;
 
@@ -27,19 +28,65 @@ pub struct ConnectError(pub String);
 /// down at start makes writes fail closed until it answers.
 pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, ConnectError> {
     let bad = ConnectError;
+    let tls = |e: crate::tls::TlsError| ConnectError(e.to_string());
     Ok(match &c.engine {
-        SharedEngine::Redis => Arc::new(shared::SharedStore::new(
-            redis::RedisBackend::new(&c.url, c.timeout).map_err(bad)?,
-            c.accept_reset,
-        )),
-        SharedEngine::Postgres => Arc::new(shared::SharedStore::new(
-            postgres::PostgresBackend::new(&c.url, c.timeout, 8).map_err(bad)?,
-            c.accept_reset,
-        )),
-        SharedEngine::Etcd(endpoints) => Arc::new(shared::SharedStore::new(
-            etcd::EtcdBackend::new(endpoints.clone(), c.timeout),
-            c.accept_reset,
-        )),
+        SharedEngine::Redis => {
+            let pem = c
+                .tls
+                .as_ref()
+                .map(crate::tls::store_pem)
+                .transpose()
+                .map_err(tls)?;
+            Arc::new(shared::SharedStore::new(
+                redis::RedisBackend::new(&c.url, c.password.as_ref(), pem, c.timeout)
+                    .map_err(bad)?,
+                c.accept_reset,
+            ))
+        }
+        SharedEngine::Postgres { conn, prefer } => {
+            let config = c
+                .tls
+                .as_ref()
+                .map(crate::tls::store_client_config)
+                .transpose()
+                .map_err(tls)?;
+            Arc::new(shared::SharedStore::new(
+                postgres::PostgresBackend::new(
+                    conn,
+                    postgres::Connect {
+                        password: c.password.clone(),
+                        tls: config,
+                        prefer: *prefer,
+                    },
+                    c.timeout,
+                    8,
+                )
+                .map_err(bad)?,
+                c.accept_reset,
+            ))
+        }
+        SharedEngine::Etcd { endpoints, user } => {
+            let config = c
+                .tls
+                .as_ref()
+                .map(crate::tls::store_client_config)
+                .transpose()
+                .map_err(tls)?;
+            let password = c
+                .password
+                .clone()
+                .or_else(|| crate::config::url_password(&c.url));
+            let auth = user.clone().map(|u| {
+                (
+                    u,
+                    password.unwrap_or_else(|| crate::config::Secret::new("")),
+                )
+            });
+            Arc::new(shared::SharedStore::new(
+                etcd::EtcdBackend::new(endpoints.clone(), config, auth, c.timeout),
+                c.accept_reset,
+            ))
+        }
     })
 }
 
@@ -70,6 +117,11 @@ pub enum StoreError {
     /// until an operator confirms.
     #[error("fence store may have lost data ({0}); writes are refused until an operator confirms (POST /v1/store/confirm-reset or --accept-store-reset)")]
     Amnesia(String),
+    /// The store refused fencegate: a wrong password or user, or a TLS
+    /// certificate that does not check out (either side). A setting to fix,
+    /// not an outage: a replica that meets it at start does not start.
+    #[error("fence store refused the connection: {0}")]
+    Refused(String),
     /// The store carries no fencegate marker: it is new (run `fencegate
     /// init-store` once) or it was wiped. Writes are refused until one or
     /// the other is settled by an operator.

@@ -10,12 +10,13 @@
 //! warns at connect when it is off).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tokio_postgres::{Client, NoTls};
 
+use super::postgres_tls::PgTls;
 use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
@@ -107,6 +108,7 @@ END $$;
 /// up admissions on other keys.
 pub struct PostgresBackend {
     url: String,
+    connect: Connect,
     timeout: Duration,
     slots: Vec<tokio::sync::Mutex<Option<Client>>>,
     next: AtomicUsize,
@@ -115,8 +117,43 @@ pub struct PostgresBackend {
     schema_ready: tokio::sync::Mutex<bool>,
 }
 
+/// How to connect, beside the URL.
+pub struct Connect {
+    /// Replaces the URL's password.
+    pub password: Option<crate::config::Secret>,
+    /// TLS (`sslmode` other than `disable`).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// `sslmode=prefer`: plain if the server does not offer TLS.
+    pub prefer: bool,
+}
+
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("postgres: {e}"))
+}
+
+/// A failed connect: refused (wrong password, no `pg_hba.conf` entry for
+/// this user over this transport, a certificate that does not check out, a
+/// server without TLS when it is required) or unavailable.
+fn connect_failed(e: tokio_postgres::Error) -> StoreError {
+    use tokio_postgres::error::SqlState;
+    let code = e.code();
+    let refused = code == Some(&SqlState::INVALID_PASSWORD)
+        || code == Some(&SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
+        || crate::tls::certificate_refused(&e)
+        || e.to_string().contains("server does not support TLS");
+    // The driver's message leaves out the cause (a TLS handshake error
+    // says nothing of the certificate): add the chain.
+    let mut why = e.to_string();
+    let mut next = std::error::Error::source(&e);
+    while let Some(inner) = next {
+        why = format!("{why}: {inner}");
+        next = inner.source();
+    }
+    if refused {
+        StoreError::Refused(format!("postgres: {why}"))
+    } else {
+        unavailable(why)
+    }
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
@@ -127,6 +164,13 @@ fn lease_outcome(status: &str, value: &str, lease: WriteLease) -> Result<LeaseOu
     lease_answer("postgres", status, value, lease)
 }
 
+/// Runs a connection's I/O until it ends.
+async fn drive<F: std::future::Future<Output = Result<(), tokio_postgres::Error>>>(conn: F) {
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "postgres connection ended");
+    }
+}
+
 fn marker_row(r: tokio_postgres::Row) -> Result<Marker, tokio_postgres::Error> {
     Ok(Marker {
         epoch: r.try_get(0)?,
@@ -135,11 +179,19 @@ fn marker_row(r: tokio_postgres::Row) -> Result<Marker, tokio_postgres::Error> {
 }
 
 impl PostgresBackend {
-    pub fn new(url: &str, timeout: Duration, pool_size: usize) -> Result<Self, String> {
+    /// `url`: what the driver takes (libpq's TLS parameters already
+    /// taken out into `connect`).
+    pub fn new(
+        url: &str,
+        connect: Connect,
+        timeout: Duration,
+        pool_size: usize,
+    ) -> Result<Self, String> {
         url.parse::<tokio_postgres::Config>()
             .map_err(|e| e.to_string())?;
         Ok(Self {
             url: url.to_string(),
+            connect,
             timeout,
             slots: (0..pool_size.max(1))
                 .map(|_| tokio::sync::Mutex::new(None))
@@ -159,23 +211,40 @@ impl PostgresBackend {
         }
         let mut config: tokio_postgres::Config = self.url.parse().map_err(unavailable)?;
         config.connect_timeout(self.timeout);
-        let connected = tokio::time::timeout(self.timeout, config.connect(NoTls)).await;
-        let (client, connection) = match connected {
+        if let Some(pw) = &self.connect.password {
+            config.password(pw.expose());
+        }
+        if self.connect.prefer {
+            config.ssl_mode(tokio_postgres::config::SslMode::Prefer);
+        }
+        let connected = tokio::time::timeout(self.timeout, async {
+            // The connection task drives the socket; its stream type
+            // depends on TLS, so each arm spawns its own.
+            match &self.connect.tls {
+                Some(tls) => {
+                    let (client, conn) = config.connect(PgTls(tls.clone())).await?;
+                    tokio::spawn(drive(conn));
+                    Ok(client)
+                }
+                None => {
+                    let (client, conn) = config.connect(NoTls).await?;
+                    tokio::spawn(drive(conn));
+                    Ok(client)
+                }
+            }
+        })
+        .await;
+        let client = match connected {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
                 *self.last_failure.lock().expect("lock") = Some(Instant::now());
-                return Err(unavailable(e));
+                return Err(connect_failed(e));
             }
             Err(_) => {
                 *self.last_failure.lock().expect("lock") = Some(Instant::now());
                 return Err(unavailable("connect timed out"));
             }
         };
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "postgres connection ended");
-            }
-        });
         *self.last_failure.lock().expect("lock") = None;
         self.ensure_schema(&client).await?;
         self.session.fetch_add(1, Ordering::AcqRel);

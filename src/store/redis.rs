@@ -23,7 +23,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, Script, Value};
+use redis::{
+    AsyncConnectionConfig, Client, ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates,
+    Value,
+};
 
 use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
@@ -145,6 +148,19 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("redis: {e}"))
 }
 
+/// A failed connect: refused (wrong password or user, a certificate that
+/// does not check out) or unavailable.
+fn connect_failed(e: redis::RedisError) -> StoreError {
+    let auth = matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
+        || e.code()
+            .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
+    if auth || crate::tls::certificate_refused(&e) {
+        StoreError::Refused(format!("redis: {e}"))
+    } else {
+        unavailable(e)
+    }
+}
+
 fn fence_key(key: &str) -> String {
     format!("fencegate:f:{{{key}}}")
 }
@@ -166,10 +182,36 @@ fn lease_outcome(reply: (String, String), lease: WriteLease) -> Result<LeaseOutc
 }
 
 impl RedisBackend {
-    /// `url`: `redis://host:port/db`. Connects lazily; `timeout` bounds
-    /// connects and every command.
-    pub fn new(url: &str, timeout: Duration) -> Result<Self, String> {
-        let client = Client::open(url).map_err(|e| e.to_string())?;
+    /// `url`: `redis://host:port/db` or `rediss://` (TLS, with `pem`'s CA
+    /// and client certificate if given); `password` replaces the URL's.
+    /// Connects lazily; `timeout` bounds connects and every command.
+    pub fn new(
+        url: &str,
+        password: Option<&crate::config::Secret>,
+        pem: Option<crate::tls::StorePem>,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        let mut info = url
+            .into_connection_info()
+            .map_err(|e| format!("not a Redis URL: {e}"))?;
+        if let Some(pw) = password {
+            let settings = info.redis_settings().clone().set_password(pw.expose());
+            info = info.set_redis_settings(settings);
+        }
+        let client = match pem {
+            Some(pem) => Client::build_with_tls(
+                info,
+                TlsCertificates {
+                    client_tls: pem.client.map(|(client_cert, client_key)| ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }),
+                    root_cert: pem.ca,
+                },
+            ),
+            None => Client::open(info),
+        }
+        .map_err(|e| e.to_string())?;
         let with_lib = |body: &str| format!("{LT}\n{body}");
         Ok(Self {
             client,
@@ -226,7 +268,7 @@ impl RedisBackend {
             }
             Err(e) => {
                 *self.last_failure.lock().expect("lock") = Some(Instant::now());
-                Err(unavailable(e))
+                Err(connect_failed(e))
             }
         }
     }
@@ -270,6 +312,12 @@ impl RedisBackend {
         {
             self.drop_connections().await;
             *self.last_failure.lock().expect("lock") = Some(Instant::now());
+        }
+        if e.code() == Some("NOPERM") {
+            // An ACL user without the commands fencegate runs.
+            return StoreError::Refused(format!(
+                "redis: {e} (docs/stores.md lists the ACL fencegate needs)"
+            ));
         }
         unavailable(e)
     }

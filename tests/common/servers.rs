@@ -1,6 +1,12 @@
 //! Real store servers for the shared-store suite: redis-server, PostgreSQL
 //! (initdb + postgres) and etcd, each in a temp dir on a free loopback port.
 //! A missing binary fails the test with what to install.
+//!
+//! [`StoreServer::start_secure`] runs them as production does: TLS only
+//! (certificates from a CA made for the test), client certificates
+//! required, and a password-protected user for fencegate (a Redis ACL user
+//! with the default user off, a PostgreSQL role behind `hostssl ...
+//! scram-sha-256 clientcert=verify-ca`, etcd with auth enabled).
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -21,6 +27,56 @@ pub struct StoreServer {
     pub dir: tempfile::TempDir,
     port: u16,
     child: Option<Child>,
+    pub secure: Option<Secure>,
+}
+
+/// The files of a TLS store with credentials.
+pub struct Secure {
+    /// The CA that signed the server's and the client's certificates.
+    pub ca: PathBuf,
+    pub server: super::tls::Leaf,
+    pub client: super::tls::Leaf,
+    /// fencegate's password, and a file holding it.
+    pub password: String,
+    pub password_file: PathBuf,
+    /// Another CA, which signed nothing here.
+    pub wrong_ca: PathBuf,
+    /// The password of etcd's root user and of Redis's default user (auth
+    /// setup and test helpers).
+    root_password: String,
+}
+
+/// The user fencegate connects as on secure stores.
+pub const STORE_USER: &str = "fencegate";
+
+impl Secure {
+    fn new(dir: &Path, kind: StoreKind) -> Secure {
+        let tls_dir = dir.join("tls");
+        std::fs::create_dir_all(&tls_dir).unwrap();
+        let ca = super::tls::TestCa::new(&tls_dir, "store-ca");
+        let wrong = super::tls::TestCa::new(&tls_dir, "other-ca");
+        let server = ca.peer("store-server");
+        let client = if kind == StoreKind::Etcd {
+            ca.client_without_name(STORE_USER)
+        } else {
+            ca.client(STORE_USER)
+        };
+        // PostgreSQL refuses a key that others can read.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&server.key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let password = format!("pw-{}", free_port());
+        let password_file = tls_dir.join("password");
+        std::fs::write(&password_file, format!("{password}\n")).unwrap();
+        Secure {
+            ca: ca.pem.clone(),
+            server,
+            client,
+            password,
+            password_file,
+            wrong_ca: wrong.pem.clone(),
+            root_password: format!("root-{}", free_port()),
+        }
+    }
 }
 
 pub fn free_port() -> u16 {
@@ -108,14 +164,33 @@ impl StoreServer {
         s
     }
 
+    /// A new server over TLS with credentials (see the module doc),
+    /// initialised with `fencegate init-store`.
+    pub fn start_secure(kind: StoreKind) -> StoreServer {
+        let s = Self::start_with(kind, true);
+        s.initialise();
+        s
+    }
+
     /// A new server that no fencegate has marked yet.
     pub fn start_uninitialised(kind: StoreKind) -> StoreServer {
+        Self::start_with(kind, false)
+    }
+
+    /// A new server, secure or not, that no fencegate has marked yet.
+    pub fn start_with(kind: StoreKind, secure: bool) -> StoreServer {
         let dir = tempfile::tempdir().unwrap();
+        assert!(
+            !secure || kind != StoreKind::Embedded,
+            "the embedded store has no TLS"
+        );
+        let secure = secure.then(|| Secure::new(dir.path(), kind));
         let mut s = StoreServer {
             kind,
             dir,
             port: free_port(),
             child: None,
+            secure,
         };
         if kind == StoreKind::Postgres {
             let data = s.dir.path().join("pg");
@@ -142,7 +217,139 @@ impl StoreServer {
             );
         }
         s.run();
+        if s.secure.is_some() {
+            s.create_user();
+        }
         s
+    }
+
+    /// The fencegate user, with its password, on a secure server.
+    fn create_user(&self) {
+        let sec = self.secure.as_ref().expect("secure");
+        match self.kind {
+            // On the command line (see `run`).
+            StoreKind::Redis | StoreKind::Embedded => {}
+            StoreKind::Postgres => {
+                let sql = format!(
+                    "CREATE ROLE {STORE_USER} LOGIN PASSWORD '{}'; CREATE DATABASE {STORE_USER} OWNER {STORE_USER};",
+                    sec.password
+                );
+                for stmt in sql.split_inclusive(';') {
+                    let out = as_postgres(&postgres_bin("psql"))
+                        .arg("-h")
+                        .arg(self.dir.path())
+                        .args([
+                            "-p",
+                            &self.port.to_string(),
+                            "-U",
+                            "postgres",
+                            "-d",
+                            "postgres",
+                        ])
+                        .args(["-v", "ON_ERROR_STOP=1", "-c", stmt.trim()])
+                        .output()
+                        .expect("run psql");
+                    assert!(
+                        out.status.success(),
+                        "psql {stmt}: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+            }
+            StoreKind::Etcd => {
+                let rw = format!(
+                    r#"{{"name":"fg","perm":{{"permType":"READWRITE","key":"{}","range_end":"{}"}}}}"#,
+                    b64("fencegate/"),
+                    b64("fencegate0")
+                );
+                for (path, body) in [
+                    (
+                        "user/add",
+                        format!(r#"{{"name":"root","password":"{}"}}"#, sec.root_password),
+                    ),
+                    ("user/grant", r#"{"user":"root","role":"root"}"#.to_string()),
+                    ("role/add", r#"{"name":"fg"}"#.to_string()),
+                    ("role/grant", rw),
+                    (
+                        "user/add",
+                        format!(r#"{{"name":"{STORE_USER}","password":"{}"}}"#, sec.password),
+                    ),
+                    (
+                        "user/grant",
+                        format!(r#"{{"user":"{STORE_USER}","role":"fg"}}"#),
+                    ),
+                    ("enable", "{}".to_string()),
+                ] {
+                    self.etcd_call(&format!("/v3/auth/{path}"), &body, None);
+                }
+            }
+        }
+    }
+
+    /// A call to the secure etcd over curl (https with the client
+    /// certificate); fails the test unless etcd answers 200.
+    pub fn etcd_call(&self, path: &str, body: &str, token: Option<&str>) -> String {
+        let sec = self.secure.as_ref().expect("secure");
+        let mut c = Command::new(require("curl", "curl"));
+        c.args(["-sS", "--fail-with-body", "--cacert"])
+            .arg(&sec.ca)
+            .arg("--cert")
+            .arg(&sec.client.cert)
+            .arg("--key")
+            .arg(&sec.client.key)
+            .args([
+                "-X",
+                "POST",
+                "-H",
+                "content-type: application/json",
+                "-d",
+                body,
+            ]);
+        if let Some(t) = token {
+            c.args(["-H", &format!("authorization: {t}")]);
+        }
+        let out = c
+            .arg(format!("https://127.0.0.1:{}{path}", self.port))
+            .output()
+            .expect("run curl");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "etcd {path}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    }
+
+    /// An auth token of etcd's root user.
+    fn etcd_root_token(&self) -> String {
+        let sec = self.secure.as_ref().expect("secure");
+        let v = self.etcd_call(
+            "/v3/auth/authenticate",
+            &format!(r#"{{"name":"root","password":"{}"}}"#, sec.root_password),
+            None,
+        );
+        let start = v.find(r#""token":""#).expect("a token") + 9;
+        v[start..start + v[start..].find('"').unwrap()].to_string()
+    }
+
+    /// The flags that give fencegate this server's CA, client certificate
+    /// and password (none for a plain server).
+    pub fn proxy_args(&self) -> Vec<String> {
+        let Some(sec) = &self.secure else {
+            return Vec::new();
+        };
+        let p = |p: &Path| p.display().to_string();
+        vec![
+            "--store-ca".into(),
+            p(&sec.ca),
+            "--store-client-cert".into(),
+            p(&sec.client.cert),
+            "--store-client-key".into(),
+            p(&sec.client.key),
+            "--store-password-file".into(),
+            p(&sec.password_file),
+        ]
     }
 
     /// `fencegate init-store`, as an operator runs it once on a new store
@@ -152,6 +359,7 @@ impl StoreServer {
         loop {
             let out = Command::new(super::bin())
                 .args(["init-store", "--store", &self.url()])
+                .args(self.proxy_args())
                 .output()
                 .expect("run fencegate init-store");
             if out.status.success() {
@@ -168,11 +376,42 @@ impl StoreServer {
 
     /// The `--store` value.
     pub fn url(&self) -> String {
-        match self.kind {
-            StoreKind::Embedded => self.dir.path().join("fences.redb").display().to_string(),
-            StoreKind::Redis => format!("redis://127.0.0.1:{}/0", self.port),
-            StoreKind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
-            StoreKind::Etcd => format!("etcd://127.0.0.1:{}", self.port),
+        let p = self.port;
+        match (self.kind, &self.secure) {
+            (StoreKind::Embedded, _) => self.dir.path().join("fences.redb").display().to_string(),
+            (StoreKind::Redis, None) => format!("redis://127.0.0.1:{p}/0"),
+            (StoreKind::Postgres, None) => format!("postgres://postgres@127.0.0.1:{p}/postgres"),
+            (StoreKind::Etcd, None) => format!("etcd://127.0.0.1:{p}"),
+            (StoreKind::Redis, Some(_)) => format!("rediss://{STORE_USER}@127.0.0.1:{p}/0"),
+            (StoreKind::Postgres, Some(_)) => {
+                format!("postgres://{STORE_USER}@127.0.0.1:{p}/{STORE_USER}?sslmode=verify-full")
+            }
+            (StoreKind::Etcd, Some(_)) => format!("etcds://{STORE_USER}@127.0.0.1:{p}"),
+        }
+    }
+
+    /// A Redis client for the test's own calls (TLS and the password on a
+    /// secure server).
+    pub fn redis_client(&self) -> redis::Client {
+        assert_eq!(self.kind, StoreKind::Redis);
+        match &self.secure {
+            None => redis::Client::open(self.url()).unwrap(),
+            Some(sec) => {
+                use redis::IntoConnectionInfo;
+                let info = self.url().into_connection_info().unwrap();
+                let settings = info.redis_settings().clone().set_password(&sec.password);
+                redis::Client::build_with_tls(
+                    info.set_redis_settings(settings),
+                    redis::TlsCertificates {
+                        client_tls: Some(redis::ClientTlsConfig {
+                            client_cert: std::fs::read(&sec.client.cert).unwrap(),
+                            client_key: std::fs::read(&sec.client.key).unwrap(),
+                        }),
+                        root_cert: Some(std::fs::read(&sec.ca).unwrap()),
+                    },
+                )
+                .unwrap()
+            }
         }
     }
 
@@ -180,47 +419,91 @@ impl StoreServer {
         let p = self.port;
         let dir = self.dir.path().to_path_buf();
         let log = |name: &str| std::fs::File::create(dir.join(name)).unwrap();
+        let sec = self.secure.as_ref();
+        let path = |p: &Path| p.display().to_string();
         let mut child = match self.kind {
             StoreKind::Embedded => return,
-            StoreKind::Redis => Command::new(require("redis-server", "redis-server"))
-                .args([
-                    "--port",
-                    &p.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "yes",
-                ])
-                .args(["--appendfsync", "always", "--protected-mode", "no", "--dir"])
-                .arg(&dir)
-                .stdout(log("redis.log"))
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server"),
-            StoreKind::Postgres => as_postgres(&postgres_bin("postgres"))
-                .arg("-D")
-                .arg(dir.join("pg"))
-                .args([
-                    "-p",
-                    &p.to_string(),
-                    "-c",
-                    "listen_addresses=127.0.0.1",
-                    "-k",
-                ])
-                .arg(&dir)
-                .stdout(Stdio::null())
-                .stderr(log("postgres.log"))
-                .spawn()
-                .expect("start postgres"),
+            StoreKind::Redis => {
+                let mut c = Command::new(require("redis-server", "redis-server"));
+                match sec {
+                    None => c.args(["--port", &p.to_string()]),
+                    Some(sec) => c
+                        .args(["--port", "0", "--tls-port", &p.to_string()])
+                        .args(["--tls-cert-file", &path(&sec.server.cert)])
+                        .args(["--tls-key-file", &path(&sec.server.key)])
+                        .args(["--tls-ca-cert-file", &path(&sec.ca)])
+                        .args(["--tls-auth-clients", "yes"])
+                        // Not `user default off`: Redis (7.0.15 seen) replays
+                        // its AOF as the default user and drops, at restart,
+                        // every script write that user may not run (the
+                        // fences; fencegate then refuses writes as amnesia).
+                        // A password of its own keeps it closed.
+                        .args(["--user", "default", "on"])
+                        .arg(format!(">{}", sec.root_password))
+                        .args(["~*", "+@all"])
+                        .args(["--user", STORE_USER, "on"])
+                        .arg(format!(">{}", sec.password))
+                        .args(["~fencegate:*", "+@all"]),
+                };
+                c.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"])
+                    .args(["--appendfsync", "always", "--protected-mode", "no", "--dir"])
+                    .arg(&dir)
+                    .stdout(log("redis.log"))
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-server")
+            }
+            StoreKind::Postgres => {
+                let mut c = as_postgres(&postgres_bin("postgres"));
+                c.arg("-D")
+                    .arg(dir.join("pg"))
+                    .args([
+                        "-p",
+                        &p.to_string(),
+                        "-c",
+                        "listen_addresses=127.0.0.1",
+                        "-k",
+                    ])
+                    .arg(&dir);
+                if let Some(sec) = sec {
+                    let hba = dir.join("tls").join("pg_hba.conf");
+                    std::fs::write(
+                        &hba,
+                        "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256 clientcert=verify-ca\n",
+                    )
+                    .unwrap();
+                    for setting in [
+                        "ssl=on".to_string(),
+                        format!("ssl_cert_file={}", path(&sec.server.cert)),
+                        format!("ssl_key_file={}", path(&sec.server.key)),
+                        format!("ssl_ca_file={}", path(&sec.ca)),
+                        format!("hba_file={}", path(&hba)),
+                    ] {
+                        c.args(["-c", &setting]);
+                    }
+                    if is_root() {
+                        let _ = Command::new("chown")
+                            .args(["-R", "postgres:postgres"])
+                            .arg(dir.join("tls"))
+                            .status();
+                    }
+                }
+                c.stdout(Stdio::null())
+                    .stderr(log("postgres.log"))
+                    .spawn()
+                    .expect("start postgres")
+            }
             StoreKind::Etcd => {
                 let peer = free_port();
-                Command::new(require("etcd", "etcd-server"))
-                    .args(["--name", "default", "--data-dir"])
+                let scheme = if sec.is_some() { "https" } else { "http" };
+                let mut c = Command::new(require("etcd", "etcd-server"));
+                c.args(["--name", "default", "--data-dir"])
                     .arg(dir.join("etcd"))
-                    .args(["--listen-client-urls", &format!("http://127.0.0.1:{p}")])
-                    .args(["--advertise-client-urls", &format!("http://127.0.0.1:{p}")])
+                    .args(["--listen-client-urls", &format!("{scheme}://127.0.0.1:{p}")])
+                    .args([
+                        "--advertise-client-urls",
+                        &format!("{scheme}://127.0.0.1:{p}"),
+                    ])
                     .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
                     .args([
                         "--initial-advertise-peer-urls",
@@ -229,8 +512,14 @@ impl StoreServer {
                     .args([
                         "--initial-cluster",
                         &format!("default=http://127.0.0.1:{peer}"),
-                    ])
-                    .stdout(Stdio::null())
+                    ]);
+                if let Some(sec) = sec {
+                    c.args(["--cert-file", &path(&sec.server.cert)])
+                        .args(["--key-file", &path(&sec.server.key)])
+                        .args(["--trusted-ca-file", &path(&sec.ca)])
+                        .arg("--client-cert-auth");
+                }
+                c.stdout(Stdio::null())
                     .stderr(log("etcd.log"))
                     .spawn()
                     .expect("start etcd")
@@ -240,7 +529,7 @@ impl StoreServer {
         if self.kind == StoreKind::Etcd {
             // Listening comes before serving: wait for a real answer.
             let deadline = Instant::now() + Duration::from_secs(30);
-            while !etcd_ready(p) {
+            while !self.etcd_ready() {
                 assert!(Instant::now() < deadline, "etcd never answered");
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -277,7 +566,7 @@ impl StoreServer {
     /// The number of write leases Redis holds, over every key.
     pub async fn redis_leases(&self) -> usize {
         assert_eq!(self.kind, StoreKind::Redis);
-        let client = redis::Client::open(self.url()).unwrap();
+        let client = self.redis_client();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
         let keys: Vec<String> = redis::cmd("KEYS")
             .arg("fencegate:l:*")
@@ -300,8 +589,14 @@ impl StoreServer {
         if let Some(mut c) = self.child.take() {
             // runuser forwards nothing on SIGKILL: kill the whole group of
             // processes listening on the port instead.
+            // (The data directories only: fencegate's own command line
+            // names files of this directory too, its certificates.)
             let _ = Command::new("pkill")
-                .args(["-9", "-f", &format!("{}", self.dir.path().display())])
+                .args([
+                    "-9",
+                    "-f",
+                    &format!("{}/(pg|etcd)", self.dir.path().display()),
+                ])
                 .status();
             let _ = c.kill();
             let _ = c.wait();
@@ -330,19 +625,25 @@ impl StoreServer {
         match self.kind {
             StoreKind::Embedded => panic!("the embedded store has no wipe"),
             StoreKind::Redis => {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                let mut c = self
+                    .redis_client()
+                    .get_multiplexed_async_connection()
                     .await
                     .unwrap();
-                s.write_all(b"*1\r\n$8\r\nFLUSHALL\r\n").await.unwrap();
-                let mut buf = [0u8; 5];
-                s.read_exact(&mut buf).await.unwrap();
-                assert_eq!(&buf, b"+OK\r\n");
+                let ok: String = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+                assert_eq!(ok, "OK");
             }
             StoreKind::Postgres => {
+                // Over the Unix socket, as the superuser (trusted there).
+                let db = if self.secure.is_some() {
+                    STORE_USER
+                } else {
+                    "postgres"
+                };
                 let (client, conn) = tokio_postgres::connect(
                     &format!(
-                        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+                        "host={} port={} user=postgres dbname={db}",
+                        self.dir.path().display(),
                         self.port
                     ),
                     tokio_postgres::NoTls,
@@ -354,6 +655,14 @@ impl StoreServer {
                     .batch_execute("TRUNCATE fencegate_fences, fencegate_leases, fencegate_marker")
                     .await
                     .unwrap();
+            }
+            StoreKind::Etcd if self.secure.is_some() => {
+                let token = self.etcd_root_token();
+                self.etcd_call(
+                    "/v3/kv/deleterange",
+                    r#"{"key":"AA==","range_end":"AA=="}"#,
+                    Some(&token),
+                );
             }
             StoreKind::Etcd => {
                 let body = r#"{"key":"AA==","range_end":"AA=="}"#;
@@ -368,6 +677,37 @@ impl StoreServer {
             }
         }
     }
+}
+
+impl StoreServer {
+    fn etcd_ready(&self) -> bool {
+        match &self.secure {
+            None => etcd_ready(self.port),
+            // With auth on, an answer without a token is a refusal: any
+            // answer from etcd itself shows it serves.
+            Some(sec) => Command::new(require("curl", "curl"))
+                .args(["-sS", "--cacert"])
+                .arg(&sec.ca)
+                .arg("--cert")
+                .arg(&sec.client.cert)
+                .arg("--key")
+                .arg(&sec.client.key)
+                .args(["-X", "POST", "-d", r#"{"key":"AA=="}"#])
+                .arg(format!("https://127.0.0.1:{}/v3/kv/range", self.port))
+                .stderr(Stdio::null())
+                .output()
+                .map(|o| {
+                    let body = String::from_utf8_lossy(&o.stdout);
+                    body.contains("\"header\"") || body.contains("user name is empty")
+                })
+                .unwrap_or(false),
+        }
+    }
+}
+
+fn b64(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(s)
 }
 
 fn etcd_ready(port: u16) -> bool {

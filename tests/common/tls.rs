@@ -76,28 +76,61 @@ impl TestCa {
         self.leaf(
             file,
             &["localhost", "127.0.0.1"],
-            ExtendedKeyUsagePurpose::ServerAuth,
+            &[ExtendedKeyUsagePurpose::ServerAuth],
         )
     }
 
     /// A server certificate for exactly `names` (DNS names, or IP
     /// addresses as IP SANs).
     pub fn server_for(&self, file: &str, names: &[&str]) -> Leaf {
-        self.leaf(file, names, ExtendedKeyUsagePurpose::ServerAuth)
+        self.leaf(file, names, &[ExtendedKeyUsagePurpose::ServerAuth])
     }
 
     /// A client certificate.
     pub fn client(&self, file: &str) -> Leaf {
-        self.leaf(file, &[], ExtendedKeyUsagePurpose::ClientAuth)
+        self.leaf(file, &[], &[ExtendedKeyUsagePurpose::ClientAuth])
     }
 
-    fn leaf(&self, file: &str, names: &[&str], usage: ExtendedKeyUsagePurpose) -> Leaf {
+    /// A client certificate without a subject: etcd's HTTP gateway refuses
+    /// a client certificate with a CommonName once auth is on.
+    pub fn client_without_name(&self, file: &str) -> Leaf {
+        self.leaf_named(file, &[], &[ExtendedKeyUsagePurpose::ClientAuth], false)
+    }
+
+    /// A certificate for `localhost` and 127.0.0.1 that is good for both
+    /// ends (etcd's gateway dials its own gRPC port with its server
+    /// certificate as the client's).
+    pub fn peer(&self, file: &str) -> Leaf {
+        self.leaf(
+            file,
+            &["localhost", "127.0.0.1"],
+            &[
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+        )
+    }
+
+    fn leaf(&self, file: &str, names: &[&str], usage: &[ExtendedKeyUsagePurpose]) -> Leaf {
+        self.leaf_named(file, names, usage, true)
+    }
+
+    fn leaf_named(
+        &self,
+        file: &str,
+        names: &[&str],
+        usage: &[ExtendedKeyUsagePurpose],
+        common_name: bool,
+    ) -> Leaf {
         let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
         let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("{file} ({})", self.name));
-        params.extended_key_usages = vec![usage];
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        if common_name {
+            params
+                .distinguished_name
+                .push(DnType::CommonName, format!("{file} ({})", self.name));
+        }
+        params.extended_key_usages = usage.to_vec();
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         let leaf = Leaf {

@@ -1,0 +1,610 @@
+//! The `store` setting and what goes with it: which engine, how to reach it
+//! (TLS, certificates, credentials), validated into a [`StoreConfig`].
+//!
+//! Shared stores run in production behind TLS with credentials, so each
+//! engine takes them the way its own users write them:
+//! - Redis: `rediss://[user[:password]@]host:port/db` (TLS, ACL user);
+//! - PostgreSQL: libpq's `sslmode` (`disable`, `prefer`, `require`,
+//!   `verify-ca`, `verify-full`) and `sslrootcert` / `sslcert` / `sslkey` in
+//!   the URL's query, SCRAM or MD5 passwords;
+//! - etcd: `etcds://[user@]host:port,...` (https endpoints) with etcd's
+//!   user/password auth and client certificates.
+//!
+//! The CA and client certificate can also be given as `store_ca`,
+//! `store_client_cert`, `store_client_key`; the password as
+//! `store_password_file` or `FENCEGATE_STORE_PASSWORD` rather than in the
+//! URL (which shows in `ps` and shell history). Passwords never reach a log:
+//! [`Secret`] prints as `****` and [`SharedStoreConfig::redacted_url`] is the
+//! only form of the URL that is printed.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{duration, invalid, ConfigError, RawConfig};
+
+/// Where fences are kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// The local redb file (one fencegate process).
+    Embedded { path: PathBuf, cache_bytes: usize },
+    /// A shared server several replicas use.
+    Shared(SharedStoreConfig),
+}
+
+/// A shared store and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedStoreConfig {
+    pub engine: SharedEngine,
+    /// The URL as given; may hold a password, so print
+    /// [`redacted_url`](Self::redacted_url) instead.
+    pub url: String,
+    /// Bounds every store call and connect.
+    pub timeout: Duration,
+    /// Confirm a store reset (lost data) at start.
+    pub accept_reset: bool,
+    /// `None`: plain TCP.
+    pub tls: Option<StoreTls>,
+    /// From `store_password_file` or the environment; replaces a password
+    /// in the URL.
+    pub password: Option<Secret>,
+    /// Where the password was read from, to print back.
+    pub password_file: Option<PathBuf>,
+}
+
+impl SharedStoreConfig {
+    /// The URL with any password replaced by `****`: the one form that may
+    /// be logged or printed.
+    pub fn redacted_url(&self) -> String {
+        redact_url(&self.url)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedEngine {
+    Redis,
+    Postgres {
+        /// The URL handed to the PostgreSQL driver: fencegate's own TLS
+        /// parameters (`sslrootcert`, `sslcert`, `sslkey`, the `verify-*`
+        /// modes) taken out, since the driver refuses them and fencegate
+        /// does the TLS itself.
+        conn: String,
+        /// `sslmode=prefer`: TLS if the server offers it, else plain.
+        prefer: bool,
+    },
+    Etcd {
+        /// Client URLs (`http://host:port` or `https://host:port`), one per
+        /// endpoint.
+        endpoints: Vec<String>,
+        /// etcd auth user (`etcd://user@...`); its password comes from
+        /// the URL, `store_password_file` or the environment.
+        user: Option<String>,
+    },
+}
+
+/// TLS towards a shared store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreTls {
+    pub verify: TlsVerify,
+    /// PEM CA certificates; `None`: the system's roots.
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) and key, for stores that ask for one.
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+}
+
+/// How much of the store's certificate is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsVerify {
+    /// Chain to a trusted CA and the host name (`rediss://`, `etcds://`,
+    /// PostgreSQL `verify-full`).
+    Full,
+    /// Chain to a trusted CA, any host name (PostgreSQL `verify-ca`).
+    Chain,
+    /// Encrypted, not authenticated (PostgreSQL `require` or `prefer`
+    /// without a CA, as libpq does). Documented as open to a
+    /// man-in-the-middle.
+    None,
+}
+
+/// A password: compared and cloned like a string, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("****")
+    }
+}
+
+/// `scheme://user:password@host...` with the password (and a `password=`
+/// query parameter) replaced by `****`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let authority = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{user}:****@{host}"),
+            None => authority.to_string(),
+        },
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|p| match p.split_once('=') {
+                    Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=****"),
+                    _ => p.to_string(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_string(),
+    };
+    format!("{scheme}://{authority}{tail}")
+}
+
+/// The store the config names, validated on its own (`fencegate init-store`
+/// needs nothing else).
+pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
+    let text = raw
+        .store
+        .as_deref()
+        .ok_or_else(|| invalid("store", "is required (a file path such as ./fences.redb)"))?;
+    let path = match text.split_once("://") {
+        Some(("redb", p)) => p,
+        Some((scheme, rest)) => return shared(raw, text, scheme, rest).map(StoreConfig::Shared),
+        None => text,
+    };
+    for field in [
+        ("store_ca", &raw.store_ca),
+        ("store_client_cert", &raw.store_client_cert),
+        ("store_client_key", &raw.store_client_key),
+        ("store_password_file", &raw.store_password_file),
+    ] {
+        if field.1.is_some() {
+            return Err(invalid(
+                field.0,
+                "is for shared stores; the embedded store is a local file",
+            ));
+        }
+    }
+    if path.is_empty() {
+        return Err(invalid("store", "the path is empty"));
+    }
+    let path = PathBuf::from(path);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.is_dir() {
+        return Err(invalid(
+            "store",
+            format!("directory {} does not exist", dir.display()),
+        ));
+    }
+    if path.is_dir() {
+        return Err(invalid(
+            "store",
+            format!("{} is a directory", path.display()),
+        ));
+    }
+    let mib = raw.store_cache_mib.unwrap_or(64);
+    if mib == 0 || mib > 1 << 20 {
+        return Err(invalid("store_cache_mib", "must be between 1 and 1048576"));
+    }
+    Ok(StoreConfig::Embedded {
+        path,
+        cache_bytes: (mib as usize) << 20,
+    })
+}
+
+/// What the URL itself says about TLS: whether it asks for it, how to
+/// verify, and certificate paths given in it (PostgreSQL's query).
+struct UrlTls {
+    on: bool,
+    verify: TlsVerify,
+    ca: Option<PathBuf>,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+}
+
+impl UrlTls {
+    fn off() -> Self {
+        Self::on(false)
+    }
+
+    fn on(on: bool) -> Self {
+        Self {
+            on,
+            verify: TlsVerify::Full,
+            ca: None,
+            client_cert: None,
+            client_key: None,
+        }
+    }
+}
+
+fn shared(
+    raw: &RawConfig,
+    text: &str,
+    scheme: &str,
+    rest: &str,
+) -> Result<SharedStoreConfig, ConfigError> {
+    let (engine, url_tls) = match scheme {
+        "redis" | "rediss" => {
+            if rest.contains("#insecure") {
+                return Err(invalid(
+                    "store",
+                    "`#insecure` (no certificate check) is not supported; give the server's CA as store_ca",
+                ));
+            }
+            (SharedEngine::Redis, UrlTls::on(scheme == "rediss"))
+        }
+        "postgres" | "postgresql" => postgres(text)?,
+        "etcd" | "etcds" => (etcd(scheme, rest)?, UrlTls::on(scheme == "etcds")),
+        _ => {
+            return Err(invalid(
+                "store",
+                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, rediss://, postgres://, etcd:// or etcds://"),
+            ))
+        }
+    };
+    let given = |field: &'static str, url: Option<PathBuf>, raw: &Option<PathBuf>| match (url, raw)
+    {
+        (Some(_), Some(_)) => Err(invalid(
+            field,
+            "is given both here and in the store URL; give it once",
+        )),
+        (u, r) => Ok(u.or_else(|| r.clone())),
+    };
+    let ca = given("store_ca", url_tls.ca, &raw.store_ca)?;
+    let client_cert = given(
+        "store_client_cert",
+        url_tls.client_cert,
+        &raw.store_client_cert,
+    )?;
+    let client_key = given(
+        "store_client_key",
+        url_tls.client_key,
+        &raw.store_client_key,
+    )?;
+    for (field, path) in [
+        ("store_ca", &ca),
+        ("store_client_cert", &client_cert),
+        ("store_client_key", &client_key),
+    ] {
+        if let Some(p) = path {
+            readable(field, p)?;
+            if !url_tls.on {
+                return Err(invalid(
+                    field,
+                    "is set but the store URL does not use TLS (use rediss://, etcds:// or PostgreSQL's sslmode=verify-full)",
+                ));
+            }
+        }
+    }
+    if client_cert.is_some() != client_key.is_some() {
+        let missing = if client_cert.is_some() {
+            "store_client_key"
+        } else {
+            "store_client_cert"
+        };
+        return Err(invalid(
+            missing,
+            "is required: a client certificate goes with its key",
+        ));
+    }
+    let tls = url_tls.on.then_some(StoreTls {
+        // libpq: `require` with a CA file verifies the chain.
+        verify: match (url_tls.verify, &ca) {
+            (TlsVerify::None, Some(_)) => TlsVerify::Chain,
+            (v, _) => v,
+        },
+        ca,
+        client_cert,
+        client_key,
+    });
+    let password = match (&raw.store_password_file, &raw.store_password) {
+        (Some(f), _) => Some(password_file(f)?),
+        (None, p) => p.clone(),
+    };
+    if let SharedEngine::Etcd { user: None, .. } = &engine {
+        if password.is_some() {
+            return Err(invalid(
+                "store",
+                "a store password is set but the etcd URL names no user (etcds://USER@host:port)",
+            ));
+        }
+    }
+    Ok(SharedStoreConfig {
+        engine,
+        url: text.to_string(),
+        timeout: duration("store_timeout", &raw.store_timeout, Duration::from_secs(2))?,
+        accept_reset: raw.accept_store_reset.unwrap_or(false),
+        tls,
+        password,
+        password_file: raw.store_password_file.clone(),
+    })
+}
+
+fn readable(field: &str, p: &Path) -> Result<(), ConfigError> {
+    std::fs::File::open(p)
+        .map(drop)
+        .map_err(|e| invalid(field, format!("cannot read {}: {e}", p.display())))
+}
+
+/// The first line of the file, which must not be empty.
+fn password_file(p: &Path) -> Result<Secret, ConfigError> {
+    let text = std::fs::read_to_string(p).map_err(|e| {
+        invalid(
+            "store_password_file",
+            format!("cannot read {}: {e}", p.display()),
+        )
+    })?;
+    let line = text.lines().next().unwrap_or("");
+    if line.is_empty() {
+        return Err(invalid(
+            "store_password_file",
+            format!("{} is empty (its first line is the password)", p.display()),
+        ));
+    }
+    Ok(Secret::new(line))
+}
+
+/// `postgres://...?sslmode=...&sslrootcert=...`: libpq's TLS parameters
+/// taken out (the driver knows only `disable`, `prefer` and `require`,
+/// and no certificate files), the rest left for the driver.
+fn postgres(text: &str) -> Result<(SharedEngine, UrlTls), ConfigError> {
+    let (base, query) = text.split_once('?').unwrap_or((text, ""));
+    let mut kept = Vec::new();
+    let mut mode = "disable".to_string();
+    let mut tls = UrlTls::off();
+    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+        match &*k {
+            "sslmode" => mode = v.into_owned(),
+            "sslrootcert" => tls.ca = Some(PathBuf::from(&*v)),
+            "sslcert" => tls.client_cert = Some(PathBuf::from(&*v)),
+            "sslkey" => tls.client_key = Some(PathBuf::from(&*v)),
+            _ => kept.push((k.into_owned(), v.into_owned())),
+        }
+    }
+    let (driver_mode, verify, prefer) = match mode.as_str() {
+        "disable" => ("disable", None, false),
+        "prefer" => ("prefer", Some(TlsVerify::None), true),
+        "require" => ("require", Some(TlsVerify::None), false),
+        "verify-ca" => ("require", Some(TlsVerify::Chain), false),
+        "verify-full" => ("require", Some(TlsVerify::Full), false),
+        other => return Err(invalid(
+            "store",
+            format!(
+                "sslmode={other} is not one of disable, prefer, require, verify-ca, verify-full"
+            ),
+        )),
+    };
+    if let Some(v) = verify {
+        tls.on = true;
+        tls.verify = v;
+    }
+    kept.push(("sslmode".into(), driver_mode.into()));
+    let query = form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(kept)
+        .finish();
+    let conn = format!("{base}?{query}");
+    conn.parse::<tokio_postgres::Config>()
+        .map_err(|e| invalid("store", format!("not a PostgreSQL URL: {e}")))?;
+    Ok((SharedEngine::Postgres { conn, prefer }, tls))
+}
+
+/// `etcd://[user[:password]@]host:port,host:port` (`etcds://` for https).
+fn etcd(scheme: &str, rest: &str) -> Result<SharedEngine, ConfigError> {
+    let (user, hosts) = match rest.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            if user.is_empty() {
+                return Err(invalid("store", "the etcd user name is empty"));
+            }
+            (Some(user.to_string()), hosts)
+        }
+        None => (None, rest),
+    };
+    let http = if scheme == "etcds" { "https" } else { "http" };
+    let mut endpoints = Vec::new();
+    for ep in hosts.trim_end_matches('/').split(',') {
+        let ep = ep.trim();
+        if ep.is_empty() || ep.contains('/') || !ep.contains(':') {
+            return Err(invalid(
+                "store",
+                format!("etcd endpoint `{ep}` is not host:port"),
+            ));
+        }
+        endpoints.push(format!("{http}://{ep}"));
+    }
+    Ok(SharedEngine::Etcd { endpoints, user })
+}
+
+/// The password in a URL's userinfo (percent-decoded), if any.
+pub fn url_password(url: &str) -> Option<Secret> {
+    let rest = url.split_once("://")?.1;
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let userinfo = rest[..end].rsplit_once('@')?.0;
+    let pw = userinfo.split_once(':')?.1;
+    let decoded: String = form_urlencoded::parse(format!("p={pw}").as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default();
+    Some(Secret::new(decoded))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(url: &str) -> RawConfig {
+        RawConfig {
+            store: Some(url.into()),
+            ..RawConfig::default()
+        }
+    }
+
+    fn shared_of(r: &RawConfig) -> SharedStoreConfig {
+        match store(r).unwrap() {
+            StoreConfig::Shared(s) => s,
+            other => panic!("not shared: {other:?}"),
+        }
+    }
+
+    fn field_of(r: &RawConfig) -> String {
+        match store(r) {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("rediss://fg:s3cret@redis:6380/0"),
+            "rediss://fg:****@redis:6380/0"
+        );
+        assert_eq!(
+            redact_url("postgres://fg:p%40ss@db/x?sslmode=verify-full&password=x"),
+            "postgres://fg:****@db/x?sslmode=verify-full&password=****"
+        );
+        assert_eq!(
+            redact_url("etcds://fg:pw@a:2379,b:2379"),
+            "etcds://fg:****@a:2379,b:2379"
+        );
+        assert_eq!(redact_url("redis://127.0.0.1/0"), "redis://127.0.0.1/0");
+        assert_eq!(redact_url("redis://user@h/0"), "redis://user@h/0");
+        assert_eq!(format!("{:?}", Secret::new("x")), "****");
+        assert_eq!(
+            url_password("postgres://fg:p%40ss@db/x").unwrap().expose(),
+            "p@ss"
+        );
+        assert!(url_password("redis://h:6379").is_none());
+    }
+
+    #[test]
+    fn tls_from_the_url() {
+        let s = shared_of(&raw("rediss://fg@redis:6380/0"));
+        assert_eq!(s.tls.unwrap().verify, TlsVerify::Full);
+        assert!(shared_of(&raw("redis://redis:6379/0")).tls.is_none());
+        let s = shared_of(&raw("etcds://fg@a:2379,b:2379"));
+        assert_eq!(
+            s.engine,
+            SharedEngine::Etcd {
+                endpoints: vec!["https://a:2379".into(), "https://b:2379".into()],
+                user: Some("fg".into())
+            }
+        );
+        assert!(s.tls.is_some());
+        let pg = |q: &str| shared_of(&raw(&format!("postgres://fg@db:5432/x{q}")));
+        assert!(pg("").tls.is_none());
+        assert_eq!(pg("?sslmode=require").tls.unwrap().verify, TlsVerify::None);
+        assert_eq!(
+            pg("?sslmode=verify-ca").tls.unwrap().verify,
+            TlsVerify::Chain
+        );
+        let full = pg("?sslmode=verify-full&sslrootcert=/etc/hostname&application_name=fg");
+        let tls = full.tls.unwrap();
+        assert_eq!(tls.verify, TlsVerify::Full);
+        assert_eq!(tls.ca, Some(PathBuf::from("/etc/hostname")));
+        match full.engine {
+            SharedEngine::Postgres { conn, prefer } => {
+                assert_eq!(
+                    conn,
+                    "postgres://fg@db:5432/x?application_name=fg&sslmode=require"
+                );
+                assert!(!prefer);
+            }
+            other => panic!("{other:?}"),
+        }
+        // libpq: `require` with a CA checks the chain.
+        assert_eq!(
+            pg("?sslmode=require&sslrootcert=/etc/hostname")
+                .tls
+                .unwrap()
+                .verify,
+            TlsVerify::Chain
+        );
+    }
+
+    #[test]
+    fn bad_store_settings_name_their_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pw");
+        std::fs::write(&file, "\n").unwrap();
+        let with = |url: &str, f: fn(&mut RawConfig)| {
+            let mut r = raw(url);
+            f(&mut r);
+            r
+        };
+        let cases: Vec<(RawConfig, &str)> = vec![
+            (raw("postgres://db/x?sslmode=verify"), "store"),
+            (raw("postgres://db/x?bogus=1"), "store"),
+            (raw("rediss://h:6380/#insecure"), "store"),
+            (raw("etcd://@a:1"), "store"),
+            (raw("etcds://a:1,b"), "store"),
+            (
+                with("redis://h:6379", |r| {
+                    r.store_ca = Some("/etc/hostname".into())
+                }),
+                "store_ca",
+            ),
+            (
+                with("rediss://h:6379", |r| {
+                    r.store_ca = Some("/no/such/ca.pem".into())
+                }),
+                "store_ca",
+            ),
+            (
+                with("rediss://h:6379", |r| {
+                    r.store_client_cert = Some("/etc/hostname".into())
+                }),
+                "store_client_key",
+            ),
+            (
+                with(
+                    "postgres://db/x?sslmode=verify-full&sslrootcert=/etc/hostname",
+                    |r| r.store_ca = Some("/etc/hostname".into()),
+                ),
+                "store_ca",
+            ),
+            (
+                with("etcds://a:2379", |r| {
+                    r.store_password = Some(Secret::new("x"))
+                }),
+                "store",
+            ),
+            (
+                with("./f.redb", |r| r.store_ca = Some("/etc/hostname".into())),
+                "store_ca",
+            ),
+        ];
+        for (r, field) in cases {
+            assert_eq!(field_of(&r), field, "{:?}", r.store);
+        }
+        let mut r = raw("rediss://fg@h:6380/0");
+        r.store_password_file = Some(file.clone());
+        assert_eq!(field_of(&r), "store_password_file");
+        std::fs::write(&file, "s3cret\nignored\n").unwrap();
+        r.store_password = Some(Secret::new("from-env"));
+        assert_eq!(shared_of(&r).password.unwrap().expose(), "s3cret");
+        r.store_password_file = Some(dir.path().join("missing"));
+        assert_eq!(field_of(&r), "store_password_file");
+    }
+}

@@ -21,7 +21,7 @@
 # The report goes to $OUT (default target/compare): results.md, the tables
 # docs/benchmarks.md shows, and chart.svg (req/s and CPU per request).
 #
-# Usage: scripts/compare.sh [ROUNDS] [SECONDS]
+# Usage: [ONLY="row row..."] scripts/compare.sh [ROUNDS] [SECONDS]
 # With BASELINE_BIN=path/to/an/older/fencegate, two more rows (steady-base,
 # newkey-base) run that binary in the same rounds: what a change costs on
 # the request path, measured in one run.
@@ -141,6 +141,9 @@ cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
 SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
+# ONLY="steady steady-redis ...": just these rows (a quick look; the docs
+# quote full runs).
+[ -n "${ONLY:-}" ] && read -r -a SYSTEMS <<< "$ONLY"
 [ -n "${BASELINE_BIN:-}" ] && SYSTEMS+=(steady-base newkey-base)
 ROWS=$WORK/rows.tsv
 : > "$ROWS"

@@ -31,6 +31,8 @@
 //! restart. Every other key, and stale or equal tokens on a held key,
 //! behave as in normal running.
 
+mod active;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,6 +42,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::store::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
+
+pub use active::CHECK_EVERY;
+use active::{Active, Local, Release};
 
 /// Why a write was not admitted.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -109,6 +114,9 @@ pub const ROTATE_EVERY: Duration = Duration::from_secs(1);
 /// own tasks are next scheduled, and bytes handed over just before it may
 /// still be on their way.
 pub const CUT_GRACE: Duration = Duration::from_millis(250);
+
+/// The pause between attempts at a lease release the store did not answer.
+const RELEASE_RETRY: Duration = Duration::from_millis(200);
 
 /// What the writes older than a token still in flight mean for it.
 enum Older {
@@ -232,10 +240,23 @@ impl HighestCache {
     }
 }
 
+/// A registration whose last write ended, and when to release it if it is
+/// still idle then.
+type IdleRegistration = (Arc<str>, Arc<Active>, Instant);
+
 /// The fence: admission decisions over one [`FenceStore`].
 pub struct Fence {
     store: Arc<dyn FenceStore>,
     gates: DashMap<Arc<str>, Arc<KeyGate>>,
+    /// Shared stores: this replica's registration per key in use (see
+    /// [`active`]).
+    actives: DashMap<Arc<str>, Arc<Active>>,
+    /// Registrations whose last write ended, with when to release them
+    /// if still idle (see [`Fence::keep_marks`]).
+    idle: Mutex<Vec<IdleRegistration>>,
+    /// The background task releases idle registrations (else they are
+    /// released as their last write ends).
+    sweeping: std::sync::atomic::AtomicBool,
     /// Shared-store lease releases under way (they run on the runtime of
     /// the request that ended, a worker's): the stop waits for them
     /// briefly, so that a clean stop does not leave leases behind to
@@ -293,6 +314,9 @@ pub struct Permit {
     key: Arc<str>,
     token: u64,
     lease: Option<WriteLease>,
+    /// Shared stores: the key's registration this write was admitted on
+    /// (which holds the lease instead of `lease`).
+    active: Option<Arc<Active>>,
     /// By then the write must have ended (its exchange and its body): newer
     /// writes to the key wait for it no longer than this (plus
     /// [`CUT_GRACE`]).
@@ -358,6 +382,9 @@ impl Fence {
         Arc::new(Self {
             store,
             gates: DashMap::new(),
+            actives: DashMap::new(),
+            idle: Mutex::new(Vec::new()),
+            sweeping: std::sync::atomic::AtomicBool::new(false),
             releases: tokio_util::task::TaskTracker::new(),
             hold_all,
             held,
@@ -538,7 +565,7 @@ impl Fence {
     /// owns it.
     pub async fn keep_marks(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         if !self.store.exclusive() {
-            return;
+            return self.sweep_registrations(stop).await;
         }
         let mut tick = tokio::time::interval(ROTATE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -550,6 +577,44 @@ impl Fence {
                         tracing::warn!(error = %e, "could not rotate the in-flight marks; writes mark their keys anew");
                     }
                 }
+            }
+        }
+    }
+
+    /// Shared stores: releases the registrations whose last write ended
+    /// and that stayed idle for the rest of their check period, a batch
+    /// every half period, until `stop`; then the rest at once.
+    async fn sweep_registrations(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        use std::sync::atomic::Ordering;
+        self.sweeping.store(true, Ordering::Release);
+        let mut tick = tokio::time::interval(CHECK_EVERY / 2);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let stopping = tokio::select! {
+                _ = stop.cancelled() => true,
+                _ = tick.tick() => false,
+            };
+            if stopping {
+                self.sweeping.store(false, Ordering::Release);
+                // A write that saw the flag set just before may still be
+                // queueing its registration: let it.
+                tokio::task::yield_now().await;
+            }
+            let now = Instant::now();
+            let due: Vec<_> = {
+                let mut idle = self.idle.lock().expect("idle lock");
+                let (due, later) = std::mem::take(&mut *idle)
+                    .into_iter()
+                    .partition(|(_, _, at)| stopping || *at <= now);
+                *idle = later;
+                due
+            };
+            for (key, a, _) in due {
+                let what = a.idle();
+                self.release_active(&key, &a, what);
+            }
+            if stopping {
+                return;
             }
         }
     }
@@ -782,6 +847,7 @@ impl Fence {
                         key: key.clone(),
                         token,
                         lease: None,
+                        active: None,
                         deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out,
@@ -801,7 +867,10 @@ impl Fence {
     /// Admission on a shared store: the store raises, registers a lease and
     /// checks for older leases atomically (see
     /// [`FenceStore::acquire_lease`]); this polls until older writes, on any
-    /// replica, are released or their leases expired.
+    /// replica, are released or their leases expired. A write of the token
+    /// this replica already has registered on the key goes on that
+    /// registration instead, without a store call while its confirmation is
+    /// fresh (see [`active`]).
     async fn admit_shared(
         self: &Arc<Self>,
         key: Arc<str>,
@@ -809,6 +878,60 @@ impl Fence {
         wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
+        let ends = move |now: Instant| now + upstream_timeout + CUT_GRACE;
+        let existing = self.actives.get(&key).map(|e| e.value().clone());
+        if let Some(a) = existing {
+            if token > a.token {
+                // Newer here: the older token stops being admitted on its
+                // registration now (the newer write waits for it below).
+                a.close();
+            }
+            let now = Instant::now();
+            match a.try_admit(token, now, ends(now)) {
+                Local::Admitted => {
+                    return Ok(self.active_permit(key, token, a, now + upstream_timeout))
+                }
+                Local::AdmittedRefresh => {
+                    let (fence, k, reg) = (self.clone(), key.clone(), a.clone());
+                    self.releases.spawn(async move {
+                        let sent = Instant::now();
+                        let polled = fence.store.poll_lease(&k, &reg.lease).await;
+                        let granted =
+                            matches!(polled, Ok(LeaseOutcome::Granted(_))).then_some(sent);
+                        let release = reg.refreshed(granted, fence.lease_ttl);
+                        fence.release_active(&k, &reg, release);
+                    });
+                    return Ok(self.active_permit(key, token, a, now + upstream_timeout));
+                }
+                Local::Check => {
+                    let mut check = Check {
+                        fence: self,
+                        key: key.clone(),
+                        active: Some(a.clone()),
+                    };
+                    let sent = Instant::now();
+                    let polled = self.store.poll_lease(&key, &a.lease).await;
+                    let granted = matches!(polled, Ok(LeaseOutcome::Granted(_))).then_some(sent);
+                    check.active = None;
+                    let now = Instant::now();
+                    let (admitted, release) = a.checked(granted, self.lease_ttl, ends(now));
+                    self.release_active(&key, &a, release);
+                    if admitted {
+                        return Ok(self.active_permit(key, token, a, now + upstream_timeout));
+                    }
+                    match polled {
+                        Ok(LeaseOutcome::Stale { highest }) => {
+                            return Err(FenceError::Stale { token, highest })
+                        }
+                        Err(e) => return Err(e.into()),
+                        // Granted too late for this write, or an older
+                        // lease appeared: this write takes the store path.
+                        Ok(_) => {}
+                    }
+                }
+                Local::No => {}
+            }
+        }
         // The lease's identity exists, and its release is armed, before the
         // acquire is sent: whatever ends this admission (a stale answer, an
         // error, a store timeout after the store applied it, the client
@@ -825,6 +948,7 @@ impl Fence {
             lease: Some(lease.clone()),
             again_after: self.lease_margin,
         };
+        let mut sent = Instant::now();
         let mut outcome = match self.store.acquire_lease(&key, &lease, self.lease_ttl).await {
             Ok(o) => o,
             // Refused before anything was sent: nothing to release. (Not
@@ -849,12 +973,29 @@ impl Fence {
                 }
                 LeaseOutcome::Granted(lease) => {
                     pending.disarm();
+                    // The key's registration here, if it has none (or a
+                    // closed one): later writes of the token go on it.
+                    let mut own = Some(lease);
+                    let active = match self.actives.entry(key.clone()) {
+                        dashmap::Entry::Occupied(o) if !o.get().is_closed() => None,
+                        entry => {
+                            let a = Active::new(
+                                token,
+                                own.take().expect("set above"),
+                                sent,
+                                self.lease_ttl,
+                            );
+                            entry.insert(a.clone());
+                            Some(a)
+                        }
+                    };
                     return Ok(Permit {
                         fence: self.clone(),
                         gate: None,
                         key,
                         token,
-                        lease: Some(lease),
+                        lease: own,
+                        active,
                         deadline: Instant::now() + upstream_timeout,
                         repolled: Default::default(),
                         waited_out: false,
@@ -874,10 +1015,84 @@ impl Fence {
                     )
                     .await;
                     pause = (pause * 2).min(Duration::from_millis(50));
+                    sent = Instant::now();
                     outcome = self.store.poll_lease(&key, &lease).await?;
                 }
             }
         }
+    }
+
+    /// A permit for a write admitted on the key's registration `a` (already
+    /// counted in it), to end by `deadline`.
+    fn active_permit(
+        self: &Arc<Self>,
+        key: Arc<str>,
+        token: u64,
+        a: Arc<Active>,
+        deadline: Instant,
+    ) -> Permit {
+        Permit {
+            fence: self.clone(),
+            gate: None,
+            key,
+            token,
+            lease: None,
+            active: Some(a),
+            deadline,
+            repolled: Default::default(),
+            waited_out: false,
+        }
+    }
+
+    /// Carries out what a registration said about its lease: release it now
+    /// (and forget it here), or look again when it has been idle a while.
+    fn release_active(self: &Arc<Self>, key: &Arc<str>, a: &Arc<Active>, what: Release) {
+        let repolled = match what {
+            Release::Keep => return,
+            Release::Now { repolled } => repolled,
+            Release::At(at) => {
+                if self.sweeping.load(std::sync::atomic::Ordering::Acquire) {
+                    self.idle
+                        .lock()
+                        .expect("idle lock")
+                        .push((key.clone(), a.clone(), at));
+                    return;
+                }
+                // Nobody sweeps (the fence is stopping, or runs without its
+                // background task): no lingering.
+                match a.idle() {
+                    Release::Now { repolled } => repolled,
+                    _ => return,
+                }
+            }
+        };
+        self.actives.remove_if(key, |_, v| Arc::ptr_eq(v, a));
+        self.spawn_release(key.clone(), a.lease.clone(), repolled);
+    }
+
+    /// Releases a lease in the background. A store that cannot answer (it
+    /// is restarting) is asked again for a while: an unreleased lease holds
+    /// newer writes to the key until it expires. `repolled`: the lease was
+    /// polled after its grant, and a poll still on its way could bring it
+    /// back, so it is released once more after the store's margin.
+    fn spawn_release(&self, key: Arc<str>, lease: WriteLease, repolled: bool) {
+        let store = self.store.clone();
+        let again = repolled.then_some(self.lease_margin);
+        let retry_for = self.lease_margin;
+        self.releases.spawn(async move {
+            let give_up = Instant::now() + retry_for;
+            while let Err(e) = store.release_lease(&key, &lease).await {
+                if Instant::now() + RELEASE_RETRY > give_up {
+                    tracing::debug!(error = %e, "lease release failed; it will expire");
+                    break;
+                }
+                tokio::time::sleep(RELEASE_RETRY).await;
+            }
+            if let Some(again) = again {
+                tokio::time::sleep(again).await;
+                let _ = store.release_lease(&key, &lease).await;
+            }
+        });
     }
 
     /// The key's highest token as far as this process can tell without
@@ -914,9 +1129,21 @@ impl Fence {
             self.check_held(&key, gate, token).await?;
             self.advance(&key, gate, token, false).await?
         } else {
+            if let Some(a) = self.actives.get(key) {
+                if a.token < token {
+                    a.close();
+                }
+            }
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
-                Advance::Raised { .. } | Advance::Equal => token,
+                Advance::Raised { .. } => {
+                    // Replicas admit an older token on their registration
+                    // for at most this long after the raise: from the
+                    // answer on, none does (see [`active`]).
+                    tokio::time::sleep(CHECK_EVERY).await;
+                    token
+                }
+                Advance::Equal => token,
             }
         };
         if highest > token {
@@ -954,6 +1181,13 @@ impl Fence {
 
     /// [`overtaken`](Self::overtaken) on a shared store: asks the store.
     async fn overtaken_shared(&self, permit: &Permit) -> Result<Option<u64>, FenceError> {
+        if let Some(a) = &permit.active {
+            a.mark_repolled();
+            return Ok(match self.store.poll_lease(&permit.key, &a.lease).await? {
+                LeaseOutcome::Stale { highest } => Some(highest),
+                _ => None,
+            });
+        }
         let Some(lease) = &permit.lease else {
             return Ok(None);
         };
@@ -1010,6 +1244,24 @@ impl Drop for PendingLease {
     }
 }
 
+/// A check of a registration under way ([`Local::Check`]); if the
+/// admission is abandoned mid-call (the client hung up), the registration
+/// is closed rather than left marked as checking.
+struct Check<'a> {
+    fence: &'a Arc<Fence>,
+    key: Arc<str>,
+    active: Option<Arc<Active>>,
+}
+
+impl Drop for Check<'_> {
+    fn drop(&mut self) {
+        if let Some(a) = self.active.take() {
+            let (_, release) = a.checked(None, Duration::ZERO, Instant::now());
+            self.fence.release_active(&self.key, &a, release);
+        }
+    }
+}
+
 /// Drops an admission's gate reference and removes the gate if idle.
 struct GateGuard<'a> {
     fence: &'a Fence,
@@ -1037,22 +1289,13 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if let Some(a) = self.active.take() {
+            let release = a.end();
+            self.fence.release_active(&self.key, &a, release);
+        }
         if let Some(lease) = self.lease.take() {
-            let store = self.fence.store.clone();
-            let key = self.key.clone();
-            let again = self
-                .repolled
-                .load(std::sync::atomic::Ordering::Relaxed)
-                .then_some(self.fence.lease_margin);
-            self.fence.releases.spawn(async move {
-                if let Err(e) = store.release_lease(&key, &lease).await {
-                    tracing::debug!(error = %e, "lease release failed; it will expire");
-                }
-                if let Some(again) = again {
-                    tokio::time::sleep(again).await;
-                    let _ = store.release_lease(&key, &lease).await;
-                }
-            });
+            let repolled = self.repolled.load(std::sync::atomic::Ordering::Relaxed);
+            self.fence.spawn_release(self.key.clone(), lease, repolled);
         }
         let Some(gate) = self.gate.take() else { return };
         {

@@ -628,6 +628,142 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake_across_replicas() 
     );
 }
 
+/// Store calls of one kind a replica made so far (its latency histogram's
+/// count).
+async fn store_calls(p: &Proxy, op: &str) -> u64 {
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    let needle = format!("fencegate_store_latency_seconds_count{{op=\"{op}\"}} ");
+    m.lines()
+        .find_map(|l| l.strip_prefix(&needle))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// Writes of the token a replica has registered on a key go on that
+/// registration: steady traffic costs a store call per check period, not
+/// per write. A newer token through the other replica is not starved by
+/// it: it goes within the check period plus the writes in flight, and from
+/// then on the older token is refused everywhere; the backend never sees
+/// the older token after the newer one.
+async fn steady_writes_share_a_registration(kind: Spec) {
+    let c = Cluster::start(kind, "5s").await;
+    assert_eq!(put(&c.a.url("/steady"), "5").await.status, 200);
+    let before = store_calls(&c.a, "acquire_lease").await + store_calls(&c.a, "poll_lease").await;
+    // 8 writers x 25 writes of token 5, each held 5 ms by the backend.
+    let burst = |n: usize| {
+        let url = c.a.url("/steady");
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for _ in 0..n {
+                    let a = send(
+                        "PUT",
+                        &url,
+                        &[("x-fence-token", "5"), ("x-test-delay-ms", "5")],
+                        "x",
+                    )
+                    .await;
+                    statuses.push(a.status.as_u16());
+                }
+                statuses
+            }));
+        }
+        tasks
+    };
+    let started = Instant::now();
+    for t in burst(25) {
+        assert!(t.await.unwrap().iter().all(|s| *s == 200));
+    }
+    let took = started.elapsed();
+    let calls =
+        store_calls(&c.a, "acquire_lease").await + store_calls(&c.a, "poll_lease").await - before;
+    // One check per period at most, plus writes that came while a
+    // registration was being taken or checked.
+    let periods = (took.as_millis() / 50 + 1) as u64;
+    assert!(
+        calls <= 2 * periods + 16,
+        "200 steady writes in {took:?} cost {calls} store calls"
+    );
+    // Token 5 keeps coming through a while token 6 goes through b.
+    let writers = burst(60);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let newer = put(&c.b().url("/steady"), "6").await;
+    assert_eq!(newer.status, 200, "{}", newer.text());
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "the newer token waited {:?}",
+        t0.elapsed()
+    );
+    let mut refused = 0;
+    for t in writers {
+        let statuses = t.await.unwrap();
+        assert!(
+            statuses.iter().all(|s| *s == 200 || *s == 409),
+            "{statuses:?}"
+        );
+        refused += statuses.iter().filter(|s| **s == 409).count();
+    }
+    assert!(refused > 0, "token 5 was never refused after token 6");
+    let a = put(&c.a.url("/steady"), "5").await;
+    assert_eq!(a.status, 409, "{}", a.text());
+    let r = c.up.records();
+    let six = r.iter().find(|x| x.token.as_deref() == Some("6")).unwrap();
+    assert!(
+        r.iter()
+            .filter(|x| x.token.as_deref() == Some("5"))
+            .all(|x| x.arrived <= six.arrived && x.completed <= six.arrived),
+        "a token-5 write reached the backend after token 6"
+    );
+}
+
+/// A fence raised through the admin API on one replica cuts off the older
+/// token on the other from the raise's answer on, even while the other
+/// admits that token on its registration.
+async fn a_raise_cuts_off_registered_writes(kind: Spec) {
+    let c = Cluster::start(kind, "5s").await;
+    let url = c.a.url("/raised");
+    let writer = tokio::spawn(async move {
+        let mut last_ok = None;
+        for _ in 0..400 {
+            let a = send("PUT", &url, &[("x-fence-token", "5")], "x").await;
+            if a.status == 200 {
+                last_ok = Some(Instant::now());
+            } else {
+                assert_eq!(a.status, 409, "{}", a.text());
+                break;
+            }
+        }
+        last_ok
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let r = send(
+        "POST",
+        &c.b().admin_url("/v1/fences/default:%2Fraised"),
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        r#"{"token": "9"}"#,
+    )
+    .await;
+    let answered = Instant::now();
+    assert!(r.status.is_success(), "{} {}", r.status, r.text());
+    writer
+        .await
+        .unwrap()
+        .expect("token 5 went before the raise");
+    let r = c.up.records();
+    assert!(
+        r.iter()
+            .filter(|x| x.token.as_deref() == Some("5"))
+            .all(|x| x.arrived <= answered),
+        "token 5 reached the backend after the raise answered"
+    );
+}
+
 /// A replica refuses to start, naming the store and the cause, on a store
 /// whose certificate its CA did not sign or that refuses its password; a
 /// password never shows in what fencegate prints.
@@ -750,6 +886,8 @@ suite!(
     redis,
     plain(StoreKind::Redis),
     [
+        steady_writes_share_a_registration,
+        a_raise_cuts_off_registered_writes,
         tokens_across_replicas,
         full_u64_range,
         ordering_across_replicas,
@@ -767,6 +905,8 @@ suite!(
     postgres,
     plain(StoreKind::Postgres),
     [
+        steady_writes_share_a_registration,
+        a_raise_cuts_off_registered_writes,
         tokens_across_replicas,
         full_u64_range,
         ordering_across_replicas,
@@ -783,6 +923,8 @@ suite!(
     etcd,
     plain(StoreKind::Etcd),
     [
+        steady_writes_share_a_registration,
+        a_raise_cuts_off_registered_writes,
         tokens_across_replicas,
         full_u64_range,
         ordering_across_replicas,

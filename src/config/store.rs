@@ -388,12 +388,14 @@ fn postgres(text: &str) -> Result<(SharedEngine, UrlTls), ConfigError> {
         "require" => ("require", Some(TlsVerify::None), false),
         "verify-ca" => ("require", Some(TlsVerify::Chain), false),
         "verify-full" => ("require", Some(TlsVerify::Full), false),
-        other => return Err(invalid(
-            "store",
-            format!(
+        other => {
+            return Err(invalid(
+                "store",
+                format!(
                 "sslmode={other} is not one of disable, prefer, require, verify-ca, verify-full"
             ),
-        )),
+            ))
+        }
     };
     if let Some(v) = verify {
         tls.on = true;

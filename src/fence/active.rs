@@ -1,0 +1,229 @@
+//! Shared stores: one registration per key in use, not one per write.
+//!
+//! A replica that has writes of token T in flight on a key holds one lease
+//! for them in the store (the *registration*), taken by the write that found
+//! the key idle here. Further writes of T on the key are admitted on it
+//! without a store round trip while both hold:
+//! - the store confirmed, less than [`CHECK_EVERY`] ago, that T is the key's
+//!   highest and that no older lease is held (the acquire, or a poll of the
+//!   registration, sent less than that long ago);
+//! - the registration lives in the store past the write's own deadline
+//!   (its TTL counts from before the acquire or poll that set it was sent).
+//!
+//! A newer token, on any replica, registers above T and waits for the
+//! registration (the rule of every shared-store admission), so nothing
+//! admitted on it can be overtaken. The registration is dropped when its
+//! last write ends and no new one came for the rest of the check period, or
+//! at once when a check found the key taken by a newer token. A replica
+//! that stops stops admitting: a dead one's registration expires as any
+//! lease does.
+//!
+//! So a key whose token changes keeps admitting the older token here for at
+//! most [`CHECK_EVERY`] after the change reached the store; those writes
+//! still reach the backend before any newer one. A fence raised without a
+//! write ([`super::Fence::raise`]) waits that long before it answers, so
+//! that from its answer on no replica admits an older token.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::store::WriteLease;
+
+/// How long a store's answer lets a replica admit further writes of the
+/// same token on its own.
+pub const CHECK_EVERY: Duration = Duration::from_millis(50);
+
+/// One key's registration on this replica.
+pub(super) struct Active {
+    pub(super) token: u64,
+    pub(super) lease: WriteLease,
+    pub(super) state: Mutex<ActiveState>,
+}
+
+pub(super) struct ActiveState {
+    /// Writes admitted on the registration and not ended.
+    pub(super) inflight: usize,
+    /// Local admissions stop at this instant (until a check renews it).
+    pub(super) fresh_until: Instant,
+    /// The registration lives in the store at least until this instant.
+    pub(super) expires: Instant,
+    /// A check is under way (others take the store path meanwhile).
+    pub(super) checking: bool,
+    /// No more admissions: the key moved on, or the registration is being
+    /// released.
+    pub(super) closed: bool,
+    /// The release was handed to a task: nobody else sends it.
+    pub(super) released: bool,
+    /// Polled after its grant: released twice, as a lost acquire is.
+    pub(super) repolled: bool,
+}
+
+/// What [`Active::try_admit`] found.
+pub(super) enum Local {
+    /// Admitted here: the write counts in `inflight`.
+    Admitted,
+    /// Admitted here, and the confirmation is getting old: the caller
+    /// polls the registration in the background (it is marked as checking)
+    /// and hands the answer to [`Active::refreshed`], so that writes that
+    /// keep coming never wait for the store.
+    AdmittedRefresh,
+    /// The store's confirmation is due: the caller polls the registration
+    /// (it is marked as checking) and then calls [`Active::checked`].
+    Check,
+    /// Not on this registration: go to the store.
+    No,
+}
+
+/// What to do with a registration's lease now.
+pub(super) enum Release {
+    /// Nothing (writes still use it, or its release is someone else's).
+    Keep,
+    /// Release it when idle at this instant (the caller checks again then
+    /// with [`Active::idle`]).
+    At(Instant),
+    /// Release it now; `repolled`: send the release twice.
+    Now { repolled: bool },
+}
+
+impl Active {
+    pub(super) fn new(token: u64, lease: WriteLease, sent: Instant, ttl: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            token,
+            lease,
+            state: Mutex::new(ActiveState {
+                inflight: 1,
+                fresh_until: sent + CHECK_EVERY,
+                expires: sent + ttl,
+                checking: false,
+                closed: false,
+                released: false,
+                repolled: false,
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ActiveState> {
+        self.state.lock().expect("active lock")
+    }
+
+    /// Admits a write of `token` ending by `deadline` (its cut included)
+    /// on this registration, if it may.
+    pub(super) fn try_admit(&self, token: u64, now: Instant, deadline: Instant) -> Local {
+        let mut st = self.lock();
+        if st.closed || token != self.token {
+            return Local::No;
+        }
+        if now < st.fresh_until && deadline <= st.expires {
+            st.inflight += 1;
+            if !st.checking && now + CHECK_EVERY / 2 >= st.fresh_until {
+                st.checking = true;
+                st.repolled = true;
+                return Local::AdmittedRefresh;
+            }
+            return Local::Admitted;
+        }
+        if st.checking {
+            return Local::No;
+        }
+        st.checking = true;
+        st.repolled = true;
+        Local::Check
+    }
+
+    /// The answer of the check [`Local::Check`] asked for: `Some(sent)`
+    /// when the store granted the registration again (a poll sent at
+    /// `sent`), which admits the caller's write (`true`); otherwise the
+    /// registration is closed, and released if idle.
+    pub(super) fn checked(
+        &self,
+        granted: Option<Instant>,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> (bool, Release) {
+        let mut st = self.lock();
+        st.checking = false;
+        match granted {
+            Some(sent) if !st.closed && deadline <= sent + ttl => {
+                st.fresh_until = sent + CHECK_EVERY;
+                st.expires = sent + ttl;
+                st.inflight += 1;
+                (true, Release::Keep)
+            }
+            _ => {
+                st.closed = true;
+                (false, Self::release_if_idle(&mut st))
+            }
+        }
+    }
+
+    /// The answer of the background poll [`Local::AdmittedRefresh`] asked
+    /// for: `Some(sent)` renews the confirmation; otherwise the
+    /// registration is closed (and released if idle).
+    pub(super) fn refreshed(&self, granted: Option<Instant>, ttl: Duration) -> Release {
+        let mut st = self.lock();
+        st.checking = false;
+        match granted {
+            Some(sent) if !st.closed => {
+                st.fresh_until = sent + CHECK_EVERY;
+                st.expires = sent + ttl;
+                Release::Keep
+            }
+            _ => {
+                st.closed = true;
+                Self::release_if_idle(&mut st)
+            }
+        }
+    }
+
+    /// Stops admissions (a newer token was seen for the key).
+    pub(super) fn close(&self) {
+        self.lock().closed = true;
+    }
+
+    pub(super) fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// Polled after its grant by a write on it: its release goes twice.
+    pub(super) fn mark_repolled(&self) {
+        self.lock().repolled = true;
+    }
+
+    /// A write on the registration ended.
+    pub(super) fn end(&self) -> Release {
+        let mut st = self.lock();
+        st.inflight -= 1;
+        if st.inflight > 0 || st.checking || st.released {
+            return Release::Keep;
+        }
+        if st.closed {
+            return Self::release_if_idle(&mut st);
+        }
+        // Lingers while its confirmation is fresh: the next write of the
+        // token may come before then.
+        Release::At(st.fresh_until)
+    }
+
+    /// At the instant [`Release::At`] named: releases the registration if
+    /// no write uses it.
+    pub(super) fn idle(&self) -> Release {
+        let mut st = self.lock();
+        if st.inflight > 0 || st.checking || st.released {
+            return Release::Keep;
+        }
+        st.closed = true;
+        Self::release_if_idle(&mut st)
+    }
+
+    fn release_if_idle(st: &mut ActiveState) -> Release {
+        if st.inflight > 0 || st.checking || st.released {
+            return Release::Keep;
+        }
+        st.released = true;
+        Release::Now {
+            repolled: st.repolled,
+        }
+    }
+}

@@ -34,7 +34,7 @@ command -v cargo-mutants >/dev/null || cargo install --locked cargo-mutants@27.1
 export CARGO_PROFILE_DEV_DEBUG=0
 export CARGO_PROFILE_TEST_DEBUG=0
 
-SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease'
+SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease|Fence::release_active|Fence::spawn_release|Fence::sweep_registrations|Active::|Check'
 CLASSIFY='resolve|route_key|match_order|host_sources_plain|Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
 
 # The verdict comes from missed.txt, not from cargo-mutants' exit status:
@@ -66,7 +66,7 @@ core() {
 }
 
 shared() {
-  run shared --timeout 600 --file src/fence.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
+  run shared --timeout 600 --file src/fence.rs --file src/fence/active.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
 }
 
 proxy() {

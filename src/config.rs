@@ -774,10 +774,9 @@ impl Config {
                 Some(s),
             ),
         };
-        // PostgreSQL's certificate paths stay in its URL, where they were.
-        let tls = shared
-            .filter(|s| !matches!(s.engine, SharedEngine::Postgres { .. }))
-            .and_then(|s| s.tls.as_ref());
+        // Certificate paths given in a PostgreSQL URL stay there.
+        let tls = shared.and_then(|s| s.tls.as_ref());
+        let in_url = |k: &str| shared.is_some_and(|s| s.url.contains(&format!("{k}=")));
         let raw = RawConfig {
             listen: Some(self.listen.map_or("off".into(), |l| l.to_string())),
             admin_listen: Some(self.admin_listen.to_string()),
@@ -785,9 +784,15 @@ impl Config {
             store_cache_mib: cache_mib,
             store_timeout,
             accept_store_reset: accept,
-            store_ca: tls.and_then(|t| t.ca.clone()),
-            store_client_cert: tls.and_then(|t| t.client_cert.clone()),
-            store_client_key: tls.and_then(|t| t.client_key.clone()),
+            store_ca: tls
+                .and_then(|t| t.ca.clone())
+                .filter(|_| !in_url("sslrootcert")),
+            store_client_cert: tls
+                .and_then(|t| t.client_cert.clone())
+                .filter(|_| !in_url("sslcert")),
+            store_client_key: tls
+                .and_then(|t| t.client_key.clone())
+                .filter(|_| !in_url("sslkey")),
             store_password_file: shared.and_then(|s| s.password_file.clone()),
             store_password: None,
             highest_cache_entries: Some(self.highest_cache_entries as u64),

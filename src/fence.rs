@@ -895,10 +895,9 @@ impl Fence {
                     let (fence, k, reg) = (self.clone(), key.clone(), a.clone());
                     self.releases.spawn(async move {
                         let sent = Instant::now();
-                        let polled = fence.store.poll_lease(&k, &reg.lease).await;
-                        let granted =
-                            matches!(polled, Ok(LeaseOutcome::Granted(_))).then_some(sent);
-                        let release = reg.refreshed(granted, fence.lease_ttl);
+                        let polled = fence.store.highest(&k).await;
+                        let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
+                        let release = reg.refreshed(granted);
                         fence.release_active(&k, &reg, release);
                     });
                     return Ok(self.active_permit(key, token, a, now + upstream_timeout));
@@ -910,22 +909,22 @@ impl Fence {
                         active: Some(a.clone()),
                     };
                     let sent = Instant::now();
-                    let polled = self.store.poll_lease(&key, &a.lease).await;
-                    let granted = matches!(polled, Ok(LeaseOutcome::Granted(_))).then_some(sent);
+                    let polled = self.store.highest(&key).await;
+                    let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
                     check.active = None;
                     let now = Instant::now();
-                    let (admitted, release) = a.checked(granted, self.lease_ttl, ends(now));
+                    let (admitted, release) = a.checked(granted, ends(now));
                     self.release_active(&key, &a, release);
                     if admitted {
                         return Ok(self.active_permit(key, token, a, now + upstream_timeout));
                     }
                     match polled {
-                        Ok(LeaseOutcome::Stale { highest }) => {
+                        Ok(Some(highest)) if highest > token => {
                             return Err(FenceError::Stale { token, highest })
                         }
                         Err(e) => return Err(e.into()),
-                        // Granted too late for this write, or an older
-                        // lease appeared: this write takes the store path.
+                        // The registration is too old for this write, or
+                        // the store forgot the key: the store path says.
                         Ok(_) => {}
                     }
                 }
@@ -1181,12 +1180,14 @@ impl Fence {
 
     /// [`overtaken`](Self::overtaken) on a shared store: asks the store.
     async fn overtaken_shared(&self, permit: &Permit) -> Result<Option<u64>, FenceError> {
-        if let Some(a) = &permit.active {
-            a.mark_repolled();
-            return Ok(match self.store.poll_lease(&permit.key, &a.lease).await? {
-                LeaseOutcome::Stale { highest } => Some(highest),
-                _ => None,
-            });
+        if permit.active.is_some() {
+            // A read, not a poll: a poll that finds the key taken removes
+            // the lease, which the registration's other writes still need.
+            return Ok(self
+                .store
+                .highest(&permit.key)
+                .await?
+                .filter(|h| *h > permit.token));
         }
         let Some(lease) = &permit.lease else {
             return Ok(None);
@@ -1256,7 +1257,7 @@ struct Check<'a> {
 impl Drop for Check<'_> {
     fn drop(&mut self) {
         if let Some(a) = self.active.take() {
-            let (_, release) = a.checked(None, Duration::ZERO, Instant::now());
+            let (_, release) = a.checked(None, Instant::now());
             self.fence.release_active(&self.key, &a, release);
         }
     }

@@ -383,9 +383,13 @@ impl TlsTerminator {
 /// from `store_ca` or the system, an optional client certificate, and the
 /// certificate checked as far as `tls.verify` says.
 pub fn store_client_config(tls: &StoreTls) -> Result<Arc<ClientConfig>, TlsError> {
-    let roots = match &tls.ca {
-        Some(ca) => Arc::new(roots_from("store_ca", ca)?),
-        None => system_roots().map_err(|e| error("store_ca", e))?,
+    let roots = match (&tls.ca, tls.verify) {
+        (Some(ca), _) => Arc::new(roots_from("store_ca", ca)?),
+        // Nothing is checked: no roots needed (a minimal image has none).
+        (None, TlsVerify::None) => Arc::new(RootCertStore::empty()),
+        (None, _) => {
+            system_roots().map_err(|e| error("store_ca", e.replace("upstream_ca", "store_ca")))?
+        }
     };
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -393,15 +397,19 @@ pub fn store_client_config(tls: &StoreTls) -> Result<Arc<ClientConfig>, TlsError
     let builder = match tls.verify {
         TlsVerify::Full => builder.with_root_certificates(roots),
         verify => {
-            let webpki =
-                rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
-                    .build()
-                    .map_err(|e| error("store_ca", e.to_string()))?;
+            let webpki = match verify {
+                TlsVerify::Chain => Some(
+                    rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
+                        .build()
+                        .map_err(|e| error("store_ca", e.to_string()))?,
+                ),
+                _ => None,
+            };
             builder
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(LaxVerifier {
                     webpki,
-                    check_chain: verify == TlsVerify::Chain,
+                    algorithms: provider().signature_verification_algorithms,
                 }))
         }
     };
@@ -468,8 +476,9 @@ pub fn store_pem(tls: &StoreTls) -> Result<StorePem, TlsError> {
 /// signatures are checked in both: the peer holds the certificate's key.
 #[derive(Debug)]
 struct LaxVerifier {
-    webpki: Arc<rustls::client::WebPkiServerVerifier>,
-    check_chain: bool,
+    /// `Some`: the chain is checked (any name); `None`: nothing is.
+    webpki: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
@@ -481,16 +490,13 @@ impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
         ocsp_response: &[u8],
         now: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        if !self.check_chain {
+        let Some(webpki) = &self.webpki else {
             return Ok(rustls::client::danger::ServerCertVerified::assertion());
-        }
-        match self.webpki.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        ) {
+        };
+        // The chain is checked before the name: a name mismatch means the
+        // chain was good.
+        match webpki.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
             Err(rustls::Error::InvalidCertificate(
                 rustls::CertificateError::NotValidForName
                 | rustls::CertificateError::NotValidForNameContext { .. },
@@ -505,7 +511,7 @@ impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
     }
 
     fn verify_tls13_signature(
@@ -514,11 +520,11 @@ impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.webpki.supported_verify_schemes()
+        self.algorithms.supported_schemes()
     }
 }
 

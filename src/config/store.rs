@@ -31,8 +31,9 @@ pub enum StoreConfig {
     Shared(SharedStoreConfig),
 }
 
-/// A shared store and how to reach it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A shared store and how to reach it. Its `Debug` shows the URL
+/// redacted.
+#[derive(Clone, PartialEq, Eq)]
 pub struct SharedStoreConfig {
     pub engine: SharedEngine,
     /// The URL as given; may hold a password, so print
@@ -49,6 +50,18 @@ pub struct SharedStoreConfig {
     pub password: Option<Secret>,
     /// Where the password was read from, to print back.
     pub password_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for SharedStoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedStoreConfig")
+            .field("url", &self.redacted_url())
+            .field("timeout", &self.timeout)
+            .field("accept_reset", &self.accept_reset)
+            .field("tls", &self.tls)
+            .field("password", &self.password)
+            .finish_non_exhaustive()
+    }
 }
 
 impl SharedStoreConfig {
@@ -127,21 +140,21 @@ impl std::fmt::Debug for Secret {
 }
 
 /// `scheme://user:password@host...` with the password (and a `password=`
-/// query parameter) replaced by `****`.
+/// query parameter) replaced by `****`. The user information runs to the
+/// last `@`, as the drivers read it (a password may hold `/`, `?` or `#`);
+/// redacting too much is harmless.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let authority = match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{user}:****@{host}"),
-            None => authority.to_string(),
+    let rest = match rest.rsplit_once('@') {
+        Some((userinfo, after)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{user}:****@{after}"),
+            None => rest.to_string(),
         },
-        None => authority.to_string(),
+        None => rest.to_string(),
     };
-    let tail = match tail.split_once('?') {
+    let rest = match rest.split_once('?') {
         Some((path, query)) => {
             let query: Vec<String> = query
                 .split('&')
@@ -152,9 +165,9 @@ pub fn redact_url(url: &str) -> String {
                 .collect();
             format!("{path}?{}", query.join("&"))
         }
-        None => tail.to_string(),
+        None => rest,
     };
-    format!("{scheme}://{authority}{tail}")
+    format!("{scheme}://{rest}")
 }
 
 /// The store the config names, validated on its own (`fencegate init-store`
@@ -184,6 +197,12 @@ pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
     }
     if path.is_empty() {
         return Err(invalid("store", "the path is empty"));
+    }
+    if path.contains('=') && path.contains(' ') {
+        return Err(invalid(
+            "store",
+            "looks like a key=value connection string; give a URL (postgres://USER@HOST/DB?sslmode=...)",
+        ));
     }
     let path = PathBuf::from(path);
     let dir = match path.parent() {
@@ -308,6 +327,14 @@ fn shared(
             "is required: a client certificate goes with its key",
         ));
     }
+    if url_tls.on && url_tls.verify == TlsVerify::Chain && ca.is_none() {
+        // As libpq: the chain is checked against a CA given for it, not
+        // the system's (any public certificate would pass, whatever name).
+        return Err(invalid(
+            "store",
+            "sslmode=verify-ca needs the CA that signed the server's certificate: sslrootcert=PATH in the URL, or store_ca",
+        ));
+    }
     let tls = url_tls.on.then_some(StoreTls {
         // libpq: `require` with a CA file verifies the chain.
         verify: match (url_tls.verify, &ca) {
@@ -370,16 +397,24 @@ fn password_file(p: &Path) -> Result<Secret, ConfigError> {
 /// and no certificate files), the rest left for the driver.
 fn postgres(text: &str) -> Result<(SharedEngine, UrlTls), ConfigError> {
     let (base, query) = text.split_once('?').unwrap_or((text, ""));
-    let mut kept = Vec::new();
+    // Other parameters go to the driver byte for byte (it percent-decodes
+    // them itself).
+    let mut kept: Vec<&str> = Vec::new();
     let mut mode = "disable".to_string();
     let mut tls = UrlTls::off();
-    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
-        match &*k {
-            "sslmode" => mode = v.into_owned(),
-            "sslrootcert" => tls.ca = Some(PathBuf::from(&*v)),
-            "sslcert" => tls.client_cert = Some(PathBuf::from(&*v)),
-            "sslkey" => tls.client_key = Some(PathBuf::from(&*v)),
-            _ => kept.push((k.into_owned(), v.into_owned())),
+    let decode = |v: &str| {
+        percent_encoding::percent_decode_str(v)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match decode(k).as_str() {
+            "sslmode" => mode = decode(v),
+            "sslrootcert" => tls.ca = Some(PathBuf::from(decode(v))),
+            "sslcert" => tls.client_cert = Some(PathBuf::from(decode(v))),
+            "sslkey" => tls.client_key = Some(PathBuf::from(decode(v))),
+            _ => kept.push(pair),
         }
     }
     let (driver_mode, verify, prefer) = match mode.as_str() {
@@ -401,11 +436,9 @@ fn postgres(text: &str) -> Result<(SharedEngine, UrlTls), ConfigError> {
         tls.on = true;
         tls.verify = v;
     }
-    kept.push(("sslmode".into(), driver_mode.into()));
-    let query = form_urlencoded::Serializer::new(String::new())
-        .extend_pairs(kept)
-        .finish();
-    let conn = format!("{base}?{query}");
+    let mode_pair = format!("sslmode={driver_mode}");
+    kept.push(&mode_pair);
+    let conn = format!("{base}?{}", kept.join("&"));
     conn.parse::<tokio_postgres::Config>()
         .map_err(|e| invalid("store", format!("not a PostgreSQL URL: {e}")))?;
     Ok((SharedEngine::Postgres { conn, prefer }, tls))
@@ -441,14 +474,13 @@ fn etcd(scheme: &str, rest: &str) -> Result<SharedEngine, ConfigError> {
 /// The password in a URL's userinfo (percent-decoded), if any.
 pub fn url_password(url: &str) -> Option<Secret> {
     let rest = url.split_once("://")?.1;
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let userinfo = rest[..end].rsplit_once('@')?.0;
+    let userinfo = rest.rsplit_once('@')?.0;
     let pw = userinfo.split_once(':')?.1;
-    let decoded: String = form_urlencoded::parse(format!("p={pw}").as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned())
-        .unwrap_or_default();
-    Some(Secret::new(decoded))
+    Some(Secret::new(
+        percent_encoding::percent_decode_str(pw)
+            .decode_utf8_lossy()
+            .into_owned(),
+    ))
 }
 
 #[cfg(test)]
@@ -491,6 +523,14 @@ mod tests {
             "etcds://fg:****@a:2379,b:2379"
         );
         assert_eq!(redact_url("redis://127.0.0.1/0"), "redis://127.0.0.1/0");
+        assert_eq!(
+            redact_url("postgres://fg:Zk3/9q?#+L@db/f?sslmode=require"),
+            "postgres://fg:****@db/f?sslmode=require"
+        );
+        assert_eq!(
+            url_password("etcds://fg:a/b+c@h:1").unwrap().expose(),
+            "a/b+c"
+        );
         assert_eq!(redact_url("redis://user@h/0"), "redis://user@h/0");
         assert_eq!(format!("{:?}", Secret::new("x")), "****");
         assert_eq!(
@@ -518,9 +558,20 @@ mod tests {
         assert!(pg("").tls.is_none());
         assert_eq!(pg("?sslmode=require").tls.unwrap().verify, TlsVerify::None);
         assert_eq!(
-            pg("?sslmode=verify-ca").tls.unwrap().verify,
+            pg("?sslmode=verify-ca&sslrootcert=/etc/hostname")
+                .tls
+                .unwrap()
+                .verify,
             TlsVerify::Chain
         );
+        // Other parameters reach the driver as written.
+        match pg("?options=-c%20search_path%3Dfg&sslmode=require").engine {
+            SharedEngine::Postgres { conn, .. } => assert_eq!(
+                conn,
+                "postgres://fg@db:5432/x?options=-c%20search_path%3Dfg&sslmode=require"
+            ),
+            other => panic!("{other:?}"),
+        }
         let full = pg("?sslmode=verify-full&sslrootcert=/etc/hostname&application_name=fg");
         let tls = full.tls.unwrap();
         assert_eq!(tls.verify, TlsVerify::Full);
@@ -557,6 +608,8 @@ mod tests {
         };
         let cases: Vec<(RawConfig, &str)> = vec![
             (raw("postgres://db/x?sslmode=verify"), "store"),
+            (raw("postgres://db/x?sslmode=verify-ca"), "store"),
+            (raw("host=db user=fg dbname=f"), "store"),
             (raw("postgres://db/x?bogus=1"), "store"),
             (raw("rediss://h:6380/#insecure"), "store"),
             (raw("etcd://@a:1"), "store"),

@@ -5,10 +5,16 @@
 //! the key idle here. Further writes of T on the key are admitted on it
 //! without a store round trip while both hold:
 //! - the store confirmed, less than [`CHECK_EVERY`] ago, that T is the key's
-//!   highest and that no older lease is held (the acquire, or a poll of the
-//!   registration, sent less than that long ago);
-//! - the registration lives in the store past the write's own deadline
-//!   (its TTL counts from before the acquire or poll that set it was sent).
+//!   highest (the acquire, or a read of the key's highest token, sent less
+//!   than that long ago; no older lease can appear after the grant, since
+//!   it would be stale);
+//! - the registration's lease lives in the store past the write's own
+//!   deadline (its TTL counts from before the acquire was sent). A write
+//!   that would outlive it takes the store path, and its lease becomes the
+//!   key's new registration.
+//!
+//! The checks only read: a poll of the lease that found the key taken would
+//! remove the lease, which the registration's writes in flight still need.
 //!
 //! A newer token, on any replica, registers above T and waits for the
 //! registration (the rule of every shared-store admission), so nothing
@@ -119,16 +125,20 @@ impl Active {
             st.inflight += 1;
             if !st.checking && now + CHECK_EVERY / 2 >= st.fresh_until {
                 st.checking = true;
-                st.repolled = true;
                 return Local::AdmittedRefresh;
             }
             return Local::Admitted;
         }
-        if st.checking {
+        if st.checking || deadline > st.expires {
+            // Too old to cover this write: the store path takes a new
+            // registration (this one is closed, and released when its
+            // writes end).
+            if deadline > st.expires {
+                st.closed = true;
+            }
             return Local::No;
         }
         st.checking = true;
-        st.repolled = true;
         Local::Check
     }
 
@@ -136,18 +146,12 @@ impl Active {
     /// when the store granted the registration again (a poll sent at
     /// `sent`), which admits the caller's write (`true`); otherwise the
     /// registration is closed, and released if idle.
-    pub(super) fn checked(
-        &self,
-        granted: Option<Instant>,
-        ttl: Duration,
-        deadline: Instant,
-    ) -> (bool, Release) {
+    pub(super) fn checked(&self, granted: Option<Instant>, deadline: Instant) -> (bool, Release) {
         let mut st = self.lock();
         st.checking = false;
         match granted {
-            Some(sent) if !st.closed && deadline <= sent + ttl => {
+            Some(sent) if !st.closed && deadline <= st.expires => {
                 st.fresh_until = sent + CHECK_EVERY;
-                st.expires = sent + ttl;
                 st.inflight += 1;
                 (true, Release::Keep)
             }
@@ -161,13 +165,12 @@ impl Active {
     /// The answer of the background poll [`Local::AdmittedRefresh`] asked
     /// for: `Some(sent)` renews the confirmation; otherwise the
     /// registration is closed (and released if idle).
-    pub(super) fn refreshed(&self, granted: Option<Instant>, ttl: Duration) -> Release {
+    pub(super) fn refreshed(&self, granted: Option<Instant>) -> Release {
         let mut st = self.lock();
         st.checking = false;
         match granted {
             Some(sent) if !st.closed => {
                 st.fresh_until = sent + CHECK_EVERY;
-                st.expires = sent + ttl;
                 Release::Keep
             }
             _ => {
@@ -184,11 +187,6 @@ impl Active {
 
     pub(super) fn is_closed(&self) -> bool {
         self.lock().closed
-    }
-
-    /// Polled after its grant by a write on it: its release goes twice.
-    pub(super) fn mark_repolled(&self) {
-        self.lock().repolled = true;
     }
 
     /// A write on the registration ended.

@@ -89,6 +89,8 @@ fn token_invalid(status: http::StatusCode, message: &str) -> bool {
     status == http::StatusCode::UNAUTHORIZED
         || message.contains("invalid auth token")
         || message.contains("user name is empty")
+        // Any change to users or roles makes etcd refuse older tokens.
+        || message.contains("revision of auth store is old")
 }
 
 fn b64(s: &str) -> String {
@@ -131,7 +133,7 @@ fn count(v: &Value) -> u64 {
 }
 
 /// An etcd lease for keys that must live `ttl`: an eighth more, in whole
-/// seconds, at least one second more.
+/// seconds (etcd's unit), so at least a second more and at least 2 s.
 fn grant_for(ttl: Duration) -> Duration {
     let ms = ttl.as_millis() as u64;
     let secs = (ms + ms / 8).div_ceil(1000).max(ms / 1000 + 1).max(2);
@@ -175,6 +177,14 @@ impl EtcdBackend {
     /// connection failure; with auth, gets a token first and a new one
     /// when etcd says it is no longer valid.
     async fn post(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+        // One bound for the whole call, whatever endpoints and re-logins it
+        // takes: leases count on a store call answering within it.
+        tokio::time::timeout(self.timeout, self.post_once(path, body))
+            .await
+            .unwrap_or_else(|_| Err(unavailable("timed out")))
+    }
+
+    async fn post_once(&self, path: &str, body: Value) -> Result<Value, StoreError> {
         let body = Bytes::from(body.to_string());
         if self.auth.is_none() {
             return self.send(path, &body, None).await.map_err(|(e, _)| e);
@@ -211,7 +221,10 @@ impl EtcdBackend {
         let body = Bytes::from(json!({"name": user, "password": password.expose()}).to_string());
         let v = match self.send("/v3/auth/authenticate", &body, None).await {
             Ok(v) => v,
-            Err((StoreError::Unavailable(why), _)) if why.contains("authentication failed") => {
+            Err((StoreError::Unavailable(why), _))
+                if why.contains("authentication failed")
+                    || why.contains("authentication is not enabled") =>
+            {
                 return Err(StoreError::Refused(format!(
                     "etcd: user {user}: {}",
                     why.trim_start_matches("etcd: ")
@@ -308,10 +321,10 @@ impl EtcdBackend {
                     }
                     return Ok(v);
                 }
-                // An answer, not an outage: the next endpoint would say the
-                // same.
-                Err((e @ StoreError::Refused(_), auth)) => return Err((e, auth)),
                 Err((e, true)) => return Err((e, true)),
+                // A refusal (a certificate, a permission) may be one
+                // member's: the others are asked too, and the last answer
+                // is reported.
                 Err((e, false)) => {
                     self.failing.store(true, Ordering::Release);
                     self.current.store(i + 1, Ordering::Relaxed);
@@ -323,22 +336,29 @@ impl EtcdBackend {
     }
 
     /// The replica lease to attach a new in-flight key to. It is granted for
-    /// `ttl` plus an eighth (rounded up to whole seconds, etcd's unit) and
-    /// used for new keys only while it has at least `ttl` left, so every key
-    /// lives at least `ttl` (the write plus the store's latency) and a dead
-    /// replica's keys no longer than the grant: a newer write elsewhere
-    /// waits at most an eighth past the lease.
+    /// `ttl` plus an eighth, or plus a store timeout if that is more
+    /// (rounded up to whole seconds, etcd's unit), and used for new keys
+    /// only while it has at least `ttl` left, so every key lives at least
+    /// `ttl` (the write plus the store's latency) and a dead replica's keys
+    /// no longer than the grant. etcd itself may lengthen it (its minimum
+    /// TTL, a leader change).
     async fn replica_lease(&self, ttl: Duration) -> Result<String, StoreError> {
         let mut slot = self.lease.lock().await;
         if let Some(l) = slot.as_ref() {
             // Stamped before the grant was sent: etcd's clock for it started
             // no earlier, so this underestimates what is left.
             let left = l.ttl.saturating_sub(l.granted.elapsed());
-            if left >= ttl && l.ttl <= grant_for(ttl) {
+            if left >= ttl
+                && l.ttl <= grant_for(ttl).max(ttl + self.timeout + Duration::from_secs(1))
+            {
                 return Ok(l.id.clone());
             }
         }
-        let grant_ttl = grant_for(ttl);
+        // A new lease must also cover the grant call itself (at most a
+        // store timeout) before the key's own call is sent.
+        let grant_ttl = grant_for(ttl).max(Duration::from_secs(
+            (ttl + self.timeout).as_millis().div_ceil(1000) as u64,
+        ));
         let sent = Instant::now();
         let v = self
             .post(

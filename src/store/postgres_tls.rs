@@ -25,7 +25,9 @@ pub struct PgTls(pub Arc<ClientConfig>);
 
 pub struct PgTlsConnect {
     config: Arc<ClientConfig>,
-    name: ServerName<'static>,
+    /// `None` for a Unix socket (the driver asks for a connector there
+    /// too, with no host name): a handshake there fails.
+    name: Option<ServerName<'static>>,
 }
 
 pub struct PgTlsStream<S>(tokio_rustls::client::TlsStream<S>);
@@ -39,9 +41,14 @@ where
     type Error = rustls::pki_types::InvalidDnsNameError;
 
     fn make_tls_connect(&mut self, domain: &str) -> Result<PgTlsConnect, Self::Error> {
+        let name = if domain.is_empty() {
+            None
+        } else {
+            Some(ServerName::try_from(domain.to_string())?)
+        };
         Ok(PgTlsConnect {
             config: self.0.clone(),
-            name: ServerName::try_from(domain.to_string())?,
+            name,
         })
     }
 }
@@ -56,8 +63,14 @@ where
 
     fn connect(self, stream: S) -> Self::Future {
         Box::pin(async move {
+            let name = self.name.ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "TLS over a Unix socket: use sslmode=disable there",
+                )
+            })?;
             let s = TlsConnector::from(self.config)
-                .connect(self.name, stream)
+                .connect(name, stream)
                 .await?;
             Ok(PgTlsStream(s))
         })

@@ -6,7 +6,8 @@
 #   haproxy     through HAProxy (1 thread)
 #   steady      through fencegate, one key, the same token every time
 #   newkey      through fencegate, a new key per request (a durable advance)
-#   steady-redis, newkey-redis, newkey-postgres   the same on shared stores
+#   steady-redis, newkey-redis, steady-postgres, newkey-postgres,
+#   steady-etcd, newkey-etcd   the same on shared stores
 #   nginx-tls   nginx terminating TLS (HTTP/1.1, keep-alive) in front of
 #               the upstream
 #   steady-tls  fencegate's TLS listener, steady token (same certificate)
@@ -26,18 +27,18 @@
 # newkey-base) run that binary in the same rounds: what a change costs on
 # the request path, measured in one run.
 # Needs: wrk h2load nginx haproxy taskset python3 curl, and for the shared-store
-# rows redis-server and postgresql (as root: PostgreSQL runs via runuser).
+# rows redis-server, postgresql (as root: PostgreSQL runs via runuser) and etcd.
 # It installs nothing: it says what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 SECS=${2:-8}
 missing=()
-for t in wrk h2load nginx haproxy taskset python3 curl redis-server runuser openssl; do command -v "$t" >/dev/null || missing+=("$t"); done
+for t in wrk h2load nginx haproxy taskset python3 curl redis-server runuser openssl etcd; do command -v "$t" >/dev/null || missing+=("$t"); done
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1)
 [ -n "$PGBIN" ] && [ -x "$PGBIN/initdb" ] || missing+=(postgresql)
 if ((${#missing[@]})); then
-  echo "missing: ${missing[*]} (Debian: apt-get install wrk nghttp2-client nginx haproxy util-linux curl redis-server postgresql openssl)" >&2
+  echo "missing: ${missing[*]} (Debian: apt-get install wrk nghttp2-client nginx haproxy util-linux curl redis-server postgresql openssl etcd-server)" >&2
   exit 1
 fi
 cargo build --release --quiet
@@ -107,7 +108,13 @@ mkdir -p "$WORK/pg"; chown -R postgres "$WORK/pg"; chmod 777 "$WORK"
 runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
 taskset -c 1 runuser -u postgres -- "$PGBIN/postgres" -D "$WORK/pg" -p "$PG_PORT" -c listen_addresses=127.0.0.1 -k "$WORK/pg" >/dev/null 2>&1 &
 PIDS+=($!)
-for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT; do wait_port "$p"; done
+ETCD_PORT=$(port); ETCD_PEER=$(port)
+taskset -c 1 etcd --name compare --data-dir "$WORK/etcd" \
+  --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
+  --initial-cluster "compare=http://127.0.0.1:$ETCD_PEER" >/dev/null 2>&1 &
+PIDS+=($!)
+for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
 
 start_fencegate() { # name store [extra flags...]
   local name=$1 store=$2; shift 2
@@ -125,8 +132,10 @@ init_store "redis://127.0.0.1:$REDIS_PORT/0"
 init_store "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
 read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_PORT/0")
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
+init_store "etcd://127.0.0.1:$ETCD_PORT"
+read -r FGE_PID FGE_ADDR < <(start_fencegate etcd "etcd://127.0.0.1:$ETCD_PORT")
 # start_fencegate runs in a subshell here: its PIDS+= never reached us.
-PIDS+=("$FG_PID" "$FGR_PID" "$FGP_PID")
+PIDS+=("$FG_PID" "$FGR_PID" "$FGP_PID" "$FGE_PID")
 if [ -n "${BASELINE_BIN:-}" ]; then
   read -r FGB_PID FGB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate baseline "$WORK/baseline.redb")
   PIDS+=("$FGB_PID")
@@ -140,7 +149,7 @@ write_wrk_scripts "$WORK"
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis newkey-postgres nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
 # ONLY="steady steady-redis ...": just these rows (a quick look; the docs
 # quote full runs).
 [ -n "${ONLY:-}" ] && read -r -a SYSTEMS <<< "$ONLY"
@@ -166,7 +175,10 @@ for r in $(seq "$ROUNDS"); do
       newkey) url="http://$FG_ADDR/new/$r-$sys/"; script=newkey; pid=$FG_PID;;
       steady-redis) url="http://$FGR_ADDR/k"; script=steady; pid=$FGR_PID;;
       newkey-redis) url="http://$FGR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGR_PID;;
+      steady-postgres) url="http://$FGP_ADDR/k"; script=steady; pid=$FGP_PID;;
       newkey-postgres) url="http://$FGP_ADDR/new/$r-$sys/"; script=newkey; pid=$FGP_PID;;
+      steady-etcd) url="http://$FGE_ADDR/k"; script=steady; pid=$FGE_PID;;
+      newkey-etcd) url="http://$FGE_ADDR/new/$r-$sys/"; script=newkey; pid=$FGE_PID;;
       nginx-tls) url="https://127.0.0.1:$NGINX_TLS_PORT/k"; script=steady; pid=$NGINX_TLS_WORKER;;
       steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
       steady-base) url="http://$FGB_ADDR/k"; script=steady; pid=$FGB_PID;;

@@ -24,7 +24,10 @@ LABELS = {
     "newkey": "fencegate, new key per request (durable advance)",
     "steady-redis": "fencegate on Redis, steady token",
     "newkey-redis": "fencegate on Redis, new key per request",
+    "steady-postgres": "fencegate on PostgreSQL, steady token",
     "newkey-postgres": "fencegate on PostgreSQL, new key per request",
+    "steady-etcd": "fencegate on etcd, steady token",
+    "newkey-etcd": "fencegate on etcd, new key per request",
     "nginx-tls": "nginx terminating TLS (1 worker)",
     "steady-tls": "fencegate TLS listener, steady token",
     "steady-base": "baseline binary, steady token (`BASELINE_BIN`)",
@@ -92,7 +95,10 @@ def main():
         f"- steady token vs the better plain proxy: {ratio('steady', 'nginx' if med('nginx', 'value') == best else 'haproxy')}",
         f"- disk fsync rate (4 KiB write+fsync, same filesystem): {fsync:.0f}/s; "
         f"new-key durable advances: {med('newkey', 'value') / fsync:.2f}x that rate",
-        f"- Redis steady vs embedded steady: {ratio('steady-redis', 'steady')}",
+        f"- shared stores vs the embedded store (steady / new key): "
+        f"Redis {ratio('steady-redis', 'steady')} / {ratio('newkey-redis', 'newkey')}, "
+        f"PostgreSQL {ratio('steady-postgres', 'steady')} / {ratio('newkey-postgres', 'newkey')}, "
+        f"etcd {ratio('steady-etcd', 'steady')} / {ratio('newkey-etcd', 'newkey')}",
         f"- fencegate TLS vs nginx terminating TLS: {ratio('steady-tls', 'nginx-tls')}; "
         f"vs its own plain listener: {ratio('steady-tls', 'steady')}",
     ]

@@ -252,11 +252,11 @@ pub struct Fence {
     /// [`active`]).
     actives: DashMap<Arc<str>, Arc<Active>>,
     /// Registrations whose last write ended, with when to release them
-    /// if still idle (see [`Fence::keep_marks`]).
-    idle: Mutex<Vec<IdleRegistration>>,
-    /// The background task releases idle registrations (else they are
-    /// released as their last write ends).
-    sweeping: std::sync::atomic::AtomicBool,
+    /// if still idle (see [`Fence::keep_marks`]); `None` while no
+    /// background task sweeps them (then they are released as their last
+    /// write ends). One lock for the queue and that state, so that nothing
+    /// is queued after the sweeper's last pass.
+    idle: Mutex<Option<Vec<IdleRegistration>>>,
     /// Shared-store lease releases under way (they run on the runtime of
     /// the request that ended, a worker's): the stop waits for them
     /// briefly, so that a clean stop does not leave leases behind to
@@ -383,8 +383,7 @@ impl Fence {
             store,
             gates: DashMap::new(),
             actives: DashMap::new(),
-            idle: Mutex::new(Vec::new()),
-            sweeping: std::sync::atomic::AtomicBool::new(false),
+            idle: Mutex::new(None),
             releases: tokio_util::task::TaskTracker::new(),
             hold_all,
             held,
@@ -585,8 +584,7 @@ impl Fence {
     /// and that stayed idle for the rest of their check period, a batch
     /// every half period, until `stop`; then the rest at once.
     async fn sweep_registrations(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
-        use std::sync::atomic::Ordering;
-        self.sweeping.store(true, Ordering::Release);
+        *self.idle.lock().expect("idle lock") = Some(Vec::new());
         let mut tick = tokio::time::interval(CHECK_EVERY / 2);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -594,19 +592,21 @@ impl Fence {
                 _ = stop.cancelled() => true,
                 _ = tick.tick() => false,
             };
-            if stopping {
-                self.sweeping.store(false, Ordering::Release);
-                // A write that saw the flag set just before may still be
-                // queueing its registration: let it.
-                tokio::task::yield_now().await;
-            }
             let now = Instant::now();
             let due: Vec<_> = {
                 let mut idle = self.idle.lock().expect("idle lock");
-                let (due, later) = std::mem::take(&mut *idle)
+                let queue = if stopping {
+                    idle.take()
+                } else {
+                    idle.as_mut().map(std::mem::take)
+                }
+                .unwrap_or_default();
+                let (due, later): (Vec<_>, Vec<_>) = queue
                     .into_iter()
                     .partition(|(_, _, at)| stopping || *at <= now);
-                *idle = later;
+                if let Some(q) = idle.as_mut() {
+                    q.extend(later);
+                }
                 due
             };
             for (key, a, _) in due {
@@ -878,16 +878,17 @@ impl Fence {
         wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
-        let ends = move |now: Instant| now + upstream_timeout + CUT_GRACE;
+        let lasts = upstream_timeout + CUT_GRACE;
         let existing = self.actives.get(&key).map(|e| e.value().clone());
         if let Some(a) = existing {
             if token > a.token {
                 // Newer here: the older token stops being admitted on its
                 // registration now (the newer write waits for it below).
-                a.close();
+                let release = a.close();
+                self.release_active(&key, &a, release);
             }
-            let now = Instant::now();
-            match a.try_admit(token, now, ends(now)) {
+            let (local, now) = a.try_admit(token, lasts);
+            match local {
                 Local::Admitted => {
                     return Ok(self.active_permit(key, token, a, now + upstream_timeout))
                 }
@@ -895,7 +896,7 @@ impl Fence {
                     let (fence, k, reg) = (self.clone(), key.clone(), a.clone());
                     self.releases.spawn(async move {
                         let sent = Instant::now();
-                        let polled = fence.store.highest(&k).await;
+                        let polled = fence.store.confirm_highest(&k).await;
                         let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
                         let release = reg.refreshed(granted);
                         fence.release_active(&k, &reg, release);
@@ -909,11 +910,10 @@ impl Fence {
                         active: Some(a.clone()),
                     };
                     let sent = Instant::now();
-                    let polled = self.store.highest(&key).await;
+                    let polled = self.store.confirm_highest(&key).await;
                     let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
                     check.active = None;
-                    let now = Instant::now();
-                    let (admitted, release) = a.checked(granted, ends(now));
+                    let (admitted, release, now) = a.checked(granted, lasts);
                     self.release_active(&key, &a, release);
                     if admitted {
                         return Ok(self.active_permit(key, token, a, now + upstream_timeout));
@@ -1050,11 +1050,8 @@ impl Fence {
             Release::Keep => return,
             Release::Now { repolled } => repolled,
             Release::At(at) => {
-                if self.sweeping.load(std::sync::atomic::Ordering::Acquire) {
-                    self.idle
-                        .lock()
-                        .expect("idle lock")
-                        .push((key.clone(), a.clone(), at));
+                if let Some(queue) = self.idle.lock().expect("idle lock").as_mut() {
+                    queue.push((key.clone(), a.clone(), at));
                     return;
                 }
                 // Nobody sweeps (the fence is stopping, or runs without its
@@ -1128,21 +1125,21 @@ impl Fence {
             self.check_held(&key, gate, token).await?;
             self.advance(&key, gate, token, false).await?
         } else {
-            if let Some(a) = self.actives.get(key) {
-                if a.token < token {
-                    a.close();
-                }
+            let existing = self.actives.get(key).map(|e| e.value().clone());
+            if let Some(a) = existing.filter(|a| a.token < token) {
+                let release = a.close();
+                self.release_active(&Arc::from(key), &a, release);
             }
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
-                Advance::Raised { .. } => {
-                    // Replicas admit an older token on their registration
-                    // for at most this long after the raise: from the
-                    // answer on, none does (see [`active`]).
+                // Replicas admit an older token on their registration for
+                // at most this long after the key reached this token: from
+                // the answer on, none does (see [`active`]). Equal too: the
+                // raise that got there may be under 50 ms old.
+                Advance::Raised { .. } | Advance::Equal => {
                     tokio::time::sleep(CHECK_EVERY).await;
                     token
                 }
-                Advance::Equal => token,
             }
         };
         if highest > token {
@@ -1257,7 +1254,7 @@ struct Check<'a> {
 impl Drop for Check<'_> {
     fn drop(&mut self) {
         if let Some(a) = self.active.take() {
-            let (_, release) = a.checked(None, Instant::now());
+            let (_, release, _) = a.checked(None, Duration::ZERO);
             self.fence.release_active(&self.key, &a, release);
         }
     }

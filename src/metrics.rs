@@ -415,6 +415,12 @@ impl crate::store::FenceStore for InstrumentedStore {
         self.observe("highest", t);
         r
     }
+    async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.confirm_highest(key).await;
+        self.observe("confirm_highest", t);
+        r
+    }
     async fn advance(
         &self,
         key: &str,

@@ -628,6 +628,14 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake_across_replicas() 
     );
 }
 
+/// The admission calls (acquire, poll, registration check) a replica made
+/// so far.
+async fn admission_calls(p: &Proxy) -> u64 {
+    store_calls(p, "acquire_lease").await
+        + store_calls(p, "poll_lease").await
+        + store_calls(p, "confirm_highest").await
+}
+
 /// Store calls of one kind a replica made so far (its latency histogram's
 /// count).
 async fn store_calls(p: &Proxy, op: &str) -> u64 {
@@ -647,7 +655,7 @@ async fn store_calls(p: &Proxy, op: &str) -> u64 {
 async fn steady_writes_share_a_registration(kind: Spec) {
     let c = Cluster::start(kind, "5s").await;
     assert_eq!(put(&c.a.url("/steady"), "5").await.status, 200);
-    let before = store_calls(&c.a, "acquire_lease").await + store_calls(&c.a, "poll_lease").await;
+    let before = admission_calls(&c.a).await;
     // 8 writers x 25 writes of token 5, each held 5 ms by the backend.
     let burst = |n: usize| {
         let url = c.a.url("/steady");
@@ -676,8 +684,7 @@ async fn steady_writes_share_a_registration(kind: Spec) {
         assert!(t.await.unwrap().iter().all(|s| *s == 200));
     }
     let took = started.elapsed();
-    let calls =
-        store_calls(&c.a, "acquire_lease").await + store_calls(&c.a, "poll_lease").await - before;
+    let calls = admission_calls(&c.a).await - before;
     // One check per period at most, plus writes that came while a
     // registration was being taken or checked.
     let periods = (took.as_millis() / 50 + 1) as u64;

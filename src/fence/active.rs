@@ -114,50 +114,61 @@ impl Active {
         self.state.lock().expect("active lock")
     }
 
-    /// Admits a write of `token` ending by `deadline` (its cut included)
-    /// on this registration, if it may.
-    pub(super) fn try_admit(&self, token: u64, now: Instant, deadline: Instant) -> Local {
+    /// Admits a write of `token` that lasts `lasts` (its cut included) on
+    /// this registration, if it may; also answers the instant it read
+    /// (under the lock, so a stalled caller cannot use an old one).
+    pub(super) fn try_admit(&self, token: u64, lasts: Duration) -> (Local, Instant) {
         let mut st = self.lock();
+        let now = Instant::now();
         if st.closed || token != self.token {
-            return Local::No;
+            return (Local::No, now);
         }
+        let deadline = now + lasts;
         if now < st.fresh_until && deadline <= st.expires {
             st.inflight += 1;
             if !st.checking && now + CHECK_EVERY / 2 >= st.fresh_until {
                 st.checking = true;
-                return Local::AdmittedRefresh;
+                return (Local::AdmittedRefresh, now);
             }
-            return Local::Admitted;
+            return (Local::Admitted, now);
         }
-        if st.checking || deadline > st.expires {
+        if deadline > st.expires {
             // Too old to cover this write: the store path takes a new
-            // registration (this one is closed, and released when its
-            // writes end).
-            if deadline > st.expires {
-                st.closed = true;
-            }
-            return Local::No;
+            // registration (this one is closed, and released when idle: its
+            // last write's end, or its queued idle check, does it).
+            st.closed = true;
+            return (Local::No, now);
+        }
+        if st.checking {
+            return (Local::No, now);
         }
         st.checking = true;
-        Local::Check
+        (Local::Check, now)
     }
 
     /// The answer of the check [`Local::Check`] asked for: `Some(sent)`
     /// when the store granted the registration again (a poll sent at
     /// `sent`), which admits the caller's write (`true`); otherwise the
     /// registration is closed, and released if idle.
-    pub(super) fn checked(&self, granted: Option<Instant>, deadline: Instant) -> (bool, Release) {
+    pub(super) fn checked(
+        &self,
+        granted: Option<Instant>,
+        lasts: Duration,
+    ) -> (bool, Release, Instant) {
         let mut st = self.lock();
         st.checking = false;
+        let now = Instant::now();
+        // The confirmation must still be fresh now: an answer that took
+        // longer than the period says nothing about the present.
         match granted {
-            Some(sent) if !st.closed && deadline <= st.expires => {
+            Some(sent) if !st.closed && now < sent + CHECK_EVERY && now + lasts <= st.expires => {
                 st.fresh_until = sent + CHECK_EVERY;
                 st.inflight += 1;
-                (true, Release::Keep)
+                (true, Release::Keep, now)
             }
             _ => {
                 st.closed = true;
-                (false, Self::release_if_idle(&mut st))
+                (false, Self::release_if_idle(&mut st), now)
             }
         }
     }
@@ -171,7 +182,13 @@ impl Active {
         match granted {
             Some(sent) if !st.closed => {
                 st.fresh_until = sent + CHECK_EVERY;
-                Release::Keep
+                // Its last write may have ended while the read was out
+                // (`end` leaves the release to the check then).
+                if st.inflight == 0 && !st.released {
+                    Release::At(st.fresh_until)
+                } else {
+                    Release::Keep
+                }
             }
             _ => {
                 st.closed = true;
@@ -181,8 +198,10 @@ impl Active {
     }
 
     /// Stops admissions (a newer token was seen for the key).
-    pub(super) fn close(&self) {
-        self.lock().closed = true;
+    pub(super) fn close(&self) -> Release {
+        let mut st = self.lock();
+        st.closed = true;
+        Self::release_if_idle(&mut st)
     }
 
     pub(super) fn is_closed(&self) -> bool {

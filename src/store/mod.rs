@@ -200,6 +200,14 @@ pub trait FenceStore: Send + Sync + 'static {
     /// fenced. Reflects every `advance` that has returned.
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;
 
+    /// [`highest`](Self::highest) as an admission sees it: shared stores
+    /// first refuse while they may have lost data (and check their marker
+    /// as admissions do), and compare the answer with what they saw
+    /// acknowledged. The registration checks of the fence use it.
+    async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.highest(key).await
+    }
+
     /// Atomic compare-and-raise: if `token` is greater than the stored
     /// highest (or the key is new) store it and return `Raised`. The raise is
     /// durable (fsync or the engine's equivalent) before this returns; a

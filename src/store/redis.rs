@@ -64,8 +64,11 @@ local function register(token, id, ttl, now)
   local member = pad(token) .. ':' .. id
   redis.call('ZADD', KEYS[3], 0, member)
   redis.call('HSET', KEYS[2], member, now + ttl)
-  redis.call('PEXPIRE', KEYS[2], ttl * 2)
-  redis.call('PEXPIRE', KEYS[3], ttl * 2)
+  -- Only ever lengthened: a replica with a shorter TTL must not cut short
+  -- another's lease (PEXPIRE's GT needs Redis 7).
+  for i = 2, 3 do
+    if redis.call('PTTL', KEYS[i]) < ttl * 2 then redis.call('PEXPIRE', KEYS[i], ttl * 2) end
+  end
 end
 "#;
 

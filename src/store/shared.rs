@@ -392,6 +392,16 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         self.backend.highest(key).await
     }
 
+    async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.ensure().await?;
+        let sent = self.ticket();
+        let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
+        if let Some(h) = h {
+            self.witness(key, sent, Some(h), None)?;
+        }
+        Ok(h)
+    }
+
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         self.ensure().await?;
         let sent = self.ticket();

@@ -583,15 +583,7 @@ pub fn upstream_connector(
 /// certificates). Such a failure is a setting to fix, not an outage.
 pub fn certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
     use rustls::AlertDescription as A;
-    let mut next = Some(e);
-    while let Some(err) = next {
-        if let Some(inner) = err
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-        {
-            next = Some(inner);
-            continue;
-        }
+    for err in chain(e) {
         match err.downcast_ref::<rustls::Error>() {
             Some(rustls::Error::InvalidCertificate(_)) => return true,
             Some(rustls::Error::AlertReceived(
@@ -606,7 +598,6 @@ pub fn certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
             )) => return true,
             _ => {}
         }
-        next = err.source();
     }
     // Some clients flatten the error into text.
     let text = e.to_string();
@@ -627,18 +618,7 @@ pub fn certificate_refused(e: &(dyn std::error::Error + 'static)) -> bool {
 /// first with a private or self-made certificate.
 pub fn advice(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     use rustls::CertificateError as C;
-    let mut next = Some(e);
-    while let Some(err) = next {
-        // An io::Error's `source` skips the error it wraps (hyper-rustls
-        // wraps tokio-rustls's io::Error, which wraps the rustls error),
-        // so wrapped errors are followed by hand.
-        if let Some(inner) = err
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-        {
-            next = Some(inner);
-            continue;
-        }
+    for err in chain(e) {
         if let Some(rustls::Error::InvalidCertificate(cert)) = err.downcast_ref::<rustls::Error>() {
             return Some(match cert {
                 C::Other(other)
@@ -682,9 +662,25 @@ pub fn advice(e: &(dyn std::error::Error + 'static)) -> Option<String> {
                 _ => return None,
             });
         }
-        next = err.source();
     }
     None
+}
+
+/// `e` and the errors it wraps, outermost first. An io::Error's `source`
+/// skips the error it wraps (hyper-rustls wraps tokio-rustls's io::Error,
+/// which wraps the rustls error), so wrapped errors are followed by hand.
+fn chain<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |err| {
+        match err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        }
+    })
 }
 
 #[cfg(test)]

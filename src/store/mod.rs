@@ -29,6 +29,14 @@ pub struct ConnectError(pub String);
 pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, ConnectError> {
     let bad = ConnectError;
     let tls = |e: crate::tls::TlsError| ConnectError(e.to_string());
+    // PostgreSQL's and etcd's TLS: a rustls config from the settings.
+    let client_config = || {
+        c.tls
+            .as_ref()
+            .map(crate::tls::store_client_config)
+            .transpose()
+            .map_err(tls)
+    };
     Ok(match &c.engine {
         SharedEngine::Redis => {
             let pem = c
@@ -44,12 +52,7 @@ pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, Conn
             ))
         }
         SharedEngine::Postgres { conn, prefer } => {
-            let config = c
-                .tls
-                .as_ref()
-                .map(crate::tls::store_client_config)
-                .transpose()
-                .map_err(tls)?;
+            let config = client_config()?;
             Arc::new(shared::SharedStore::new(
                 postgres::PostgresBackend::new(
                     conn,
@@ -66,12 +69,7 @@ pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, Conn
             ))
         }
         SharedEngine::Etcd { endpoints, user } => {
-            let config = c
-                .tls
-                .as_ref()
-                .map(crate::tls::store_client_config)
-                .transpose()
-                .map_err(tls)?;
+            let config = client_config()?;
             let password = c
                 .password
                 .clone()

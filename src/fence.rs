@@ -44,7 +44,7 @@ use tokio::time::Instant;
 use crate::store::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
 
 pub use active::CHECK_EVERY;
-use active::{Active, Local, Release};
+use active::{Active, Granted, Local, Release};
 
 /// Why a write was not admitted.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -887,48 +887,53 @@ impl Fence {
                 let release = a.close();
                 self.release_active(&key, &a, release);
             }
-            let (local, now) = a.try_admit(token, lasts);
-            match local {
-                Local::Admitted => {
-                    return Ok(self.active_permit(key, token, a, now + upstream_timeout))
-                }
-                Local::AdmittedRefresh => {
-                    let (fence, k, reg) = (self.clone(), key.clone(), a.clone());
-                    self.releases.spawn(async move {
-                        let sent = Instant::now();
-                        let polled = fence.store.confirm_highest(&k).await;
-                        let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
-                        let release = reg.refreshed(granted);
-                        fence.release_active(&k, &reg, release);
-                    });
-                    return Ok(self.active_permit(key, token, a, now + upstream_timeout));
-                }
-                Local::Check => {
-                    let mut check = Check {
-                        fence: self,
-                        key: key.clone(),
-                        active: Some(a.clone()),
-                    };
-                    let sent = Instant::now();
-                    let polled = self.store.confirm_highest(&key).await;
-                    let granted = matches!(polled, Ok(Some(h)) if h == token).then_some(sent);
-                    check.active = None;
-                    let (admitted, release, now) = a.checked(granted, lasts);
-                    self.release_active(&key, &a, release);
-                    if admitted {
+            // Writes that find a check under way wait for its answer (a
+            // little) rather than each asking the store on its own.
+            let mut waits = 0;
+            loop {
+                let (local, now) = a.try_admit(token, lasts);
+                match local {
+                    Local::Wait if waits < 2 => {
+                        waits += 1;
+                        let _ = tokio::time::timeout(CHECK_EVERY, a.changed.notified()).await;
+                        continue;
+                    }
+                    Local::Admitted => {
+                        return Ok(self.active_permit(key, token, a, now + upstream_timeout))
+                    }
+                    Local::AdmittedRefresh { renew } => {
+                        let (fence, k, reg) = (self.clone(), key.clone(), a.clone());
+                        self.releases.spawn(async move {
+                            let granted = fence.confirm(&k, &reg, renew).await;
+                            let release = reg.refreshed(granted.ok().flatten());
+                            reg.changed.notify_waiters();
+                            fence.release_active(&k, &reg, release);
+                        });
                         return Ok(self.active_permit(key, token, a, now + upstream_timeout));
                     }
-                    match polled {
-                        Ok(Some(highest)) if highest > token => {
-                            return Err(FenceError::Stale { token, highest })
+                    Local::Check { renew } => {
+                        let mut check = Check {
+                            fence: self,
+                            key: key.clone(),
+                            active: Some(a.clone()),
+                        };
+                        let confirmed = self.confirm(&key, &a, renew).await;
+                        check.active = None;
+                        let granted = confirmed.as_ref().ok().copied().flatten();
+                        let (admitted, release, now) = a.checked(granted, lasts);
+                        a.changed.notify_waiters();
+                        self.release_active(&key, &a, release);
+                        if admitted {
+                            return Ok(self.active_permit(key, token, a, now + upstream_timeout));
                         }
-                        Err(e) => return Err(e.into()),
-                        // The registration is too old for this write, or
-                        // the store forgot the key: the store path says.
-                        Ok(_) => {}
+                        // Taken by a newer token, or a store error: say so.
+                        // Otherwise (the registration cannot cover this write,
+                        // or its answer came too late) the store path decides.
+                        confirmed?;
                     }
+                    Local::No | Local::Wait => {}
                 }
-                Local::No => {}
+                break;
             }
         }
         // The lease's identity exists, and its release is armed, before the
@@ -1018,6 +1023,40 @@ impl Fence {
                     outcome = self.store.poll_lease(&key, &lease).await?;
                 }
             }
+        }
+    }
+
+    /// Asks the store whether the registration `a` still holds: a read of
+    /// the key's highest, or with `renew` a renewal of its lease (which
+    /// leaves the lease in place if the key was taken). `Ok(None)`: it does
+    /// not (the caller closes it); `Err(Stale)` when a higher token took
+    /// the key.
+    async fn confirm(
+        &self,
+        key: &str,
+        a: &Active,
+        renew: bool,
+    ) -> Result<Option<Granted>, FenceError> {
+        let sent = Instant::now();
+        let token = a.token;
+        if renew {
+            return match self
+                .store
+                .renew_lease(key, &a.lease, self.lease_ttl)
+                .await?
+            {
+                LeaseOutcome::Granted(_) => Ok(Some(Granted {
+                    sent,
+                    ttl: Some(self.lease_ttl),
+                })),
+                LeaseOutcome::Stale { highest } => Err(FenceError::Stale { token, highest }),
+                LeaseOutcome::Busy { .. } => Ok(None),
+            };
+        }
+        match self.store.confirm_highest(key).await? {
+            Some(h) if h == token => Ok(Some(Granted { sent, ttl: None })),
+            Some(highest) if highest > token => Err(FenceError::Stale { token, highest }),
+            _ => Ok(None),
         }
     }
 
@@ -1255,6 +1294,7 @@ impl Drop for Check<'_> {
     fn drop(&mut self) {
         if let Some(a) = self.active.take() {
             let (_, release, _) = a.checked(None, Duration::ZERO);
+            a.changed.notify_waiters();
             self.fence.release_active(&self.key, &a, release);
         }
     }

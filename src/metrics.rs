@@ -487,6 +487,17 @@ impl crate::store::FenceStore for InstrumentedStore {
         self.observe("poll_lease", t);
         r
     }
+    async fn renew_lease(
+        &self,
+        key: &str,
+        lease: &crate::store::WriteLease,
+        ttl: std::time::Duration,
+    ) -> Result<crate::store::LeaseOutcome, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.renew_lease(key, lease, ttl).await;
+        self.observe("renew_lease", t);
+        r
+    }
     async fn release_lease(
         &self,
         key: &str,

@@ -9,12 +9,13 @@
 //!   than that long ago; no older lease can appear after the grant, since
 //!   it would be stale);
 //! - the registration's lease lives in the store past the write's own
-//!   deadline (its TTL counts from before the acquire was sent). A write
-//!   that would outlive it takes the store path, and its lease becomes the
-//!   key's new registration.
+//!   deadline (its TTL counts from before the acquire, or the last renewal,
+//!   was sent). The lease is renewed ahead of need while writes keep
+//!   coming, by a renewal that, unlike a poll, leaves the lease in place
+//!   when it finds the key taken.
 //!
-//! The checks only read: a poll of the lease that found the key taken would
-//! remove the lease, which the registration's writes in flight still need.
+//! The checks never remove the lease: a poll of the lease that found the
+//! key taken would, and the registration's writes in flight still need it.
 //!
 //! A newer token, on any replica, registers above T and waits for the
 //! registration (the rule of every shared-store admission), so nothing
@@ -41,11 +42,34 @@ use crate::store::WriteLease;
 /// same token on its own.
 pub const CHECK_EVERY: Duration = Duration::from_millis(50);
 
+/// Renew a registration's lease when a write admitted on it would end
+/// within this of the lease's end: writes keep coming on it meanwhile.
+const RENEW_AHEAD: Duration = Duration::from_millis(250);
+
+/// A store's answer that the registration still holds: the call was sent
+/// at `sent`; `ttl` if it renewed the lease (for that long from `sent`).
+#[derive(Clone, Copy)]
+pub(super) struct Granted {
+    pub(super) sent: Instant,
+    pub(super) ttl: Option<Duration>,
+}
+
+impl ActiveState {
+    fn renewed(&mut self, g: Granted) {
+        self.fresh_until = g.sent + CHECK_EVERY;
+        if let Some(ttl) = g.ttl {
+            self.expires = self.expires.max(g.sent + ttl);
+        }
+    }
+}
+
 /// One key's registration on this replica.
 pub(super) struct Active {
     pub(super) token: u64,
     pub(super) lease: WriteLease,
     pub(super) state: Mutex<ActiveState>,
+    /// Woken when a check's answer is in.
+    pub(super) changed: tokio::sync::Notify,
 }
 
 pub(super) struct ActiveState {
@@ -70,14 +94,20 @@ pub(super) struct ActiveState {
 pub(super) enum Local {
     /// Admitted here: the write counts in `inflight`.
     Admitted,
-    /// Admitted here, and the confirmation is getting old: the caller
-    /// polls the registration in the background (it is marked as checking)
-    /// and hands the answer to [`Active::refreshed`], so that writes that
-    /// keep coming never wait for the store.
-    AdmittedRefresh,
-    /// The store's confirmation is due: the caller polls the registration
-    /// (it is marked as checking) and then calls [`Active::checked`].
-    Check,
+    /// Admitted here, and the confirmation is getting old (or the lease
+    /// is, `renew`): the caller confirms (or renews the lease) in the
+    /// background (it is marked as checking) and hands the answer to
+    /// [`Active::refreshed`], so that writes that keep coming never wait
+    /// for the store.
+    AdmittedRefresh { renew: bool },
+    /// The store's confirmation is due (or the lease must be renewed to
+    /// cover this write, `renew`): the caller asks the store (the
+    /// registration is marked as checking) and then calls
+    /// [`Active::checked`].
+    Check { renew: bool },
+    /// A check is under way and the confirmation ran out: wait for
+    /// [`Active::changed`], then try again.
+    Wait,
     /// Not on this registration: go to the store.
     No,
 }
@@ -98,6 +128,7 @@ impl Active {
         Arc::new(Self {
             token,
             lease,
+            changed: tokio::sync::Notify::new(),
             state: Mutex::new(ActiveState {
                 inflight: 1,
                 fresh_until: sent + CHECK_EVERY,
@@ -126,24 +157,25 @@ impl Active {
         let deadline = now + lasts;
         if now < st.fresh_until && deadline <= st.expires {
             st.inflight += 1;
-            if !st.checking && now + CHECK_EVERY / 2 >= st.fresh_until {
-                st.checking = true;
-                return (Local::AdmittedRefresh, now);
+            if !st.checking {
+                let renew = deadline + RENEW_AHEAD > st.expires;
+                if renew || now + CHECK_EVERY / 2 >= st.fresh_until {
+                    st.checking = true;
+                    return (Local::AdmittedRefresh { renew }, now);
+                }
             }
             return (Local::Admitted, now);
         }
-        if deadline > st.expires {
-            // Too old to cover this write: the store path takes a new
-            // registration (this one is closed, and released when idle: its
-            // last write's end, or its queued idle check, does it).
-            st.closed = true;
-            return (Local::No, now);
-        }
         if st.checking {
-            return (Local::No, now);
+            return (Local::Wait, now);
         }
         st.checking = true;
-        (Local::Check, now)
+        (
+            Local::Check {
+                renew: deadline > st.expires,
+            },
+            now,
+        )
     }
 
     /// The answer of the check [`Local::Check`] asked for: `Some(sent)`
@@ -152,17 +184,19 @@ impl Active {
     /// registration is closed, and released if idle.
     pub(super) fn checked(
         &self,
-        granted: Option<Instant>,
+        granted: Option<Granted>,
         lasts: Duration,
     ) -> (bool, Release, Instant) {
         let mut st = self.lock();
         st.checking = false;
         let now = Instant::now();
+        if let Some(g) = granted.filter(|_| !st.closed) {
+            st.renewed(g);
+        }
         // The confirmation must still be fresh now: an answer that took
         // longer than the period says nothing about the present.
         match granted {
-            Some(sent) if !st.closed && now < sent + CHECK_EVERY && now + lasts <= st.expires => {
-                st.fresh_until = sent + CHECK_EVERY;
+            Some(g) if !st.closed && now < g.sent + CHECK_EVERY && now + lasts <= st.expires => {
                 st.inflight += 1;
                 (true, Release::Keep, now)
             }
@@ -176,12 +210,12 @@ impl Active {
     /// The answer of the background poll [`Local::AdmittedRefresh`] asked
     /// for: `Some(sent)` renews the confirmation; otherwise the
     /// registration is closed (and released if idle).
-    pub(super) fn refreshed(&self, granted: Option<Instant>) -> Release {
+    pub(super) fn refreshed(&self, granted: Option<Granted>) -> Release {
         let mut st = self.lock();
         st.checking = false;
         match granted {
-            Some(sent) if !st.closed => {
-                st.fresh_until = sent + CHECK_EVERY;
+            Some(g) if !st.closed => {
+                st.renewed(g);
                 // Its last write may have ended while the read was out
                 // (`end` leaves the release to the check then).
                 if st.inflight == 0 && !st.released {

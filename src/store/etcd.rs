@@ -576,6 +576,29 @@ impl Backend for EtcdBackend {
         }
     }
 
+    async fn renew(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let lk = Self::lease_key(key, lease);
+        let etcd_lease = self.replica_lease(ttl).await?;
+        // No stale operations: a taken key leaves the lease as it is.
+        let step = self
+            .guarded_txn(
+                key,
+                lease.token,
+                vec![],
+                vec![json!({"request_put": {"key": b64(&lk), "value": b64(""), "lease": etcd_lease}})],
+            )
+            .await?;
+        match step {
+            LeaseStep::Stale(h) => Ok(LeaseOutcome::Stale { highest: h }),
+            LeaseStep::Ran(_) => Ok(LeaseOutcome::Granted(lease.clone())),
+        }
+    }
+
     async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         self.post(
             "/v3/kv/deleterange",

@@ -280,6 +280,20 @@ pub trait FenceStore: Send + Sync + 'static {
         Err(StoreError::Unavailable("this store has no leases".into()))
     }
 
+    /// Extends a granted lease to `ttl` from now on the store's clock,
+    /// unless a higher token took the key: then `Stale`, and the lease is
+    /// left in place (unlike [`poll_lease`](Self::poll_lease)), because
+    /// writes admitted on it may still be in flight.
+    async fn renew_lease(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let _ = (key, lease, ttl);
+        Err(StoreError::Unavailable("this store has no leases".into()))
+    }
+
     /// Releases a lease. Best effort: a lease that is not released expires.
     /// Releasing a lease that was never registered, or already released, is
     /// harmless.

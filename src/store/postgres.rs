@@ -21,7 +21,7 @@ use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker}
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
-const SCHEMA_VERSION: i32 = 2;
+const SCHEMA_VERSION: i32 = 3;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL);
@@ -87,6 +87,21 @@ BEGIN
     SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
     IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
     RETURN QUERY SELECT fencegate_register(k, t, lid, ttl_ms), t::text;
+END $$;
+
+-- Extend a granted lease, unless a higher token took the key: then the
+-- lease stays (writes admitted on it may still be in flight).
+CREATE OR REPLACE FUNCTION fencegate_renew(k text, t numeric, lid text, ttl_ms bigint)
+RETURNS TABLE(status text, value text) LANGUAGE plpgsql AS $$
+DECLARE h numeric;
+BEGIN
+    SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
+    IF NOT FOUND THEN RETURN QUERY SELECT 'lost'::text, ''::text; RETURN; END IF;
+    IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
+    INSERT INTO fencegate_leases (id, key, token, expires_at)
+        VALUES (lid, k, t, clock_timestamp() + ttl_ms * interval '1 millisecond')
+        ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    RETURN QUERY SELECT 'granted'::text, t::text;
 END $$;
 
 CREATE OR REPLACE FUNCTION fencegate_poll(k text, t numeric, lid text, ttl_ms bigint)
@@ -415,6 +430,24 @@ impl Backend for PostgresBackend {
         let (status, value) = self
             .call(
                 "SELECT * FROM fencegate_poll($1, $2::text::numeric, $3, $4)",
+                key,
+                lease.token,
+                Some((&lease.id, ttl_ms)),
+            )
+            .await?;
+        lease_outcome(&status, value.as_deref().unwrap_or(""), lease.clone())
+    }
+
+    async fn renew(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        let (status, value) = self
+            .call(
+                "SELECT * FROM fencegate_renew($1, $2::text::numeric, $3, $4)",
                 key,
                 lease.token,
                 Some((&lease.id, ttl_ms)),

@@ -110,6 +110,16 @@ if older then return {'busy', token} end
 return {'granted', token}
 "#;
 
+const RENEW: &str = r#"
+local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local h = redis.call('GET', KEYS[1])
+if not h then return {'lost', ''} end
+-- Taken by a higher token: the lease stays (its writes may be in flight).
+if lt(token, h) then return {'stale', h} end
+register(token, id, ttl, now_ms())
+return {'granted', token}
+"#;
+
 const ADVANCE: &str = r#"
 local token = ARGV[1]
 local h = redis.call('GET', KEYS[1])
@@ -143,6 +153,7 @@ pub struct RedisBackend {
     timeout: Duration,
     acquire: Script,
     poll: Script,
+    renew: Script,
     advance: Script,
     release: Script,
 }
@@ -224,6 +235,7 @@ impl RedisBackend {
             timeout,
             acquire: Script::new(&with_lib(ACQUIRE)),
             poll: Script::new(&with_lib(POLL)),
+            renew: Script::new(&with_lib(RENEW)),
             advance: Script::new(&with_lib(ADVANCE)),
             release: Script::new(RELEASE),
         })
@@ -445,6 +457,18 @@ impl Backend for RedisBackend {
     ) -> Result<LeaseOutcome, StoreError> {
         let reply = self
             .lease_script(&self.poll, key, lease.token, &lease.id, ttl)
+            .await?;
+        lease_outcome(reply, lease.clone())
+    }
+
+    async fn renew(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let reply = self
+            .lease_script(&self.renew, key, lease.token, &lease.id, ttl)
             .await?;
         lease_outcome(reply, lease.clone())
     }

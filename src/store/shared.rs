@@ -52,6 +52,15 @@ pub trait Backend: Send + Sync + 'static {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError>;
+    /// Extends a granted lease to `ttl` from now, unless a higher token
+    /// took the key (`Stale`: the lease is left as it is, since writes
+    /// admitted on it may still be in flight). `Granted` otherwise.
+    async fn renew(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError>;
     async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError>;
@@ -481,6 +490,23 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         let outcome = self
             .backend
             .poll(key, lease, ttl)
+            .await
+            .map_err(|e| self.latch(e))?;
+        self.witness_lease(key, sent, &outcome)?;
+        Ok(outcome)
+    }
+
+    async fn renew_lease(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.ensure().await?;
+        let sent = self.ticket();
+        let outcome = self
+            .backend
+            .renew(key, lease, ttl)
             .await
             .map_err(|e| self.latch(e))?;
         self.witness_lease(key, sent, &outcome)?;

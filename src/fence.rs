@@ -1040,11 +1040,11 @@ impl Fence {
         let sent = Instant::now();
         let token = a.token;
         if renew {
-            return match self
-                .store
-                .renew_lease(key, &a.lease, self.lease_ttl)
-                .await?
-            {
+            let renewed = self.store.renew_lease(key, &a.lease, self.lease_ttl).await;
+            if renewed.is_err() {
+                a.renew_lost();
+            }
+            return match renewed? {
                 LeaseOutcome::Granted(_) => Ok(Some(Granted {
                     sent,
                     ttl: Some(self.lease_ttl),
@@ -1085,9 +1085,9 @@ impl Fence {
     /// Carries out what a registration said about its lease: release it now
     /// (and forget it here), or look again when it has been idle a while.
     fn release_active(self: &Arc<Self>, key: &Arc<str>, a: &Arc<Active>, what: Release) {
-        let repolled = match what {
+        let twice = match what {
             Release::Keep => return,
-            Release::Now { repolled } => repolled,
+            Release::Now { twice } => twice,
             Release::At(at) => {
                 if let Some(queue) = self.idle.lock().expect("idle lock").as_mut() {
                     queue.push((key.clone(), a.clone(), at));
@@ -1096,23 +1096,23 @@ impl Fence {
                 // Nobody sweeps (the fence is stopping, or runs without its
                 // background task): no lingering.
                 match a.idle() {
-                    Release::Now { repolled } => repolled,
+                    Release::Now { twice } => twice,
                     _ => return,
                 }
             }
         };
         self.actives.remove_if(key, |_, v| Arc::ptr_eq(v, a));
-        self.spawn_release(key.clone(), a.lease.clone(), repolled);
+        self.spawn_release(key.clone(), a.lease.clone(), twice);
     }
 
     /// Releases a lease in the background. A store that cannot answer (it
     /// is restarting) is asked again for a while: an unreleased lease holds
-    /// newer writes to the key until it expires. `repolled`: the lease was
-    /// polled after its grant, and a poll still on its way could bring it
-    /// back, so it is released once more after the store's margin.
-    fn spawn_release(&self, key: Arc<str>, lease: WriteLease, repolled: bool) {
+    /// newer writes to the key until it expires. `twice`: a poll or
+    /// renewal of the lease may still be on its way and bring it back, so
+    /// it is released once more after the store's margin.
+    fn spawn_release(&self, key: Arc<str>, lease: WriteLease, twice: bool) {
         let store = self.store.clone();
-        let again = repolled.then_some(self.lease_margin);
+        let again = twice.then_some(self.lease_margin);
         let retry_for = self.lease_margin;
         self.releases.spawn(async move {
             let give_up = Instant::now() + retry_for;

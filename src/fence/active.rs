@@ -79,15 +79,16 @@ pub(super) struct ActiveState {
     pub(super) fresh_until: Instant,
     /// The registration lives in the store at least until this instant.
     pub(super) expires: Instant,
-    /// A check is under way (others take the store path meanwhile).
+    /// A check is under way (writes that need it wait for its answer).
     pub(super) checking: bool,
     /// No more admissions: the key moved on, or the registration is being
     /// released.
     pub(super) closed: bool,
     /// The release was handed to a task: nobody else sends it.
     pub(super) released: bool,
-    /// Polled after its grant: released twice, as a lost acquire is.
-    pub(super) repolled: bool,
+    /// A renewal went unanswered: the store may still apply it after the
+    /// release, so the release is sent twice, as for a lost acquire.
+    pub(super) renew_lost: bool,
 }
 
 /// What [`Active::try_admit`] found.
@@ -119,8 +120,9 @@ pub(super) enum Release {
     /// Release it when idle at this instant (the caller checks again then
     /// with [`Active::idle`]).
     At(Instant),
-    /// Release it now; `repolled`: send the release twice.
-    Now { repolled: bool },
+    /// Release it now; `twice`: once more after the store's margin (a
+    /// renewal went unanswered).
+    Now { twice: bool },
 }
 
 impl Active {
@@ -136,7 +138,7 @@ impl Active {
                 checking: false,
                 closed: false,
                 released: false,
-                repolled: false,
+                renew_lost: false,
             }),
         })
     }
@@ -231,6 +233,11 @@ impl Active {
         }
     }
 
+    /// A renewal of the lease went unanswered (a store error or timeout).
+    pub(super) fn renew_lost(&self) {
+        self.lock().renew_lost = true;
+    }
+
     /// Stops admissions (a newer token was seen for the key).
     pub(super) fn close(&self) -> Release {
         let mut st = self.lock();
@@ -274,7 +281,7 @@ impl Active {
         }
         st.released = true;
         Release::Now {
-            repolled: st.repolled,
+            twice: st.renew_lost,
         }
     }
 }

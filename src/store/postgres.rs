@@ -329,6 +329,22 @@ impl PostgresBackend {
         }
     }
 
+    /// A lease function (poll, renew) on an existing lease: (key, token,
+    /// lease id, TTL in ms) in, (status, value) out.
+    async fn lease_call(
+        &self,
+        sql: &'static str,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        let (status, value) = self
+            .call(sql, key, lease.token, Some((&lease.id, ttl_ms)))
+            .await?;
+        lease_outcome(&status, value.as_deref().unwrap_or(""), lease.clone())
+    }
+
     async fn call(
         &self,
         sql: &'static str,
@@ -426,16 +442,13 @@ impl Backend for PostgresBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        let (status, value) = self
-            .call(
-                "SELECT * FROM fencegate_poll($1, $2::text::numeric, $3, $4)",
-                key,
-                lease.token,
-                Some((&lease.id, ttl_ms)),
-            )
-            .await?;
-        lease_outcome(&status, value.as_deref().unwrap_or(""), lease.clone())
+        self.lease_call(
+            "SELECT * FROM fencegate_poll($1, $2::text::numeric, $3, $4)",
+            key,
+            lease,
+            ttl,
+        )
+        .await
     }
 
     async fn renew(
@@ -444,16 +457,13 @@ impl Backend for PostgresBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        let (status, value) = self
-            .call(
-                "SELECT * FROM fencegate_renew($1, $2::text::numeric, $3, $4)",
-                key,
-                lease.token,
-                Some((&lease.id, ttl_ms)),
-            )
-            .await?;
-        lease_outcome(&status, value.as_deref().unwrap_or(""), lease.clone())
+        self.lease_call(
+            "SELECT * FROM fencegate_renew($1, $2::text::numeric, $3, $4)",
+            key,
+            lease,
+            ttl,
+        )
+        .await
     }
 
     async fn release(&self, _key: &str, lease: &WriteLease) -> Result<(), StoreError> {

@@ -368,6 +368,22 @@ impl<B: Backend> SharedStore<B> {
         }
     }
 
+    /// A lease operation on the backend as admissions run it: refused while
+    /// in amnesia (the marker checked first), its answer compared with what
+    /// was acknowledged before it was sent. (`call` is lazy: nothing is
+    /// sent before the marker check.)
+    async fn guarded(
+        &self,
+        key: &str,
+        call: impl std::future::Future<Output = Result<LeaseOutcome, StoreError>>,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.ensure().await?;
+        let sent = self.ticket();
+        let outcome = call.await.map_err(|e| self.latch(e))?;
+        self.witness_lease(key, sent, &outcome)?;
+        Ok(outcome)
+    }
+
     /// A backend's own report of lost data latches amnesia like ours.
     fn latch(&self, e: StoreError) -> StoreError {
         match e {
@@ -484,16 +500,8 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     }
 
     async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {
-        self.ensure().await?;
         let ttl = Duration::from_millis(self.lease_ttl_ms.load(Ordering::Relaxed));
-        let sent = self.ticket();
-        let outcome = self
-            .backend
-            .poll(key, lease, ttl)
-            .await
-            .map_err(|e| self.latch(e))?;
-        self.witness_lease(key, sent, &outcome)?;
-        Ok(outcome)
+        self.guarded(key, self.backend.poll(key, lease, ttl)).await
     }
 
     async fn renew_lease(
@@ -502,15 +510,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        self.ensure().await?;
-        let sent = self.ticket();
-        let outcome = self
-            .backend
-            .renew(key, lease, ttl)
-            .await
-            .map_err(|e| self.latch(e))?;
-        self.witness_lease(key, sent, &outcome)?;
-        Ok(outcome)
+        self.guarded(key, self.backend.renew(key, lease, ttl)).await
     }
 
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {

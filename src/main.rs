@@ -421,7 +421,7 @@ fn init_store(opts: &Opts) -> ExitCode {
     };
     block_on(async {
         let result = async {
-            let store = fencegate::store::connect_shared(&shared)?;
+            let store = fencegate::store::connect_shared(&shared, None)?;
             Ok::<_, anyhow::Error>(store.initialise().await?)
         }
         .await;

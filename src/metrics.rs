@@ -25,6 +25,9 @@ pub struct Metrics {
     pub admission_waited_out: IntCounterVec,
     /// Store operation latency, by operation.
     pub store_latency: HistogramVec,
+    /// Operations per round trip to a shared store (group commit), by
+    /// operation (acquire_lease, release_lease).
+    pub store_batch_size: HistogramVec,
     /// Upstream response-head latency, by route.
     pub upstream_latency: HistogramVec,
     /// Upstream failures by route and kind (connect, timeout, other).
@@ -120,6 +123,12 @@ impl Metrics {
             "Fence store operation latency.",
             &["op"],
             0.000_01,
+        );
+        let store_batch_size = histogram(
+            "fencegate_store_batch_size",
+            "Operations sent to a shared store in one round trip (group commit).",
+            &["op"],
+            1.0,
         );
         let upstream_latency = histogram(
             "fencegate_upstream_latency_seconds",
@@ -263,6 +272,7 @@ impl Metrics {
             admission_wait,
             admission_waited_out,
             store_latency,
+            store_batch_size,
             upstream_latency,
             upstream_errors,
             in_flight,

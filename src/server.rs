@@ -161,7 +161,9 @@ impl Server {
                         .expect("store open task")?;
                 Arc::new(opened)
             }
-            StoreConfig::Shared(shared) => crate::store::connect_shared(shared)?,
+            StoreConfig::Shared(shared) => {
+                crate::store::connect_shared(shared, Some(&metrics.store_batch_size))?
+            }
         };
 
         if let StoreConfig::Shared(shared) = &config.store {

@@ -33,7 +33,7 @@ use serde_json::{json, Value};
 
 use crate::config::Secret;
 
-use super::shared::{busy, stored_token, Backend, Marker};
+use super::shared::{busy, stored_token, Acquire, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
@@ -391,26 +391,50 @@ impl EtcdBackend {
         stale_ops: Vec<Value>,
         ops: Vec<Value>,
     ) -> Result<LeaseStep, StoreError> {
+        let txn = GuardedTxn::new(key, token, stale_ops, ops);
+        let v = self.post("/v3/kv/txn", txn.body.clone()).await?;
+        if v["header"]["revision"].as_str().is_none() {
+            return Err(unavailable("transaction answer without a header"));
+        }
+        txn.answer(&v)
+    }
+}
+
+/// A transaction guarded by the key's fence: if the stored highest is above
+/// the token, the stale operations run and the highest is read; otherwise
+/// the operations run.
+struct GuardedTxn {
+    body: Value,
+    success_n: usize,
+    ops_n: usize,
+}
+
+impl GuardedTxn {
+    fn new(key: &str, token: u64, stale_ops: Vec<Value>, ops: Vec<Value>) -> Self {
         let fk = fence_key(key);
         let mut success = stale_ops;
         success.push(json!({"request_range": {"key": b64(&fk)}}));
         let (success_n, ops_n) = (success.len(), ops.len());
-        let v = self
-            .post(
-                "/v3/kv/txn",
-                json!({
-                    "compare": [{"key": b64(&fk), "target": "VALUE", "result": "GREATER", "value": b64(&pad(token))}],
-                    "success": success,
-                    "failure": ops,
-                }),
-            )
-            .await?;
-        if v["header"]["revision"].as_str().is_none() {
-            return Err(unavailable("transaction answer without a header"));
+        Self {
+            body: json!({
+                "compare": [{"key": b64(&fk), "target": "VALUE", "result": "GREATER", "value": b64(&pad(token))}],
+                "success": success,
+                "failure": ops,
+            }),
+            success_n,
+            ops_n,
         }
+    }
+
+    /// The transaction's answer (`v`: its response, top-level or nested).
+    fn answer(&self, v: &Value) -> Result<LeaseStep, StoreError> {
         let responses = v["responses"].as_array().cloned().unwrap_or_default();
         let succeeded = v["succeeded"].as_bool().unwrap_or(false);
-        let expected = if succeeded { success_n } else { ops_n };
+        let expected = if succeeded {
+            self.success_n
+        } else {
+            self.ops_n
+        };
         if responses.len() != expected {
             return Err(unavailable(format!(
                 "transaction answered {} results for {expected} operations",
@@ -518,35 +542,61 @@ impl Backend for EtcdBackend {
         }
     }
 
-    async fn acquire(
+    async fn acquire_many(
         &self,
-        key: &str,
-        token: u64,
-        lease_id: &str,
-        ttl: Duration,
-    ) -> Result<LeaseOutcome, StoreError> {
-        let etcd_lease = self.replica_lease(ttl).await?;
-        let lease = WriteLease {
-            id: lease_id.to_string(),
-            token,
-        };
-        let fk = fence_key(key);
-        let step = self
-            .guarded_txn(
-                key,
-                token,
+        reqs: &[Acquire],
+    ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
+        // One transaction of nested ones (etcd 3.3+), each guarded by its
+        // key's fence as a lone acquire is: one Raft round for the batch.
+        let mut etcd_leases: Vec<(Duration, String)> = Vec::new();
+        let mut txns = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            let etcd_lease = match etcd_leases.iter().find(|(t, _)| *t == r.ttl) {
+                Some((_, id)) => id.clone(),
+                None => {
+                    let id = self.replica_lease(r.ttl).await?;
+                    etcd_leases.push((r.ttl, id.clone()));
+                    id
+                }
+            };
+            let fk = fence_key(&r.key);
+            txns.push(GuardedTxn::new(
+                &r.key,
+                r.lease.token,
                 vec![],
                 vec![
-                    json!({"request_put": {"key": b64(&fk), "value": b64(&pad(token))}}),
-                    json!({"request_put": {"key": b64(&Self::lease_key(key, &lease)), "value": b64(""), "lease": etcd_lease}}),
-                    older_count(key, token),
+                    json!({"request_put": {"key": b64(&fk), "value": b64(&pad(r.lease.token))}}),
+                    json!({"request_put": {"key": b64(&Self::lease_key(&r.key, &r.lease)), "value": b64(""), "lease": etcd_lease}}),
+                    older_count(&r.key, r.lease.token),
                 ],
-            )
-            .await?;
-        match step {
-            LeaseStep::Stale(h) => Ok(LeaseOutcome::Stale { highest: h }),
-            LeaseStep::Ran(r) => Ok(older_leases(&r, lease)),
+            ));
         }
+        let ops: Vec<Value> = txns
+            .iter()
+            .map(|t| json!({"request_txn": t.body}))
+            .collect();
+        let v = self.post("/v3/kv/txn", json!({"success": ops})).await?;
+        if v["header"]["revision"].as_str().is_none() {
+            return Err(unavailable("transaction answer without a header"));
+        }
+        let responses = v["responses"].as_array().cloned().unwrap_or_default();
+        if responses.len() != reqs.len() {
+            return Err(unavailable(format!(
+                "a batch of {} answered {} results",
+                reqs.len(),
+                responses.len()
+            )));
+        }
+        Ok(reqs
+            .iter()
+            .zip(txns.iter().zip(&responses))
+            .map(|(r, (t, resp))| {
+                Ok(match t.answer(&resp["response_txn"])? {
+                    LeaseStep::Stale(h) => LeaseOutcome::Stale { highest: h },
+                    LeaseStep::Ran(ran) => older_leases(&ran, r.lease.clone()),
+                })
+            })
+            .collect())
     }
 
     async fn poll(
@@ -599,12 +649,14 @@ impl Backend for EtcdBackend {
         }
     }
 
-    async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
-        self.post(
-            "/v3/kv/deleterange",
-            json!({"key": b64(&Self::lease_key(key, lease))}),
-        )
-        .await?;
+    async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
+        let ops: Vec<Value> = leases
+            .iter()
+            .map(|(key, lease)| {
+                json!({"request_delete_range": {"key": b64(&Self::lease_key(key, lease))}})
+            })
+            .collect();
+        self.post("/v3/kv/txn", json!({"success": ops})).await?;
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! default; shared engines (Redis, PostgreSQL, etcd) implement the same trait so
 //! several replicas can enforce one fence.
 
+pub mod batch;
 pub mod embedded;
 pub mod etcd;
 pub mod postgres;
@@ -25,8 +26,12 @@ use crate::config::{SharedEngine, SharedStoreConfig};
 pub struct ConnectError(pub String);
 
 /// Builds the shared store a config names. Connects lazily: a store that is
-/// down at start makes writes fail closed until it answers.
-pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, ConnectError> {
+/// down at start makes writes fail closed until it answers. `batch_sizes`
+/// observes the size of each batch sent ([`batch`]), by operation.
+pub fn connect_shared(
+    c: &SharedStoreConfig,
+    batch_sizes: Option<&prometheus::HistogramVec>,
+) -> Result<Arc<dyn FenceStore>, ConnectError> {
     let bad = ConnectError;
     let tls = |e: crate::tls::TlsError| ConnectError(e.to_string());
     // PostgreSQL's and etcd's TLS: a rustls config from the settings.
@@ -49,6 +54,7 @@ pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, Conn
                 redis::RedisBackend::new(&c.url, c.password.as_ref(), pem, c.timeout)
                     .map_err(bad)?,
                 c.accept_reset,
+                batch_sizes,
             ))
         }
         SharedEngine::Postgres { conn, prefer } => {
@@ -66,6 +72,7 @@ pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, Conn
                 )
                 .map_err(bad)?,
                 c.accept_reset,
+                batch_sizes,
             ))
         }
         SharedEngine::Etcd { endpoints, user } => {
@@ -83,6 +90,7 @@ pub fn connect_shared(c: &SharedStoreConfig) -> Result<Arc<dyn FenceStore>, Conn
             Arc::new(shared::SharedStore::new(
                 etcd::EtcdBackend::new(endpoints.clone(), config, auth, c.timeout),
                 c.accept_reset,
+                batch_sizes,
             ))
         }
     })

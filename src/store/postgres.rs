@@ -17,11 +17,11 @@ use async_trait::async_trait;
 use tokio_postgres::{Client, NoTls};
 
 use super::postgres_tls::PgTls;
-use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
+use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
-const SCHEMA_VERSION: i32 = 3;
+const SCHEMA_VERSION: i32 = 4;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL);
@@ -87,6 +87,29 @@ BEGIN
     SELECT f.highest INTO h FROM fencegate_fences f WHERE f.key = k FOR UPDATE;
     IF h > t THEN RETURN QUERY SELECT 'stale'::text, h::text; RETURN; END IF;
     RETURN QUERY SELECT fencegate_register(k, t, lid, ttl_ms), t::text;
+END $$;
+
+-- A batch of admissions in one transaction (one commit, one WAL flush),
+-- each answered as fencegate_acquire alone would. The caller sends the keys
+-- distinct and in byte order ("C" collation), the order every batch locks
+-- fence rows in, so that batches of several replicas cannot deadlock.
+CREATE OR REPLACE FUNCTION fencegate_acquire_many(ks text[], ts numeric[], lids text[], ttls bigint[])
+RETURNS TABLE(i integer, status text, value text) LANGUAGE plpgsql AS $$
+BEGIN
+    FOR j IN 1 .. coalesce(array_length(ks, 1), 0) LOOP
+        RETURN QUERY SELECT j, a.status, a.value FROM fencegate_acquire(ks[j], ts[j], lids[j], ttls[j]) a;
+    END LOOP;
+END $$;
+
+-- A batch of releases. Lease rows of a key are only touched with its fence
+-- row locked, and fence rows are locked in byte order, as admissions do:
+-- otherwise a release and an admission that drops expired leases could
+-- deadlock on two lease rows.
+CREATE OR REPLACE FUNCTION fencegate_release_many(ks text[], lids text[])
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM fencegate_fences f WHERE f.key = ANY(ks) ORDER BY f.key COLLATE "C" FOR UPDATE;
+    DELETE FROM fencegate_leases WHERE id = ANY(lids);
 END $$;
 
 -- Extend a granted lease, unless a higher token took the key: then the
@@ -410,30 +433,58 @@ impl Backend for PostgresBackend {
         advance_answer("postgres", &status, value.as_deref())
     }
 
-    async fn acquire(
+    async fn acquire_many(
         &self,
-        key: &str,
-        token: u64,
-        lease_id: &str,
-        ttl: Duration,
-    ) -> Result<LeaseOutcome, StoreError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        let (status, value) = self
-            .call(
-                "SELECT * FROM fencegate_acquire($1, $2::text::numeric, $3, $4)",
-                key,
-                token,
-                Some((lease_id, ttl_ms)),
-            )
+        reqs: &[Acquire],
+    ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
+        // Byte order (Rust's `str` order, PostgreSQL's "C" collation): the
+        // order fence rows are locked in by every batch.
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by(|&a, &b| reqs[a].key.cmp(&reqs[b].key));
+        let keys: Vec<String> = order.iter().map(|&i| reqs[i].key.clone()).collect();
+        let tokens: Vec<String> = order
+            .iter()
+            .map(|&i| reqs[i].lease.token.to_string())
+            .collect();
+        let ids: Vec<String> = order.iter().map(|&i| reqs[i].lease.id.clone()).collect();
+        let ttls: Vec<i64> = order
+            .iter()
+            .map(|&i| i64::try_from(reqs[i].ttl.as_millis()).unwrap_or(i64::MAX))
+            .collect();
+        let rows = self
+            .with_client(|c| async move {
+                let r = c
+                    .query(
+                        "SELECT i, status, value FROM fencegate_acquire_many($1, $2::text[]::numeric[], $3, $4)",
+                        &[&keys, &tokens, &ids, &ttls],
+                    )
+                    .await;
+                (c, r)
+            })
             .await?;
-        lease_outcome(
-            &status,
-            value.as_deref().unwrap_or(""),
-            WriteLease {
-                id: lease_id.into(),
-                token,
-            },
-        )
+        let mut answers: Vec<Option<Result<LeaseOutcome, StoreError>>> = vec![None; reqs.len()];
+        for row in rows {
+            let (j, status, value) = (|| {
+                Ok::<_, tokio_postgres::Error>((
+                    row.try_get::<_, i32>(0)?,
+                    row.try_get::<_, String>(1)?,
+                    row.try_get::<_, Option<String>>(2)?,
+                ))
+            })()
+            .map_err(unavailable)?;
+            let Some(&i) = usize::try_from(j - 1).ok().and_then(|j| order.get(j)) else {
+                return Err(unavailable(format!("batch answer for unknown item {j}")));
+            };
+            answers[i] = Some(lease_outcome(
+                &status,
+                value.as_deref().unwrap_or(""),
+                reqs[i].lease.clone(),
+            ));
+        }
+        answers
+            .into_iter()
+            .map(|a| a.ok_or_else(|| unavailable("a batch item went unanswered")))
+            .collect()
     }
 
     async fn poll(
@@ -466,11 +517,12 @@ impl Backend for PostgresBackend {
         .await
     }
 
-    async fn release(&self, _key: &str, lease: &WriteLease) -> Result<(), StoreError> {
-        let id = lease.id.clone();
+    async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
+        let keys: Vec<String> = leases.iter().map(|(k, _)| k.clone()).collect();
+        let ids: Vec<String> = leases.iter().map(|(_, l)| l.id.clone()).collect();
         self.with_client(|c| async move {
             let r = c
-                .execute("DELETE FROM fencegate_leases WHERE id = $1", &[&id])
+                .execute("SELECT fencegate_release_many($1, $2)", &[&keys, &ids])
                 .await;
             (c, r)
         })

@@ -28,7 +28,7 @@ use redis::{
     Value,
 };
 
-use super::shared::{advance_answer, lease_answer, stored_token, Backend, Marker};
+use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const LT: &str = r#"
@@ -40,72 +40,83 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- Leases: KEYS[2] hash member -> expiry ms; KEYS[3] sorted set of the same
+-- Leases of a key: lk, hash member -> expiry ms; ok, sorted set of the same
 -- members, all with score 0, so they sort by name: "TOKEN20:ID". The oldest
 -- lease is the first member: finding an older one costs O(log n), however
 -- many writes of one token are in flight.
 local function pad(token)
   return string.rep('0', 20 - #token) .. token
 end
+local function unregister(lk, ok, token, id)
+  local member = pad(token) .. ':' .. id
+  redis.call('ZREM', ok, member)
+  redis.call('HDEL', lk, member)
+end
 -- Whether an unexpired lease older than token exists; expired ones met on
 -- the way are dropped.
-local function older_exists(token, now)
+local function older_exists(lk, ok, token, now)
   local bound = '(' .. pad(token)
   while true do
-    local m = redis.call('ZRANGEBYLEX', KEYS[3], '-', bound, 'LIMIT', 0, 1)
+    local m = redis.call('ZRANGEBYLEX', ok, '-', bound, 'LIMIT', 0, 1)
     if #m == 0 then return false end
-    local exp = redis.call('HGET', KEYS[2], m[1])
+    local exp = redis.call('HGET', lk, m[1])
     if exp and tonumber(exp) > now then return true end
-    redis.call('ZREM', KEYS[3], m[1])
-    redis.call('HDEL', KEYS[2], m[1])
+    redis.call('ZREM', ok, m[1])
+    redis.call('HDEL', lk, m[1])
   end
 end
-local function register(token, id, ttl, now)
+local function register(lk, ok, token, id, ttl, now)
   local member = pad(token) .. ':' .. id
-  redis.call('ZADD', KEYS[3], 0, member)
-  redis.call('HSET', KEYS[2], member, now + ttl)
+  redis.call('ZADD', ok, 0, member)
+  redis.call('HSET', lk, member, now + ttl)
   -- Only ever lengthened: a replica with a shorter TTL must not cut short
   -- another's lease (PEXPIRE's GT needs Redis 7).
-  for i = 2, 3 do
-    if redis.call('PTTL', KEYS[i]) < ttl * 2 then redis.call('PEXPIRE', KEYS[i], ttl * 2) end
+  for _, k in ipairs({lk, ok}) do
+    if redis.call('PTTL', k) < ttl * 2 then redis.call('PEXPIRE', k, ttl * 2) end
   end
 end
 "#;
 
+/// A batch of admissions in one script (one AOF fsync): per write, keys
+/// (fence, leases, lease order) and arguments (token, lease id, TTL in ms);
+/// answers (status, value) per write, each as the write alone would get.
 const ACQUIRE: &str = r#"
-local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local h = redis.call('GET', KEYS[1])
-if h and lt(token, h) then
-  -- Registered by an earlier run of this call (sent again after a broken
-  -- connection) if at all: a stale answer leaves no lease behind.
-  local member = pad(token) .. ':' .. id
-  redis.call('ZREM', KEYS[3], member)
-  redis.call('HDEL', KEYS[2], member)
-  return {'stale', h}
-end
-if (not h) or lt(h, token) then redis.call('SET', KEYS[1], token) end
 local now = now_ms()
-local older = older_exists(token, now)
-register(token, id, ttl, now)
-if older then return {'busy', token} end
-return {'granted', token}
+local out = {}
+for i = 1, #ARGV / 3 do
+  local fk, lk, ok = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local token, id, ttl = ARGV[3 * i - 2], ARGV[3 * i - 1], tonumber(ARGV[3 * i])
+  local h = redis.call('GET', fk)
+  if h and lt(token, h) then
+    -- Registered by an earlier run of this call (sent again after a broken
+    -- connection) if at all: a stale answer leaves no lease behind.
+    unregister(lk, ok, token, id)
+    out[#out + 1] = 'stale'
+    out[#out + 1] = h
+  else
+    if (not h) or lt(h, token) then redis.call('SET', fk, token) end
+    local older = older_exists(lk, ok, token, now)
+    register(lk, ok, token, id, ttl, now)
+    out[#out + 1] = older and 'busy' or 'granted'
+    out[#out + 1] = token
+  end
+end
+return out
 "#;
 
 const POLL: &str = r#"
 local token, id, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local h = redis.call('GET', KEYS[1])
 if h and lt(token, h) then
-  local member = pad(token) .. ':' .. id
-  redis.call('ZREM', KEYS[3], member)
-  redis.call('HDEL', KEYS[2], member)
+  unregister(KEYS[2], KEYS[3], token, id)
   return {'stale', h}
 end
 if not h then return {'lost', ''} end
 local now = now_ms()
-local older = older_exists(token, now)
+local older = older_exists(KEYS[2], KEYS[3], token, now)
 -- (Re)register with a fresh expiry: a lease being waited on, or checked
 -- again before its write goes, must outlive that write.
-register(token, id, ttl, now)
+register(KEYS[2], KEYS[3], token, id, ttl, now)
 if older then return {'busy', token} end
 return {'granted', token}
 "#;
@@ -116,8 +127,17 @@ local h = redis.call('GET', KEYS[1])
 if not h then return {'lost', ''} end
 -- Taken by a higher token: the lease stays (its writes may be in flight).
 if lt(token, h) then return {'stale', h} end
-register(token, id, ttl, now_ms())
+register(KEYS[2], KEYS[3], token, id, ttl, now_ms())
 return {'granted', token}
+"#;
+
+/// A batch of releases: per lease, keys (leases, lease order) and
+/// arguments (token, lease id).
+const RELEASE: &str = r#"
+for i = 1, #ARGV / 2 do
+  unregister(KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 * i - 1], ARGV[2 * i])
+end
+return 1
 "#;
 
 const ADVANCE: &str = r#"
@@ -127,13 +147,6 @@ if h and lt(token, h) then return {'stale', h} end
 if h == token then return {'equal', h} end
 redis.call('SET', KEYS[1], token)
 return {'raised', h or ''}
-"#;
-
-const RELEASE: &str = r#"
-local member = string.rep('0', 20 - #ARGV[1]) .. ARGV[1] .. ':' .. ARGV[2]
-redis.call('ZREM', KEYS[2], member)
-redis.call('HDEL', KEYS[1], member)
-return 1
 "#;
 
 const MARKER: &str = "fencegate:marker";
@@ -191,6 +204,11 @@ fn parse_token(v: &str) -> Result<u64, StoreError> {
     stored_token("redis", v)
 }
 
+/// A lease TTL as the scripts take it: whole milliseconds, at least one.
+fn ttl_ms(ttl: Duration) -> u64 {
+    ttl.as_millis().max(1) as u64
+}
+
 fn lease_outcome(reply: (String, String), lease: WriteLease) -> Result<LeaseOutcome, StoreError> {
     lease_answer("redis", &reply.0, &reply.1, lease)
 }
@@ -237,7 +255,7 @@ impl RedisBackend {
             poll: Script::new(&with_lib(POLL)),
             renew: Script::new(&with_lib(RENEW)),
             advance: Script::new(&with_lib(ADVANCE)),
-            release: Script::new(RELEASE),
+            release: Script::new(&with_lib(RELEASE)),
         })
     }
 
@@ -347,7 +365,7 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
-    /// Runs the acquire or poll script: both take the fence, lease and
+    /// Runs the poll or renew script: both take the fence, lease and
     /// lease-order keys and (token, lease id, TTL in ms).
     async fn lease_script(
         &self,
@@ -358,7 +376,7 @@ impl RedisBackend {
         ttl: Duration,
     ) -> Result<(String, String), StoreError> {
         let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
-        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let ttl_ms = ttl_ms(ttl);
         let id = lease_id.to_string();
         let (fk, lk, ok, id) = (&fk, &lk, &ok, &id);
         self.run(|mut c| async move {
@@ -430,23 +448,44 @@ impl Backend for RedisBackend {
         advance_answer("redis", &status, Some(&value))
     }
 
-    async fn acquire(
+    async fn acquire_many(
         &self,
-        key: &str,
-        token: u64,
-        lease_id: &str,
-        ttl: Duration,
-    ) -> Result<LeaseOutcome, StoreError> {
-        let reply = self
-            .lease_script(&self.acquire, key, token, lease_id, ttl)
+        reqs: &[Acquire],
+    ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
+        let mut keys = Vec::with_capacity(reqs.len() * 3);
+        let mut args = Vec::with_capacity(reqs.len() * 3);
+        for r in reqs {
+            keys.extend([
+                fence_key(&r.key),
+                lease_key(&r.key),
+                lease_order_key(&r.key),
+            ]);
+            args.extend([
+                r.lease.token.to_string(),
+                r.lease.id.clone(),
+                ttl_ms(r.ttl).to_string(),
+            ]);
+        }
+        let (script, keys, args) = (&self.acquire, &keys, &args);
+        let reply: Vec<String> = self
+            .run(|mut c| async move {
+                let mut call = script.prepare_invoke();
+                call.key(keys).arg(args);
+                call.invoke_async(&mut c).await
+            })
             .await?;
-        lease_outcome(
-            reply,
-            WriteLease {
-                id: lease_id.to_string(),
-                token,
-            },
-        )
+        if reply.len() != reqs.len() * 2 {
+            return Err(unavailable(format!(
+                "{} answers for a batch of {}",
+                reply.len() / 2,
+                reqs.len()
+            )));
+        }
+        Ok(reqs
+            .iter()
+            .zip(reply.chunks(2))
+            .map(|(r, a)| lease_outcome((a[0].clone(), a[1].clone()), r.lease.clone()))
+            .collect())
     }
 
     async fn poll(
@@ -473,20 +512,19 @@ impl Backend for RedisBackend {
         lease_outcome(reply, lease.clone())
     }
 
-    async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
-        let (lk, ok) = (lease_key(key), lease_order_key(key));
-        let script = &self.release;
-        let (lk, ok) = (&lk, &ok);
-        let (id, token) = (&lease.id, &lease.token.to_string());
+    async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
+        let mut keys = Vec::with_capacity(leases.len() * 2);
+        let mut args = Vec::with_capacity(leases.len() * 2);
+        for (key, lease) in leases {
+            keys.extend([lease_key(key), lease_order_key(key)]);
+            args.extend([lease.token.to_string(), lease.id.clone()]);
+        }
+        let (script, keys, args) = (&self.release, &keys, &args);
         let _: i64 = self
             .run(|mut c| async move {
-                script
-                    .key(lk)
-                    .key(ok)
-                    .arg(token)
-                    .arg(id)
-                    .invoke_async(&mut c)
-                    .await
+                let mut call = script.prepare_invoke();
+                call.key(keys).arg(args);
+                call.invoke_async(&mut c).await
             })
             .await?;
         Ok(())

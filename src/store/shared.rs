@@ -11,12 +11,13 @@
 //! which writes back every fence this replica knows and a new marker.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dashmap::DashMap;
 
+use super::batch::{Batcher, Run};
 use super::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
 
 /// How often the marker is re-read even without a reconnect.
@@ -39,13 +40,14 @@ pub trait Backend: Send + Sync + 'static {
     fn session(&self) -> u64;
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
-    async fn acquire(
+    /// Admits several writes in one round trip (keys distinct): each answer
+    /// is what the acquire alone would have got, as if they ran one after
+    /// another. The outer error fails them all (none, some or all may
+    /// have been applied).
+    async fn acquire_many(
         &self,
-        key: &str,
-        token: u64,
-        lease_id: &str,
-        ttl: Duration,
-    ) -> Result<LeaseOutcome, StoreError>;
+        reqs: &[Acquire],
+    ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError>;
     async fn poll(
         &self,
         key: &str,
@@ -61,7 +63,9 @@ pub trait Backend: Send + Sync + 'static {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError>;
-    async fn release(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError>;
+    /// Removes several leases (by key and lease) in one round trip; a lease
+    /// already gone is no error.
+    async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError>;
     /// Creates the marker if none exists; returns the stored one.
@@ -77,6 +81,14 @@ pub trait Backend: Send + Sync + 'static {
         expected: Option<&Marker>,
         epoch: &str,
     ) -> Result<Marker, StoreError>;
+}
+
+/// One admission in a batch ([`Backend::acquire_many`]).
+#[derive(Debug, Clone)]
+pub struct Acquire {
+    pub key: String,
+    pub lease: WriteLease,
+    pub ttl: Duration,
 }
 
 /// A token as a store wrote it (decimal text); anything else is a store
@@ -152,9 +164,22 @@ struct GuardState {
     amnesia: Option<String>,
 }
 
+/// Acquire batches out at once: one being committed while the next one
+/// gathers (the server's fsync or Raft round is what batches share).
+const ACQUIRE_PARALLEL: usize = 2;
+
+/// Release batches out at once: releases are lazy, so they gather longer.
+const RELEASE_PARALLEL: usize = 1;
+
+/// How long closing waits for batches still out.
+const SETTLE: Duration = Duration::from_secs(2);
+
 /// A [`FenceStore`] over a shared [`Backend`].
 pub struct SharedStore<B: Backend> {
-    backend: B,
+    backend: Arc<B>,
+    /// Admissions and releases go to the server in batches (group commit).
+    acquires: Arc<Batcher<Acquire, LeaseOutcome>>,
+    releases: Arc<Batcher<(String, WriteLease), ()>>,
     guard: Mutex<GuardState>,
     /// Serializes marker checks (one per reconnect, not one per request).
     check_lock: tokio::sync::Mutex<()>,
@@ -176,9 +201,39 @@ pub struct SharedStore<B: Backend> {
 }
 
 impl<B: Backend> SharedStore<B> {
-    pub fn new(backend: B, accept_reset: bool) -> Self {
+    /// `batch_sizes`: observes each batch's size, by operation
+    /// (`fencegate_store_batch_size`).
+    pub fn new(
+        backend: B,
+        accept_reset: bool,
+        batch_sizes: Option<&prometheus::HistogramVec>,
+    ) -> Self {
+        let backend = Arc::new(backend);
+        let sizes = |op: &str| batch_sizes.map(|h| h.with_label_values(&[op]));
+        let acquires = {
+            let b = backend.clone();
+            let run: Run<Acquire, LeaseOutcome> = Arc::new(move |reqs: Vec<Acquire>| {
+                let b = b.clone();
+                Box::pin(async move { b.acquire_many(&reqs).await })
+            });
+            Batcher::new(ACQUIRE_PARALLEL, run, sizes("acquire_lease"))
+        };
+        let releases = {
+            let b = backend.clone();
+            let run: Run<(String, WriteLease), ()> =
+                Arc::new(move |leases: Vec<(String, WriteLease)>| {
+                    let b = b.clone();
+                    Box::pin(async move {
+                        b.release_many(&leases).await?;
+                        Ok(leases.iter().map(|_| Ok(())).collect())
+                    })
+                });
+            Batcher::new(RELEASE_PARALLEL, run, sizes("release_lease"))
+        };
         Self {
             backend,
+            acquires,
+            releases,
             guard: Mutex::new(GuardState::default()),
             check_lock: tokio::sync::Mutex::new(()),
             known_highest: DashMap::new(),
@@ -489,9 +544,14 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             Ordering::Relaxed,
         );
         let sent = self.ticket();
+        let req = Acquire {
+            key: key.to_string(),
+            lease: lease.clone(),
+            ttl,
+        };
         let outcome = self
-            .backend
-            .acquire(key, lease.token, &lease.id, ttl)
+            .acquires
+            .call(key, req)
             .await
             .map_err(|e| self.latch(e))?;
         // On a witness failure the caller's guard releases the lease.
@@ -514,7 +574,11 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     }
 
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
-        self.backend.release(key, lease).await
+        // Batched per lease (a lease released twice at once is sent once
+        // per batch).
+        self.releases
+            .call(&lease.id, (key.to_string(), lease.clone()))
+            .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -533,6 +597,8 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     }
 
     async fn close_clean(&self) -> Result<(), StoreError> {
+        self.acquires.settle(SETTLE).await;
+        self.releases.settle(SETTLE).await;
         Ok(())
     }
 

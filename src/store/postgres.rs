@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::postgres_tls::PgTls;
 use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
@@ -90,26 +91,52 @@ BEGIN
 END $$;
 
 -- A batch of admissions in one transaction (one commit, one WAL flush),
--- each answered as fencegate_acquire alone would. The caller sends the keys
--- distinct and in byte order ("C" collation), the order every batch locks
--- fence rows in, so that batches of several replicas cannot deadlock.
+-- each answered as fencegate_acquire alone would, set-based: one statement
+-- per step for the whole batch, not one per write. Keys are distinct and
+-- sorted in byte order by the caller; fence rows are locked in that order
+-- by every batch ("C" collation), so batches of several replicas cannot
+-- deadlock. Plans are pinned to index lookups: the planner's estimates for
+-- arrays of unknown size and for a lease table that churns pick hash joins
+-- over whole tables.
 CREATE OR REPLACE FUNCTION fencegate_acquire_many(ks text[], ts numeric[], lids text[], ttls bigint[])
-RETURNS TABLE(i integer, status text, value text) LANGUAGE plpgsql AS $$
+RETURNS TABLE(i integer, status text, value text) LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE now timestamptz := clock_timestamp();
 BEGIN
-    FOR j IN 1 .. coalesce(array_length(ks, 1), 0) LOOP
-        RETURN QUERY SELECT j, a.status, a.value FROM fencegate_acquire(ks[j], ts[j], lids[j], ttls[j]) a;
-    END LOOP;
+    PERFORM 1 FROM unnest(ks) WITH ORDINALITY AS u(k, n) JOIN fencegate_fences f ON f.key = u.k
+        ORDER BY u.n FOR UPDATE OF f;
+    INSERT INTO fencegate_fences AS f (key, highest)
+        SELECT u.k, u.t FROM unnest(ks, ts) WITH ORDINALITY AS u(k, t, n) ORDER BY u.n
+        ON CONFLICT (key) DO UPDATE SET highest = EXCLUDED.highest WHERE f.highest < EXCLUDED.highest;
+    DELETE FROM fencegate_leases l USING unnest(ks) AS u(k)
+        WHERE l.key = u.k AND l.expires_at <= now;
+    INSERT INTO fencegate_leases (id, key, token, expires_at)
+        SELECT u.lid, u.k, u.t, now + u.ttl * interval '1 millisecond'
+        FROM unnest(ks, ts, lids, ttls) AS u(k, t, lid, ttl)
+        JOIN fencegate_fences f ON f.key = u.k WHERE f.highest <= u.t
+        ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    RETURN QUERY
+        SELECT u.n::integer,
+            CASE WHEN f.highest > u.t THEN 'stale'
+                 WHEN EXISTS (SELECT 1 FROM fencegate_leases l
+                              WHERE l.key = u.k AND l.token < u.t AND l.expires_at > now) THEN 'busy'
+                 ELSE 'granted' END,
+            CASE WHEN f.highest > u.t THEN f.highest::text ELSE u.t::text END
+        FROM unnest(ks, ts) WITH ORDINALITY AS u(k, t, n)
+        JOIN fencegate_fences f ON f.key = u.k;
 END $$;
 
 -- A batch of releases. Lease rows of a key are only touched with its fence
--- row locked, and fence rows are locked in byte order, as admissions do:
--- otherwise a release and an admission that drops expired leases could
--- deadlock on two lease rows.
+-- row locked, and fence rows are locked in byte order (the caller sorts
+-- the keys), as admissions do: otherwise a release and an admission that
+-- drops expired leases could deadlock on two lease rows.
 CREATE OR REPLACE FUNCTION fencegate_release_many(ks text[], lids text[])
-RETURNS void LANGUAGE plpgsql AS $$
+RETURNS void LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
 BEGIN
-    PERFORM 1 FROM fencegate_fences f WHERE f.key = ANY(ks) ORDER BY f.key COLLATE "C" FOR UPDATE;
-    DELETE FROM fencegate_leases WHERE id = ANY(lids);
+    PERFORM 1 FROM unnest(ks) WITH ORDINALITY AS u(k, n) JOIN fencegate_fences f ON f.key = u.k
+        ORDER BY u.n FOR UPDATE OF f;
+    DELETE FROM fencegate_leases l USING unnest(lids) AS u(id) WHERE l.id = u.id;
 END $$;
 
 -- Extend a granted lease, unless a higher token took the key: then the
@@ -148,11 +175,73 @@ pub struct PostgresBackend {
     url: String,
     connect: Connect,
     timeout: Duration,
-    slots: Vec<tokio::sync::Mutex<Option<Client>>>,
+    slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
     next: AtomicUsize,
     session: AtomicU64,
     last_failure: Mutex<Option<Instant>>,
     schema_ready: tokio::sync::Mutex<bool>,
+}
+
+/// A pooled connection and the statements prepared on it: each query is
+/// parsed and planned once per connection, and costs one round trip
+/// instead of two (a text query is prepared first, every time).
+pub struct Conn {
+    client: Client,
+    prepared: std::collections::HashMap<&'static str, Statement>,
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl Conn {
+    async fn statement(&mut self, sql: &'static str) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.prepared.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = self.client.prepare(sql).await?;
+        self.prepared.insert(sql, s.clone());
+        Ok(s)
+    }
+
+    async fn query(
+        &mut self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        let s = self.statement(sql).await?;
+        self.client.query(&s, params).await
+    }
+
+    async fn query_one(
+        &mut self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, tokio_postgres::Error> {
+        let s = self.statement(sql).await?;
+        self.client.query_one(&s, params).await
+    }
+
+    async fn query_opt(
+        &mut self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, tokio_postgres::Error> {
+        let s = self.statement(sql).await?;
+        self.client.query_opt(&s, params).await
+    }
+
+    async fn execute(
+        &mut self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        let s = self.statement(sql).await?;
+        self.client.execute(&s, params).await
+    }
 }
 
 /// How to connect, beside the URL.
@@ -241,7 +330,7 @@ impl PostgresBackend {
         })
     }
 
-    async fn connect(&self) -> Result<Client, StoreError> {
+    async fn connect(&self) -> Result<Conn, StoreError> {
         if let Some(t) = *self.last_failure.lock().expect("lock") {
             if t.elapsed() < Duration::from_millis(200) {
                 return Err(unavailable("not connected (retrying)"));
@@ -286,7 +375,10 @@ impl PostgresBackend {
         *self.last_failure.lock().expect("lock") = None;
         self.ensure_schema(&client).await?;
         self.session.fetch_add(1, Ordering::AcqRel);
-        Ok(client)
+        Ok(Conn {
+            client,
+            prepared: Default::default(),
+        })
     }
 
     /// Creates or migrates the schema once per process (idempotent, under an
@@ -323,8 +415,8 @@ impl PostgresBackend {
     /// failed connection is dropped so the next call reconnects.
     async fn with_client<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(Client) -> Fut,
-        Fut: std::future::Future<Output = (Client, Result<T, tokio_postgres::Error>)>,
+        F: FnOnce(Conn) -> Fut,
+        Fut: std::future::Future<Output = (Conn, Result<T, tokio_postgres::Error>)>,
     {
         // One deadline for waiting on the slot, connecting and the query.
         let deadline = tokio::time::Instant::now() + self.timeout;
@@ -377,7 +469,7 @@ impl PostgresBackend {
     ) -> Result<(String, Option<String>), StoreError> {
         let (k, t) = (key.to_string(), token.to_string());
         let extra = extra.map(|(id, ttl)| (id.to_string(), ttl));
-        self.with_client(|c| async move {
+        self.with_client(|mut c| async move {
             let r = match &extra {
                 None => c.query_one(sql, &[&k, &t]).await,
                 Some((id, ttl)) => c.query_one(sql, &[&k, &t, id, ttl]).await,
@@ -407,7 +499,7 @@ impl Backend for PostgresBackend {
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
         let k = key.to_string();
         let v: Option<String> = self
-            .with_client(|c| async move {
+            .with_client(|mut c| async move {
                 let r = c
                     .query_opt(
                         "SELECT highest::text FROM fencegate_fences WHERE key = $1",
@@ -452,7 +544,7 @@ impl Backend for PostgresBackend {
             .map(|&i| i64::try_from(reqs[i].ttl.as_millis()).unwrap_or(i64::MAX))
             .collect();
         let rows = self
-            .with_client(|c| async move {
+            .with_client(|mut c| async move {
                 let r = c
                     .query(
                         "SELECT i, status, value FROM fencegate_acquire_many($1, $2::text[]::numeric[], $3, $4)",
@@ -518,9 +610,12 @@ impl Backend for PostgresBackend {
     }
 
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
-        let keys: Vec<String> = leases.iter().map(|(k, _)| k.clone()).collect();
-        let ids: Vec<String> = leases.iter().map(|(_, l)| l.id.clone()).collect();
-        self.with_client(|c| async move {
+        // Byte order: the order every batch locks fence rows in.
+        let mut sorted: Vec<&(String, WriteLease)> = leases.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        let keys: Vec<String> = sorted.iter().map(|(k, _)| k.clone()).collect();
+        let ids: Vec<String> = sorted.iter().map(|(_, l)| l.id.clone()).collect();
+        self.with_client(|mut c| async move {
             let r = c
                 .execute("SELECT fencegate_release_many($1, $2)", &[&keys, &ids])
                 .await;
@@ -540,7 +635,7 @@ impl Backend for PostgresBackend {
     }
 
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
-        self.with_client(|c| async move {
+        self.with_client(|mut c| async move {
             let r = c
                 .query_opt("SELECT epoch, seq FROM fencegate_marker WHERE id = 1", &[])
                 .await
@@ -552,7 +647,7 @@ impl Backend for PostgresBackend {
 
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
         let e = epoch.to_string();
-        self.with_client(|c| async move {
+        self.with_client(|mut c| async move {
             let r = c
                 .execute(
                     "INSERT INTO fencegate_marker (id, epoch, seq) VALUES (1, $1, 1) ON CONFLICT (id) DO NOTHING",
@@ -568,7 +663,7 @@ impl Backend for PostgresBackend {
     }
 
     async fn bump_marker(&self) -> Result<Option<Marker>, StoreError> {
-        self.with_client(|c| async move {
+        self.with_client(|mut c| async move {
             let r = c
                 .query_opt(
                     "UPDATE fencegate_marker SET seq = seq + 1 WHERE id = 1 RETURNING epoch, seq",
@@ -589,7 +684,7 @@ impl Backend for PostgresBackend {
         let e = epoch.to_string();
         let expected =
             expected.map(|m| (m.epoch.clone(), i64::try_from(m.seq).unwrap_or(i64::MAX)));
-        self.with_client(|c| async move {
+        self.with_client(|mut c| async move {
             let r = match &expected {
                 None => c
                     .execute(

@@ -454,6 +454,33 @@ impl GuardedTxn {
     }
 }
 
+/// The most JSON a batch transaction carries: etcd refuses requests over
+/// `--max-request-bytes` (1.5 MiB by default), and the gateway's
+/// encoding adds to what is counted.
+const MAX_TXN_JSON: usize = 512 * 1024;
+
+/// Splits a batch's operations into transactions under [`MAX_TXN_JSON`]
+/// (an operation over it alone goes alone, as a lone write would). The
+/// writes of a batch are independent: splitting changes no answer.
+fn by_size(ops: Vec<Value>) -> Vec<Vec<Value>> {
+    let mut chunks: Vec<Vec<Value>> = Vec::new();
+    let mut size = 0;
+    for op in ops {
+        let n = op.to_string().len();
+        match chunks.last_mut() {
+            Some(last) if size + n <= MAX_TXN_JSON => {
+                last.push(op);
+                size += n;
+            }
+            _ => {
+                chunks.push(vec![op]);
+                size = n;
+            }
+        }
+    }
+    chunks
+}
+
 enum LeaseStep {
     Stale(u64),
     Ran(Vec<Value>),
@@ -575,17 +602,21 @@ impl Backend for EtcdBackend {
             .iter()
             .map(|t| json!({"request_txn": t.body}))
             .collect();
-        let v = self.post("/v3/kv/txn", json!({"success": ops})).await?;
-        if v["header"]["revision"].as_str().is_none() {
-            return Err(unavailable("transaction answer without a header"));
-        }
-        let responses = v["responses"].as_array().cloned().unwrap_or_default();
-        if responses.len() != reqs.len() {
-            return Err(unavailable(format!(
-                "a batch of {} answered {} results",
-                reqs.len(),
-                responses.len()
-            )));
+        let mut responses = Vec::with_capacity(reqs.len());
+        for chunk in by_size(ops) {
+            let n = chunk.len();
+            let v = self.post("/v3/kv/txn", json!({"success": chunk})).await?;
+            if v["header"]["revision"].as_str().is_none() {
+                return Err(unavailable("transaction answer without a header"));
+            }
+            let answered = v["responses"].as_array().cloned().unwrap_or_default();
+            if answered.len() != n {
+                return Err(unavailable(format!(
+                    "a batch of {n} answered {} results",
+                    answered.len()
+                )));
+            }
+            responses.extend(answered);
         }
         Ok(reqs
             .iter()
@@ -656,7 +687,9 @@ impl Backend for EtcdBackend {
                 json!({"request_delete_range": {"key": b64(&Self::lease_key(key, lease))}})
             })
             .collect();
-        self.post("/v3/kv/txn", json!({"success": ops})).await?;
+        for chunk in by_size(ops) {
+            self.post("/v3/kv/txn", json!({"success": chunk})).await?;
+        }
         Ok(())
     }
 
@@ -758,5 +791,30 @@ impl EtcdBackend {
             },
             kv["mod_revision"].as_str().unwrap_or("0").to_string(),
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_split_by_size_keep_every_operation_in_order() {
+        let op = |n: usize| json!({"k": "x".repeat(n)});
+        let ops: Vec<Value> = (0..10).map(|i| op(MAX_TXN_JSON / 4 + i)).collect();
+        let chunks = by_size(ops.clone());
+        assert!(
+            chunks.len() >= 3,
+            "ten quarter-size operations need several transactions"
+        );
+        for c in &chunks {
+            let size: usize = c.iter().map(|o| o.to_string().len()).sum();
+            assert!(size <= MAX_TXN_JSON || c.len() == 1);
+        }
+        assert_eq!(chunks.concat(), ops, "nothing lost or reordered");
+        // One operation over the limit goes alone.
+        let big = by_size(vec![op(10), op(MAX_TXN_JSON * 2), op(10)]);
+        assert_eq!(big.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1, 1]);
+        assert!(by_size(Vec::new()).is_empty());
     }
 }

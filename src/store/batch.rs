@@ -114,6 +114,11 @@ impl<Req: Send + 'static, Ans: Send + 'static> Batcher<Req, Ans> {
         let mut batch = Vec::new();
         let mut left = VecDeque::new();
         while let Some(p) = q.waiting.pop_front() {
+            // Its caller gave up (a client hung up): not sent at all, so
+            // that nothing lands after the release its caller sent.
+            if p.answer.is_closed() {
+                continue;
+            }
             if batch.len() < MAX_BATCH && keys.insert(p.key.clone()) {
                 batch.push(p);
             } else {
@@ -130,6 +135,19 @@ impl<Req: Send + 'static, Ans: Send + 'static> Batcher<Req, Ans> {
 
     /// Sends batches until nothing is queued, then frees its slot.
     async fn drive(self: Arc<Self>, mut batch: Vec<Pending<Req, Ans>>) {
+        // Frees the slot however the task ends (a panic in a backend, the
+        // runtime stopping), so that later calls still get a batch out.
+        struct Slot<'a, Req, Ans>(&'a Batcher<Req, Ans>, bool);
+        impl<Req, Ans> Drop for Slot<'_, Req, Ans> {
+            fn drop(&mut self) {
+                if !self.1 {
+                    if let Ok(mut q) = self.0.queue.lock() {
+                        q.running -= 1;
+                    }
+                }
+            }
+        }
+        let mut slot = Slot(&self, false);
         loop {
             if let Some(h) = &self.sizes {
                 h.observe(batch.len() as f64);
@@ -159,11 +177,12 @@ impl<Req: Send + 'static, Ans: Send + 'static> Batcher<Req, Ans> {
                 }
             }
             let mut q = self.queue.lock().expect("batch queue");
-            if q.waiting.is_empty() {
+            batch = Self::take(&mut q);
+            if batch.is_empty() {
                 q.running -= 1;
+                slot.1 = true;
                 return;
             }
-            batch = Self::take(&mut q);
         }
     }
 

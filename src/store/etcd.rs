@@ -459,22 +459,29 @@ impl GuardedTxn {
 /// encoding adds to what is counted.
 const MAX_TXN_JSON: usize = 512 * 1024;
 
-/// Splits a batch's operations into transactions under [`MAX_TXN_JSON`]
-/// (an operation over it alone goes alone, as a lone write would). The
+/// What one write adds to a batch transaction's JSON, about: its key
+/// appears six times, hex then base64 (about 2.7 bytes per key byte), plus
+/// the fixed parts.
+fn txn_size(key: &str) -> usize {
+    key.len() * 17 + 700
+}
+
+/// Splits a batch into transactions under [`MAX_TXN_JSON`], by each item's
+/// `size` (an item over it alone goes alone, as a lone write would). The
 /// writes of a batch are independent: splitting changes no answer.
-fn by_size(ops: Vec<Value>) -> Vec<Vec<Value>> {
-    let mut chunks: Vec<Vec<Value>> = Vec::new();
-    let mut size = 0;
-    for op in ops {
-        let n = op.to_string().len();
+fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut chunks: Vec<Vec<T>> = Vec::new();
+    let mut total = 0;
+    for item in items {
+        let n = size(&item);
         match chunks.last_mut() {
-            Some(last) if size + n <= MAX_TXN_JSON => {
-                last.push(op);
-                size += n;
+            Some(last) if total + n <= MAX_TXN_JSON => {
+                last.push(item);
+                total += n;
             }
             _ => {
-                chunks.push(vec![op]);
-                size = n;
+                chunks.push(vec![item]);
+                total = n;
             }
         }
     }
@@ -575,59 +582,63 @@ impl Backend for EtcdBackend {
     ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
         // One transaction of nested ones (etcd 3.3+), each guarded by its
         // key's fence as a lone acquire is: one Raft round for the batch.
-        let mut etcd_leases: Vec<(Duration, String)> = Vec::new();
-        let mut txns = Vec::with_capacity(reqs.len());
-        for r in reqs {
-            let etcd_lease = match etcd_leases.iter().find(|(t, _)| *t == r.ttl) {
-                Some((_, id)) => id.clone(),
-                None => {
-                    let id = self.replica_lease(r.ttl).await?;
-                    etcd_leases.push((r.ttl, id.clone()));
-                    id
+        // Writes of one TTL share a transaction (under MAX_TXN_JSON), and
+        // its replica lease is chosen right before it is sent, as for a
+        // lone acquire: the lease must outlive the writes from the moment
+        // their grant is sent, whatever the transactions before took.
+        let mut answers: Vec<Option<Result<LeaseOutcome, StoreError>>> = vec![None; reqs.len()];
+        let mut ttls: Vec<Duration> = reqs.iter().map(|r| r.ttl).collect();
+        ttls.sort();
+        ttls.dedup();
+        for ttl in ttls {
+            let same: Vec<usize> = (0..reqs.len()).filter(|&i| reqs[i].ttl == ttl).collect();
+            for chunk in by_size(same, |&i| txn_size(&reqs[i].key)) {
+                let etcd_lease = self.replica_lease(ttl).await?;
+                let txns: Vec<GuardedTxn> = chunk
+                    .iter()
+                    .map(|&i| {
+                        let r = &reqs[i];
+                        GuardedTxn::new(
+                            &r.key,
+                            r.lease.token,
+                            vec![],
+                            vec![
+                                json!({"request_put": {"key": b64(&fence_key(&r.key)), "value": b64(&pad(r.lease.token))}}),
+                                json!({"request_put": {"key": b64(&Self::lease_key(&r.key, &r.lease)), "value": b64(""), "lease": etcd_lease}}),
+                                older_count(&r.key, r.lease.token),
+                            ],
+                        )
+                    })
+                    .collect();
+                let ops: Vec<Value> = txns
+                    .iter()
+                    .map(|t| json!({"request_txn": t.body}))
+                    .collect();
+                let v = self.post("/v3/kv/txn", json!({"success": ops})).await?;
+                if v["header"]["revision"].as_str().is_none() {
+                    return Err(unavailable("transaction answer without a header"));
                 }
-            };
-            let fk = fence_key(&r.key);
-            txns.push(GuardedTxn::new(
-                &r.key,
-                r.lease.token,
-                vec![],
-                vec![
-                    json!({"request_put": {"key": b64(&fk), "value": b64(&pad(r.lease.token))}}),
-                    json!({"request_put": {"key": b64(&Self::lease_key(&r.key, &r.lease)), "value": b64(""), "lease": etcd_lease}}),
-                    older_count(&r.key, r.lease.token),
-                ],
-            ));
-        }
-        let ops: Vec<Value> = txns
-            .iter()
-            .map(|t| json!({"request_txn": t.body}))
-            .collect();
-        let mut responses = Vec::with_capacity(reqs.len());
-        for chunk in by_size(ops) {
-            let n = chunk.len();
-            let v = self.post("/v3/kv/txn", json!({"success": chunk})).await?;
-            if v["header"]["revision"].as_str().is_none() {
-                return Err(unavailable("transaction answer without a header"));
+                let responses = v["responses"].as_array().cloned().unwrap_or_default();
+                if responses.len() != chunk.len() {
+                    return Err(unavailable(format!(
+                        "a batch of {} answered {} results",
+                        chunk.len(),
+                        responses.len()
+                    )));
+                }
+                for ((&i, t), resp) in chunk.iter().zip(&txns).zip(&responses) {
+                    answers[i] = Some(match t.answer(&resp["response_txn"]) {
+                        Ok(LeaseStep::Stale(h)) => Ok(LeaseOutcome::Stale { highest: h }),
+                        Ok(LeaseStep::Ran(ran)) => Ok(older_leases(&ran, reqs[i].lease.clone())),
+                        Err(e) => Err(e),
+                    });
+                }
             }
-            let answered = v["responses"].as_array().cloned().unwrap_or_default();
-            if answered.len() != n {
-                return Err(unavailable(format!(
-                    "a batch of {n} answered {} results",
-                    answered.len()
-                )));
-            }
-            responses.extend(answered);
         }
-        Ok(reqs
-            .iter()
-            .zip(txns.iter().zip(&responses))
-            .map(|(r, (t, resp))| {
-                Ok(match t.answer(&resp["response_txn"])? {
-                    LeaseStep::Stale(h) => LeaseOutcome::Stale { highest: h },
-                    LeaseStep::Ran(ran) => older_leases(&ran, r.lease.clone()),
-                })
-            })
-            .collect())
+        answers
+            .into_iter()
+            .map(|a| a.ok_or_else(|| unavailable("a batch item went unanswered")))
+            .collect()
     }
 
     async fn poll(
@@ -687,7 +698,7 @@ impl Backend for EtcdBackend {
                 json!({"request_delete_range": {"key": b64(&Self::lease_key(key, lease))}})
             })
             .collect();
-        for chunk in by_size(ops) {
+        for chunk in by_size(ops, |op| op.to_string().len()) {
             self.post("/v3/kv/txn", json!({"success": chunk})).await?;
         }
         Ok(())
@@ -802,7 +813,8 @@ mod tests {
     fn batches_split_by_size_keep_every_operation_in_order() {
         let op = |n: usize| json!({"k": "x".repeat(n)});
         let ops: Vec<Value> = (0..10).map(|i| op(MAX_TXN_JSON / 4 + i)).collect();
-        let chunks = by_size(ops.clone());
+        let size = |o: &Value| o.to_string().len();
+        let chunks = by_size(ops.clone(), size);
         assert!(
             chunks.len() >= 3,
             "ten quarter-size operations need several transactions"
@@ -813,8 +825,19 @@ mod tests {
         }
         assert_eq!(chunks.concat(), ops, "nothing lost or reordered");
         // One operation over the limit goes alone.
-        let big = by_size(vec![op(10), op(MAX_TXN_JSON * 2), op(10)]);
+        let big = by_size(vec![op(10), op(MAX_TXN_JSON * 2), op(10)], size);
         assert_eq!(big.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1, 1]);
-        assert!(by_size(Vec::new()).is_empty());
+        assert!(by_size(Vec::<Value>::new(), size).is_empty());
+        // Full batches of the longest default keys (1536 bytes) split, and
+        // each part stays far under etcd's 1.5 MiB request limit.
+        let parts = by_size((0..64).collect::<Vec<usize>>(), |_| {
+            txn_size(&"k".repeat(1536))
+        });
+        assert!(
+            parts.len() > 1
+                && parts
+                    .iter()
+                    .all(|p| p.len() * txn_size(&"k".repeat(1536)) <= MAX_TXN_JSON)
+        );
     }
 }

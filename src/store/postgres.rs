@@ -94,8 +94,7 @@ END $$;
 -- each answered as fencegate_acquire alone would, set-based: one statement
 -- per step for the whole batch, not one per write. Keys are distinct and
 -- sorted in byte order by the caller; fence rows are locked in that order
--- by every batch ("C" collation), so batches of several replicas cannot
--- deadlock. Plans are pinned to index lookups: the planner's estimates for
+-- by every batch, so batches of several replicas cannot deadlock. Plans are pinned to index lookups: the planner's estimates for
 -- arrays of unknown size and for a lease table that churns pick hash joins
 -- over whole tables.
 CREATE OR REPLACE FUNCTION fencegate_acquire_many(ks text[], ts numeric[], lids text[], ttls bigint[])
@@ -103,8 +102,10 @@ RETURNS TABLE(i integer, status text, value text) LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
 DECLARE now timestamptz := clock_timestamp();
 BEGIN
-    PERFORM 1 FROM unnest(ks) WITH ORDINALITY AS u(k, n) JOIN fencegate_fences f ON f.key = u.k
-        ORDER BY u.n FOR UPDATE OF f;
+    -- One ordered pass takes every row lock: ON CONFLICT DO UPDATE locks
+    -- an existing row even when its WHERE leaves it unchanged, and claims a
+    -- new one (locking existing rows first, then inserting, would take new
+    -- keys out of order).
     INSERT INTO fencegate_fences AS f (key, highest)
         SELECT u.k, u.t FROM unnest(ks, ts) WITH ORDINALITY AS u(k, t, n) ORDER BY u.n
         ON CONFLICT (key) DO UPDATE SET highest = EXCLUDED.highest WHERE f.highest < EXCLUDED.highest;
@@ -434,7 +435,14 @@ impl PostgresBackend {
                 Ok(v)
             }
             Ok((client, Err(e))) => {
-                if !client.is_closed() && e.as_db_error().is_some() {
+                // A database error leaves the connection usable, unless it
+                // says a prepared statement no longer holds (a function
+                // replaced with another result type, a pooler that lost
+                // the session): then a new connection prepares afresh.
+                use tokio_postgres::error::SqlState;
+                let stale_statement = e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED)
+                    || e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME);
+                if !client.is_closed() && e.as_db_error().is_some() && !stale_statement {
                     *slot = Some(client);
                 }
                 Err(unavailable(e))

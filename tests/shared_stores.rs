@@ -1096,6 +1096,7 @@ suite!(
     postgres,
     plain(StoreKind::Postgres),
     [
+        a_store_restart_fails_no_write,
         batches_answer_each_write_right,
         kill_9_mid_batch_loses_nothing_acknowledged,
         steady_writes_share_a_registration,
@@ -1116,6 +1117,7 @@ suite!(
     etcd,
     plain(StoreKind::Etcd),
     [
+        a_store_restart_fails_no_write,
         batches_answer_each_write_right,
         kill_9_mid_batch_loses_nothing_acknowledged,
         steady_writes_share_a_registration,

@@ -21,6 +21,9 @@ use super::postgres_tls::PgTls;
 use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
+/// How long after a failed connect the next one waits.
+const BACKOFF: Duration = Duration::from_millis(200);
+
 /// Bumped with every change below; recorded in `fencegate_schema`.
 const SCHEMA_VERSION: i32 = 4;
 
@@ -332,10 +335,13 @@ impl PostgresBackend {
     }
 
     async fn connect(&self) -> Result<Conn, StoreError> {
-        if let Some(t) = *self.last_failure.lock().expect("lock") {
-            if t.elapsed() < Duration::from_millis(200) {
-                return Err(unavailable("not connected (retrying)"));
-            }
+        // Back off after a failure instead of hammering a server that is
+        // down: the call waits out the pause, then tries (a server that
+        // came back, after a restart, answers it: the first write after a
+        // restart must not fail for a release that met the server down).
+        let since = self.last_failure.lock().expect("lock").map(|t| t.elapsed());
+        if let Some(pause) = since.and_then(|e| BACKOFF.checked_sub(e)) {
+            tokio::time::sleep(pause).await;
         }
         let mut config: tokio_postgres::Config = self.url.parse().map_err(unavailable)?;
         config.connect_timeout(self.timeout);
@@ -427,7 +433,9 @@ impl PostgresBackend {
             .map_err(|_| unavailable("timed out waiting for a connection"))?;
         let client = match slot.take() {
             Some(c) if !c.is_closed() => c,
-            _ => self.connect().await?,
+            _ => tokio::time::timeout_at(deadline, self.connect())
+                .await
+                .map_err(|_| unavailable("connect timed out"))??,
         };
         match tokio::time::timeout_at(deadline, f(client)).await {
             Ok((client, Ok(v))) => {

@@ -102,18 +102,18 @@ taskset -c 1 haproxy -f "$WORK/haproxy.cfg" -D -p "$WORK/haproxy.pid"; HAPROXY_P
 
 REDIS_PORT=$(port)
 taskset -c 1 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --dir "$WORK" >/dev/null &
-PIDS+=($!)
+REDIS_PID=$!; PIDS+=($!)
 PG_PORT=$(port)
 mkdir -p "$WORK/pg"; chown -R postgres "$WORK/pg"; chmod 777 "$WORK"
 runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
 taskset -c 1 runuser -u postgres -- "$PGBIN/postgres" -D "$WORK/pg" -p "$PG_PORT" -c listen_addresses=127.0.0.1 -k "$WORK/pg" >/dev/null 2>&1 &
-PIDS+=($!)
+PG_PID=$!; PIDS+=($!)
 ETCD_PORT=$(port); ETCD_PEER=$(port)
 taskset -c 1 etcd --name compare --data-dir "$WORK/etcd" \
   --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
   --initial-cluster "compare=http://127.0.0.1:$ETCD_PEER" >/dev/null 2>&1 &
-PIDS+=($!)
+ETCD_PID=$!; PIDS+=($!)
 for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
 
 start_fencegate() { # name store [extra flags...]
@@ -147,6 +147,13 @@ sleep 1
 write_wrk_scripts "$WORK"
 
 cpu() { awk '{print ($14+$15)/100}' "/proc/$1/stat"; }
+# A store server's CPU seconds: the process and its descendants (PostgreSQL
+# runs a process per connection), with the children they reaped.
+treecpu() {
+  awk -v root="$1" '{ppid[$1] = $4; t[$1] = ($14 + $15 + $16 + $17) / 100}
+    END {total = 0; for (p in t) {q = p; while ((q in ppid) && q != root && q > 1) q = ppid[q]; if (q == root) total += t[p]}; print total}' \
+    /proc/[0-9]*/stat 2>/dev/null
+}
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
 SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
@@ -189,6 +196,10 @@ for r in $(seq "$ROUNDS"); do
       steady-h2) tool=h2; url="https://$FG_TLS/k"; pid=$FG_PID;;
     esac
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
+    # The store server's own CPU on the shared-store rows (it runs on the
+    # proxy's core: what it spends per write is what the proxy cannot).
+    case $sys in *-redis) spid=$REDIS_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
+    s0=0; [ -n "$spid" ] && s0=$(treecpu "$spid")
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
       if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
@@ -204,6 +215,10 @@ for r in $(seq "$ROUNDS"); do
     c1=0; [ -n "$pid" ] && c1=$(cpu "$pid")
     cpu_us=$(python3 -c "print(round(($c1-$c0)*1e6/($rps*$SECS),1))")
     printf 'rps\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$r" "$rps" "$p50" "$p99" "$cpu_us" >> "$ROWS"
+    if [ -n "$spid" ]; then
+      s1=$(treecpu "$spid")
+      printf 'store\t%s\t%s\t%s\t-\t-\t-\n' "$sys" "$r" "$(python3 -c "print(round(($s1-$s0)*1e6/($rps*$SECS),1))")" >> "$ROWS"
+    fi
     echo "round $r $sys: req/s=$rps p50=${p50}ms p99=${p99}ms cpu/req=${cpu_us}us" >&2
   done
 done

@@ -182,7 +182,8 @@ pub struct SharedStore<B: Backend> {
     /// Admissions and releases go to the server in batches (group commit).
     acquires: Arc<Batcher<Acquire, LeaseOutcome>>,
     releases: Arc<Batcher<(String, WriteLease), ()>>,
-    guard: Mutex<GuardState>,
+    /// Shared with the acquire batcher, which checks it before each batch.
+    guard: Arc<Mutex<GuardState>>,
     /// Serializes marker checks (one per reconnect, not one per request).
     check_lock: tokio::sync::Mutex<()>,
     /// Highest tokens this replica saw acknowledged, to catch a store whose
@@ -212,11 +213,20 @@ impl<B: Backend> SharedStore<B> {
     ) -> Self {
         let backend = Arc::new(backend);
         let sizes = |op: &str| batch_sizes.map(|h| h.with_label_values(&[op]));
+        let guard = Arc::new(Mutex::new(GuardState::default()));
         let acquires = {
-            let b = backend.clone();
+            let (b, guard) = (backend.clone(), guard.clone());
             let run: Run<Acquire, LeaseOutcome> = Arc::new(move |reqs: Vec<Acquire>| {
                 let b = b.clone();
-                Box::pin(async move { b.acquire_many(&reqs).await })
+                // Amnesia latched while the batch waited (the marker check
+                // ran before it was queued): nothing is sent.
+                let amnesia = guard.lock().expect("guard lock").amnesia.clone();
+                Box::pin(async move {
+                    match amnesia {
+                        Some(why) => Err(StoreError::Amnesia(why)),
+                        None => b.acquire_many(&reqs).await,
+                    }
+                })
             });
             Batcher::new(ACQUIRE_PARALLEL, run, sizes("acquire_lease"))
         };
@@ -236,7 +246,7 @@ impl<B: Backend> SharedStore<B> {
             backend,
             acquires,
             releases,
-            guard: Mutex::new(GuardState::default()),
+            guard,
             check_lock: tokio::sync::Mutex::new(()),
             known_highest: DashMap::new(),
             tickets: AtomicU64::new(0),

@@ -155,19 +155,20 @@ impl<Req: Send + 'static, Ans: Send + 'static> Batcher<Req, Ans> {
             let (reqs, answers): (Vec<Req>, Vec<_>) =
                 batch.into_iter().map(|p| (p.req, p.answer)).unzip();
             let n = answers.len();
-            match (self.run)(reqs).await {
-                Ok(results) if results.len() == n => {
+            let results = (self.run)(reqs).await.and_then(|r| {
+                if r.len() == n {
+                    Ok(r)
+                } else {
+                    Err(StoreError::Unavailable(format!(
+                        "a batch of {n} operations got {} answers",
+                        r.len()
+                    )))
+                }
+            });
+            match results {
+                Ok(results) => {
                     for (tx, r) in answers.into_iter().zip(results) {
                         let _ = tx.send(r);
-                    }
-                }
-                Ok(results) => {
-                    let e = StoreError::Unavailable(format!(
-                        "a batch of {n} operations got {} answers",
-                        results.len()
-                    ));
-                    for tx in answers {
-                        let _ = tx.send(Err(e.clone()));
                     }
                 }
                 Err(e) => {

@@ -391,12 +391,18 @@ impl EtcdBackend {
         stale_ops: Vec<Value>,
         ops: Vec<Value>,
     ) -> Result<LeaseStep, StoreError> {
-        let txn = GuardedTxn::new(key, token, stale_ops, ops);
-        let v = self.post("/v3/kv/txn", txn.body.clone()).await?;
+        let mut txn = GuardedTxn::new(key, token, stale_ops, ops);
+        let v = self.txn(std::mem::take(&mut txn.body)).await?;
+        txn.answer(&v)
+    }
+
+    /// Sends a transaction; an answer without etcd's header is no answer.
+    async fn txn(&self, body: Value) -> Result<Value, StoreError> {
+        let v = self.post("/v3/kv/txn", body).await?;
         if v["header"]["revision"].as_str().is_none() {
             return Err(unavailable("transaction answer without a header"));
         }
-        txn.answer(&v)
+        Ok(v)
     }
 }
 
@@ -491,6 +497,17 @@ fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
 enum LeaseStep {
     Stale(u64),
     Ran(Vec<Value>),
+}
+
+impl LeaseStep {
+    /// The answer to an admission (an acquire, or a poll of a waiting
+    /// lease): stale, or busy while an older lease is held, else granted.
+    fn admission(self, lease: WriteLease) -> LeaseOutcome {
+        match self {
+            LeaseStep::Stale(h) => LeaseOutcome::Stale { highest: h },
+            LeaseStep::Ran(r) => older_leases(&r, lease),
+        }
+    }
 }
 
 fn decode_padded(v: &str) -> Result<u64, StoreError> {
@@ -594,7 +611,7 @@ impl Backend for EtcdBackend {
             let same: Vec<usize> = (0..reqs.len()).filter(|&i| reqs[i].ttl == ttl).collect();
             for chunk in by_size(same, |&i| txn_size(&reqs[i].key)) {
                 let etcd_lease = self.replica_lease(ttl).await?;
-                let txns: Vec<GuardedTxn> = chunk
+                let mut txns: Vec<GuardedTxn> = chunk
                     .iter()
                     .map(|&i| {
                         let r = &reqs[i];
@@ -611,13 +628,10 @@ impl Backend for EtcdBackend {
                     })
                     .collect();
                 let ops: Vec<Value> = txns
-                    .iter()
-                    .map(|t| json!({"request_txn": t.body}))
+                    .iter_mut()
+                    .map(|t| json!({"request_txn": std::mem::take(&mut t.body)}))
                     .collect();
-                let v = self.post("/v3/kv/txn", json!({"success": ops})).await?;
-                if v["header"]["revision"].as_str().is_none() {
-                    return Err(unavailable("transaction answer without a header"));
-                }
+                let v = self.txn(json!({"success": ops})).await?;
                 let responses = v["responses"].as_array().cloned().unwrap_or_default();
                 if responses.len() != chunk.len() {
                     return Err(unavailable(format!(
@@ -627,11 +641,10 @@ impl Backend for EtcdBackend {
                     )));
                 }
                 for ((&i, t), resp) in chunk.iter().zip(&txns).zip(&responses) {
-                    answers[i] = Some(match t.answer(&resp["response_txn"]) {
-                        Ok(LeaseStep::Stale(h)) => Ok(LeaseOutcome::Stale { highest: h }),
-                        Ok(LeaseStep::Ran(ran)) => Ok(older_leases(&ran, reqs[i].lease.clone())),
-                        Err(e) => Err(e),
-                    });
+                    answers[i] = Some(
+                        t.answer(&resp["response_txn"])
+                            .map(|step| step.admission(reqs[i].lease.clone())),
+                    );
                 }
             }
         }
@@ -662,10 +675,7 @@ impl Backend for EtcdBackend {
                 ],
             )
             .await?;
-        match step {
-            LeaseStep::Stale(h) => Ok(LeaseOutcome::Stale { highest: h }),
-            LeaseStep::Ran(r) => Ok(older_leases(&r, lease.clone())),
-        }
+        Ok(step.admission(lease.clone()))
     }
 
     async fn renew(

@@ -365,32 +365,42 @@ impl RedisBackend {
 }
 
 impl RedisBackend {
+    /// Runs one script (EVALSHA) with these keys and arguments.
+    async fn script<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<T, StoreError> {
+        self.run(|mut c| async move {
+            let mut call = script.prepare_invoke();
+            call.key(keys).arg(args);
+            call.invoke_async(&mut c).await
+        })
+        .await
+    }
+
     /// Runs the poll or renew script: both take the fence, lease and
     /// lease-order keys and (token, lease id, TTL in ms).
     async fn lease_script(
         &self,
         script: &Script,
         key: &str,
-        token: u64,
-        lease_id: &str,
+        lease: &WriteLease,
         ttl: Duration,
-    ) -> Result<(String, String), StoreError> {
-        let (fk, lk, ok) = (fence_key(key), lease_key(key), lease_order_key(key));
-        let ttl_ms = ttl_ms(ttl);
-        let id = lease_id.to_string();
-        let (fk, lk, ok, id) = (&fk, &lk, &ok, &id);
-        self.run(|mut c| async move {
-            script
-                .key(fk)
-                .key(lk)
-                .key(ok)
-                .arg(token.to_string())
-                .arg(id)
-                .arg(ttl_ms)
-                .invoke_async(&mut c)
-                .await
-        })
-        .await
+    ) -> Result<LeaseOutcome, StoreError> {
+        let reply = self
+            .script(
+                script,
+                &[fence_key(key), lease_key(key), lease_order_key(key)],
+                &[
+                    lease.token.to_string(),
+                    lease.id.clone(),
+                    ttl_ms(ttl).to_string(),
+                ],
+            )
+            .await?;
+        lease_outcome(reply, lease.clone())
     }
 }
 
@@ -466,14 +476,7 @@ impl Backend for RedisBackend {
                 ttl_ms(r.ttl).to_string(),
             ]);
         }
-        let (script, keys, args) = (&self.acquire, &keys, &args);
-        let reply: Vec<String> = self
-            .run(|mut c| async move {
-                let mut call = script.prepare_invoke();
-                call.key(keys).arg(args);
-                call.invoke_async(&mut c).await
-            })
-            .await?;
+        let reply: Vec<String> = self.script(&self.acquire, &keys, &args).await?;
         if reply.len() != reqs.len() * 2 {
             return Err(unavailable(format!(
                 "{} answers for a batch of {}",
@@ -494,10 +497,7 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let reply = self
-            .lease_script(&self.poll, key, lease.token, &lease.id, ttl)
-            .await?;
-        lease_outcome(reply, lease.clone())
+        self.lease_script(&self.poll, key, lease, ttl).await
     }
 
     async fn renew(
@@ -506,10 +506,7 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        let reply = self
-            .lease_script(&self.renew, key, lease.token, &lease.id, ttl)
-            .await?;
-        lease_outcome(reply, lease.clone())
+        self.lease_script(&self.renew, key, lease, ttl).await
     }
 
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
@@ -519,14 +516,7 @@ impl Backend for RedisBackend {
             keys.extend([lease_key(key), lease_order_key(key)]);
             args.extend([lease.token.to_string(), lease.id.clone()]);
         }
-        let (script, keys, args) = (&self.release, &keys, &args);
-        let _: i64 = self
-            .run(|mut c| async move {
-                let mut call = script.prepare_invoke();
-                call.key(keys).arg(args);
-                call.invoke_async(&mut c).await
-            })
-            .await?;
+        let _: i64 = self.script(&self.release, &keys, &args).await?;
         Ok(())
     }
 

@@ -550,25 +550,17 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        self.ensure().await?;
         self.lease_ttl_ms.store(
             u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
-        let sent = self.ticket();
         let req = Acquire {
             key: key.to_string(),
             lease: lease.clone(),
             ttl,
         };
-        let outcome = self
-            .acquires
-            .call(key, req)
-            .await
-            .map_err(|e| self.latch(e))?;
         // On a witness failure the caller's guard releases the lease.
-        self.witness_lease(key, sent, &outcome)?;
-        Ok(outcome)
+        self.guarded(key, self.acquires.call(key, req)).await
     }
 
     async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {

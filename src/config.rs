@@ -71,6 +71,12 @@ pub struct RawConfig {
     /// absent: the CPUs this process may use.
     pub workers: Option<u64>,
     pub admin_token_file: Option<PathBuf>,
+    /// The lease API's listener (the lock service); absent: not served.
+    pub lease_listen: Option<String>,
+    /// Bearer tokens of the lease API, one per line: `TOKEN [PREFIX ...]`.
+    pub lease_token_file: Option<PathBuf>,
+    /// The longest TTL (and `wait_ms`) a lease may ask for.
+    pub max_lease_ttl: Option<String>,
     pub shutdown_grace: Option<String>,
     /// One log line per request.
     pub access_log: Option<bool>,
@@ -121,6 +127,9 @@ pub struct RawRoute {
     pub strip_token: Option<bool>,
     /// Refuse a token more than this far above the key's highest.
     pub max_token_step: Option<u64>,
+    /// `any` (default) or `granted`: only tokens fencegate's lease API
+    /// granted for the key are admitted.
+    pub tokens: Option<String>,
     /// Add X-Forwarded-For / X-Forwarded-Proto upstream (default true).
     pub forwarded_headers: Option<bool>,
     pub connect_timeout: Option<String>,
@@ -210,6 +219,8 @@ pub struct Route {
     /// the key's highest is refused (a holder with a valid lock could
     /// otherwise lock everyone out with u64::MAX).
     pub max_token_step: Option<u64>,
+    /// Which tokens a write may carry.
+    pub tokens: TokenMode,
     /// Append the client address to X-Forwarded-For and set
     /// X-Forwarded-Proto on requests sent upstream.
     pub forwarded_headers: bool,
@@ -219,6 +230,29 @@ pub struct Route {
     /// crash-recovery window.
     pub upstream_timeout: Duration,
     pub upstream_tls: UpstreamTls,
+}
+
+/// Which tokens a route admits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenMode {
+    /// Any token not below the key's highest (the client's lock service
+    /// hands them out).
+    Any,
+    /// Only a token the lease API granted for the key: equal to the key's
+    /// highest. A higher one was never granted (403, never forwarded), so
+    /// a forged token cannot lock the key.
+    Granted,
+}
+
+/// The lease API (`lease_listen`): the lock service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseConfig {
+    pub listen: SocketAddr,
+    pub token_file: PathBuf,
+    /// The bearer tokens read from `token_file`, with their key scopes.
+    pub tokens: Vec<crate::lease::Bearer>,
+    /// Bounds `ttl_ms` and `wait_ms`.
+    pub max_ttl: Duration,
 }
 
 impl AsRef<Route> for Route {
@@ -271,6 +305,8 @@ pub struct Config {
     /// Bearer token for mutating admin endpoints (read from the file).
     pub admin_token: Option<String>,
     pub admin_token_file: Option<PathBuf>,
+    /// The lease API; `None` when `lease_listen` is not set.
+    pub lease: Option<LeaseConfig>,
     pub shutdown_grace: Duration,
     pub access_log: bool,
     pub limits: Limits,
@@ -487,6 +523,16 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             }
             v => v,
         },
+        tokens: match r.tokens.as_deref() {
+            None | Some("any") => TokenMode::Any,
+            Some("granted") => TokenMode::Granted,
+            Some(other) => {
+                return Err(invalid(
+                    f("tokens"),
+                    format!("`{other}` is not `any` or `granted`"),
+                ))
+            }
+        },
         forwarded_headers: r.forwarded_headers.unwrap_or(true),
         connect_timeout: duration(
             &f("connect_timeout"),
@@ -567,6 +613,57 @@ fn tls_listener(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> 
     };
     crate::tls::server_config(&tls)?;
     Ok(Some(tls))
+}
+
+/// The lease API's settings: all three or none but the TTL bound.
+fn lease(
+    raw: &RawConfig,
+    listen: Option<SocketAddr>,
+    admin_listen: SocketAddr,
+) -> Result<Option<LeaseConfig>, ConfigError> {
+    let max_ttl = duration("max_lease_ttl", &raw.max_lease_ttl, Duration::from_secs(60))?;
+    if max_ttl.is_zero() {
+        return Err(invalid("max_lease_ttl", "must be greater than zero"));
+    }
+    let Some(text) = &raw.lease_listen else {
+        if raw.lease_token_file.is_some() {
+            return Err(invalid(
+                "lease_token_file",
+                "is only used with `lease_listen`",
+            ));
+        }
+        return Ok(None);
+    };
+    let addr = socket("lease_listen", &Some(text.clone()), "")?;
+    let clash = Some(addr) == listen
+        || addr == admin_listen
+        || raw.tls.as_ref().and_then(|t| t.listen.as_deref()) == Some(text.as_str());
+    if clash && addr.port() != 0 {
+        return Err(invalid(
+            "lease_listen",
+            "must differ from `listen`, `admin_listen` and `tls.listen`",
+        ));
+    }
+    let Some(path) = &raw.lease_token_file else {
+        return Err(invalid(
+            "lease_token_file",
+            "is required with `lease_listen`: every lease request needs a bearer token",
+        ));
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        invalid(
+            "lease_token_file",
+            format!("cannot read {}: {e}", path.display()),
+        )
+    })?;
+    let tokens =
+        crate::lease::parse_bearers(&text).map_err(|why| invalid("lease_token_file", why))?;
+    Ok(Some(LeaseConfig {
+        listen: addr,
+        token_file: path.clone(),
+        tokens,
+        max_ttl,
+    }))
 }
 
 impl From<crate::tls::TlsError> for ConfigError {
@@ -655,6 +752,7 @@ impl TryFrom<RawConfig> for Config {
                 Some(t)
             }
         };
+        let lease = lease(&raw, listen, admin_listen)?;
         let l = &raw.limits;
         let max_header_bytes = l.max_header_bytes.unwrap_or(64 * 1024);
         if !(8192..=1 << 24).contains(&max_header_bytes) {
@@ -709,6 +807,7 @@ impl TryFrom<RawConfig> for Config {
                 .map_err(|_| invalid("highest_cache_entries", "too large"))?,
             admin_token,
             admin_token_file: raw.admin_token_file.clone(),
+            lease,
             shutdown_grace: duration(
                 "shutdown_grace",
                 &raw.shutdown_grace,
@@ -798,6 +897,9 @@ impl Config {
             highest_cache_entries: Some(self.highest_cache_entries as u64),
             workers: self.workers.map(|n| n as u64),
             admin_token_file: self.admin_token_file.clone(),
+            lease_listen: self.lease.as_ref().map(|l| l.listen.to_string()),
+            lease_token_file: self.lease.as_ref().map(|l| l.token_file.clone()),
+            max_lease_ttl: self.lease.as_ref().map(|l| format_duration(l.max_ttl)),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
             limits: RawLimits {
@@ -832,6 +934,13 @@ impl Config {
                     literal_keys: Some(r.literal_keys),
                     strip_token: Some(r.strip_token),
                     max_token_step: r.max_token_step,
+                    tokens: Some(
+                        match r.tokens {
+                            TokenMode::Any => "any",
+                            TokenMode::Granted => "granted",
+                        }
+                        .into(),
+                    ),
                     forwarded_headers: Some(r.forwarded_headers),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),

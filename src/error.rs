@@ -45,6 +45,8 @@ pub enum ProxyError {
     MethodNotAllowed(String),
     #[error("an HTTP/2 write needs a content-length: a stream the client resets is otherwise indistinguishable from a complete body")]
     LengthRequired,
+    #[error("token {token} was never granted for this key (the lease API's last grant is {granted}); this route admits only granted tokens")]
+    NotGranted { token: u64, granted: String },
     #[error("the fence key is {len} bytes, over the limit of {limit}")]
     KeyTooLong { len: usize, limit: usize },
     #[error("the request body exceeds the limit of {limit} bytes")]
@@ -77,6 +79,7 @@ impl ProxyError {
             | Self::BadFraming(_)
             | Self::TokenTooFarAhead { .. } => StatusCode::BAD_REQUEST,
             Self::Stale { .. } => StatusCode::CONFLICT,
+            Self::NotGranted { .. } => StatusCode::FORBIDDEN,
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -99,6 +102,7 @@ impl ProxyError {
             Self::Token(_) => "malformed-token",
             Self::Stale { .. } => "stale-token",
             Self::TokenTooFarAhead { .. } => "token-too-far-ahead",
+            Self::NotGranted { .. } => "not-granted",
             Self::BadTarget(_) => "bad-target",
             Self::BadRequest(_) => "bad-request",
             Self::BadFraming(_) => "bad-framing",
@@ -140,6 +144,7 @@ impl ProxyError {
             Self::Token(_) => "Malformed fence token",
             Self::Stale { .. } => "Stale fence token",
             Self::TokenTooFarAhead { .. } => "Fence token too far ahead",
+            Self::NotGranted { .. } => "Fence token not granted",
             Self::BadTarget(_) => "Ambiguous or invalid request target",
             Self::BadRequest(_) => "Bad request",
             Self::BadFraming(_) => "Ambiguous message framing",
@@ -237,4 +242,120 @@ pub fn full(data: impl Into<Bytes>) -> ProxyBody {
     Full::new(data.into())
         .map_err(|never| match never {})
         .boxed()
+}
+
+/// A refused or failed lease API request (the lock service).
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error(
+        "lease requests need `Authorization: Bearer TOKEN` with a token from the lease token file"
+    )]
+    Unauthorized,
+    #[error("this bearer token may not lease {0} (its key prefixes do not cover it)")]
+    OutOfScope(String),
+    #[error("{0}: {1}")]
+    BadField(&'static str, String),
+    #[error("{0}")]
+    BadBody(String),
+    #[error("no such endpoint: use /v1/leases and /v1/leases/{{id}}[/renew]")]
+    NotFound,
+    #[error("method not allowed here: POST /v1/leases, GET or DELETE /v1/leases/{{id}}, POST /v1/leases/{{id}}/renew")]
+    MethodNotAllowed,
+    #[error("another lease holds {key}")]
+    Held {
+        key: String,
+        holder: String,
+        expires_in: Duration,
+    },
+    #[error("the lease expired or was released; a lost lease is never revived: acquire a new one")]
+    Gone,
+    #[error("{0} has the highest token there is: no token above it can be granted (an operator can reset the fence)")]
+    Exhausted(String),
+    #[error("the fence store cannot answer: {0}")]
+    Store(String),
+}
+
+impl From<crate::fence::FenceError> for LeaseError {
+    fn from(e: crate::fence::FenceError) -> Self {
+        LeaseError::Store(e.to_string())
+    }
+}
+
+impl LeaseError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::OutOfScope(_) => StatusCode::FORBIDDEN,
+            Self::BadField(..) | Self::BadBody(_) => StatusCode::BAD_REQUEST,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Held { .. } | Self::Exhausted(_) => StatusCode::CONFLICT,
+            Self::Gone => StatusCode::GONE,
+            Self::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The `type` suffix, and the result label of the lease metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Unauthorized => "unauthorized",
+            Self::OutOfScope(_) => "out-of-scope",
+            Self::BadField(..) | Self::BadBody(_) => "bad-request",
+            Self::NotFound => "not-found",
+            Self::MethodNotAllowed => "method-not-allowed",
+            Self::Held { .. } => "lease-held",
+            Self::Exhausted(_) => "tokens-exhausted",
+            Self::Gone => "lease-gone",
+            Self::Store(_) => "store-unavailable",
+        }
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let status = self.status();
+        let mut body = Map::new();
+        body.insert(
+            "type".into(),
+            json!(format!("urn:fencegate:problem:{}", self.kind())),
+        );
+        body.insert(
+            "title".into(),
+            json!(status.canonical_reason().unwrap_or("")),
+        );
+        body.insert("status".into(), json!(status.as_u16()));
+        body.insert("detail".into(), json!(self.to_string()));
+        match &self {
+            Self::Held {
+                key,
+                holder,
+                expires_in,
+            } => {
+                body.insert("key".into(), json!(key));
+                body.insert("holder".into(), json!(holder));
+                body.insert(
+                    "expires_in_ms".into(),
+                    json!(u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX)),
+                );
+            }
+            Self::BadField(field, _) => {
+                body.insert("field".into(), json!(field));
+            }
+            Self::OutOfScope(key) | Self::Exhausted(key) => {
+                body.insert("key".into(), json!(key));
+            }
+            _ => {}
+        }
+        let mut resp = problem_response(status, Value::Object(body));
+        match self {
+            Self::Unauthorized => {
+                resp.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            Self::Store(_) => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        resp
+    }
 }

@@ -32,6 +32,7 @@
 //! behave as in normal running.
 
 mod active;
+mod grant;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -1164,19 +1165,12 @@ impl Fence {
             self.check_held(&key, gate, token).await?;
             self.advance(&key, gate, token, false).await?
         } else {
-            let existing = self.actives.get(key).map(|e| e.value().clone());
-            if let Some(a) = existing.filter(|a| a.token < token) {
-                let release = a.close();
-                self.release_active(&Arc::from(key), &a, release);
-            }
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
-                // Replicas admit an older token on their registration for
-                // at most this long after the key reached this token: from
-                // the answer on, none does (see [`active`]). Equal too: the
-                // raise that got there may be under 50 ms old.
+                // Equal too: the raise that got there may be under 50 ms
+                // old.
                 Advance::Raised { .. } | Advance::Equal => {
-                    tokio::time::sleep(CHECK_EVERY).await;
+                    self.follow_shared_raise(key, token).await;
                     token
                 }
             }
@@ -1185,6 +1179,20 @@ impl Fence {
             return Err(FenceError::Stale { token, highest });
         }
         Ok(highest)
+    }
+
+    /// After a shared store raised `key` to `token` outside admission (a
+    /// fence-ahead raise, a lease grant): this replica's registration of an
+    /// older token is closed, and the answer waits out the time for which
+    /// other replicas may still admit an older token on theirs (see
+    /// [`active`]); from then on none does.
+    async fn follow_shared_raise(self: &Arc<Self>, key: &str, token: u64) {
+        let existing = self.actives.get(key).map(|e| e.value().clone());
+        if let Some(a) = existing.filter(|a| a.token < token) {
+            let release = a.close();
+            self.release_active(&Arc::from(key), &a, release);
+        }
+        tokio::time::sleep(CHECK_EVERY).await;
     }
 
     /// Operator reset: forgets the key's fence in the store and in memory.

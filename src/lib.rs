@@ -27,6 +27,8 @@
 //!   (problem+json).
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}` and
 //!   the lookup by path `/v1/fences?path=`.
+//! - [`lease`]: the lock service (`lease_listen`): leases whose tokens
+//!   are granted by the fence itself, for routes with `tokens = "granted"`.
 //! - [`id`]: identifiers no two processes share (request ids, lease ids).
 //! - [`metrics`]: the Prometheus registry and metric handles.
 //! - [`server`]: listeners (plain and TLS), connection serving, reload,
@@ -47,6 +49,7 @@ pub mod error;
 pub mod fence;
 pub mod id;
 pub mod key;
+pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use fencegate::config::{Config, RawConfig, RawRoute};
@@ -68,6 +69,50 @@ enum Command {
     /// since a wiped store looks just like a new one. Does nothing to a
     /// store that is marked already.
     InitStore,
+    /// A lease from fencegate's lock service (`--lease-listen`), for shell
+    /// scripts: `T=$(fencegate lease acquire --lease-url URL
+    /// --lease-token-file F --ttl 30s jobs:nightly)`. Prints `LEASE_ID
+    /// TOKEN`. Exit 0 on success, 3 when another holder has the key, 4 when
+    /// the lease expired or was released, 1 otherwise.
+    Lease {
+        #[command(subcommand)]
+        op: LeaseOp,
+        /// The lease API, e.g. http://127.0.0.1:9091.
+        #[arg(long, env = "FENCEGATE_LEASE_URL", global = true)]
+        lease_url: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum LeaseOp {
+    /// Take a lease on a key (or on the key a write to --path takes).
+    Acquire {
+        /// The fence key (`namespace:resource`); or give --path.
+        key: Option<String>,
+        /// A request target, mapped to its key as a write to it would be.
+        #[arg(long)]
+        path: Option<String>,
+        /// The Host of --path, when routes name hosts.
+        #[arg(long = "host")]
+        request_host: Option<String>,
+        /// How long the lease lasts unless renewed, e.g. 30s.
+        #[arg(long)]
+        ttl: String,
+        /// Who holds it (logged, shown to others); default host:pid.
+        #[arg(long)]
+        holder: Option<String>,
+        /// Wait up to this long for a held key, e.g. 10s.
+        #[arg(long)]
+        wait: Option<String>,
+    },
+    /// Extend a lease; prints `LEASE_ID TOKEN` (the same token).
+    Renew {
+        lease: String,
+        #[arg(long)]
+        ttl: String,
+    },
+    /// End a lease.
+    Release { lease: String },
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -109,6 +154,16 @@ struct Opts {
     /// replica knows and record a new marker (see docs/stores.md).
     #[arg(long, env = "FENCEGATE_ACCEPT_STORE_RESET", global = true)]
     accept_store_reset: bool,
+    /// The lease API's listen address (fencegate as the lock service).
+    #[arg(long, env = "FENCEGATE_LEASE_LISTEN", global = true)]
+    lease_listen: Option<String>,
+    /// Bearer tokens of the lease API, a `TOKEN [KEY-PREFIX ...]` per
+    /// line; `fencegate lease` sends the first one.
+    #[arg(long, env = "FENCEGATE_LEASE_TOKEN_FILE", global = true)]
+    lease_token_file: Option<PathBuf>,
+    /// The longest TTL (and wait) a lease may ask for, e.g. 60s.
+    #[arg(long, env = "FENCEGATE_MAX_LEASE_TTL", global = true)]
+    max_lease_ttl: Option<String>,
     /// File holding the bearer token for mutating admin endpoints.
     #[arg(long, env = "FENCEGATE_ADMIN_TOKEN_FILE", global = true)]
     admin_token_file: Option<PathBuf>,
@@ -238,6 +293,9 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     );
     set(&mut raw.limits.body_read_timeout, &opts.body_read_timeout);
     set(&mut raw.admin_token_file, &opts.admin_token_file);
+    set(&mut raw.lease_listen, &opts.lease_listen);
+    set(&mut raw.lease_token_file, &opts.lease_token_file);
+    set(&mut raw.max_lease_ttl, &opts.max_lease_ttl);
     set(&mut raw.limits.max_header_bytes, &opts.max_header_bytes);
     set(&mut raw.limits.max_key_bytes, &opts.max_key_bytes);
     set(&mut raw.limits.max_connections, &opts.max_connections);
@@ -351,7 +409,14 @@ async fn run(
     let proxy = server
         .proxy_addr
         .map_or("off".to_string(), |a| a.to_string());
-    println!("listening proxy={proxy} admin={}{tls}", server.admin_addr);
+    let lease = server
+        .lease_addr
+        .map(|a| format!(" lease={a}"))
+        .unwrap_or_default();
+    println!(
+        "listening proxy={proxy} admin={}{tls}{lease}",
+        server.admin_addr
+    );
     let signals = {
         let shutdown = shutdown.clone();
         let reloader = server.reloader();
@@ -564,10 +629,126 @@ fn probe(url: &str) -> ExitCode {
     })
 }
 
+/// `fencegate lease ...`: one request to the lease API.
+fn lease(op: &LeaseOp, url: Option<&str>, opts: &Opts) -> ExitCode {
+    use fencegate::lease::client::{call, read_token, ClientError};
+    use serde_json::json;
+    let fail = |e: ClientError| {
+        eprintln!("fencegate lease: {e}");
+        ExitCode::from(e.exit_code())
+    };
+    let Some(url) = url else {
+        eprintln!("fencegate lease: give the lease API's URL (--lease-url or FENCEGATE_LEASE_URL)");
+        return ExitCode::from(2);
+    };
+    let Some(file) = &opts.lease_token_file else {
+        eprintln!("fencegate lease: give the bearer token's file (--lease-token-file or FENCEGATE_LEASE_TOKEN_FILE)");
+        return ExitCode::from(2);
+    };
+    let token = match read_token(file) {
+        Ok(t) => t,
+        Err(e) => return fail(e),
+    };
+    let millis = |flag: &str, text: &str| {
+        fencegate::config::parse_duration(text)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .map_err(|e| format!("--{flag}: {e}"))
+    };
+    let request = match op {
+        LeaseOp::Acquire {
+            key,
+            path,
+            request_host,
+            ttl,
+            holder,
+            wait,
+        } => {
+            let holder = holder.clone().unwrap_or_else(|| {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_default();
+                format!("{host}:{}", std::process::id())
+            });
+            let mut body = json!({"holder": holder});
+            match (key, path) {
+                (Some(k), None) => body["key"] = json!(k),
+                (None, Some(p)) => {
+                    body["path"] = json!(p);
+                    if let Some(h) = request_host {
+                        body["host"] = json!(h);
+                    }
+                }
+                _ => {
+                    eprintln!("fencegate lease acquire: give a KEY or --path, one of them");
+                    return ExitCode::from(2);
+                }
+            }
+            let wait_ms = match wait.as_deref().map(|w| millis("wait", w)).transpose() {
+                Ok(w) => w,
+                Err(e) => {
+                    eprintln!("fencegate lease acquire: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match millis("ttl", ttl) {
+                Ok(t) => body["ttl_ms"] = json!(t),
+                Err(e) => {
+                    eprintln!("fencegate lease acquire: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+            if let Some(w) = wait_ms {
+                body["wait_ms"] = json!(w);
+            }
+            let limit = Duration::from_millis(wait_ms.unwrap_or(0)) + Duration::from_secs(10);
+            (
+                http::Method::POST,
+                "/v1/leases".to_string(),
+                Some(body),
+                limit,
+            )
+        }
+        LeaseOp::Renew { lease, ttl } => match millis("ttl", ttl) {
+            Ok(t) => (
+                http::Method::POST,
+                format!("/v1/leases/{lease}/renew"),
+                Some(json!({ "ttl_ms": t })),
+                Duration::from_secs(10),
+            ),
+            Err(e) => {
+                eprintln!("fencegate lease renew: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        LeaseOp::Release { lease } => (
+            http::Method::DELETE,
+            format!("/v1/leases/{lease}"),
+            None,
+            Duration::from_secs(10),
+        ),
+    };
+    let (method, path, body, limit) = request;
+    block_on(async move {
+        match call(url, &token, method, &path, body, limit).await {
+            Ok(answer) => {
+                let field = |f: &str| answer.get(f).and_then(|v| v.as_str()).unwrap_or("");
+                if !matches!(op, LeaseOp::Release { .. }) {
+                    println!("{} {}", field("lease"), field("token"));
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        }
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Probe { url }) = &cli.command {
         return probe(url);
+    }
+    if let Some(Command::Lease { op, lease_url }) = &cli.command {
+        return lease(op, lease_url.as_deref(), &cli.opts);
     }
     init_logging(cli.opts.log_format);
     if let Some(Command::InitStore) = &cli.command {

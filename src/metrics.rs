@@ -67,6 +67,12 @@ pub struct Metrics {
     pub worker_connections: IntCounterVec,
     /// Worker threads serving the proxy listeners.
     pub workers: IntGauge,
+    /// Lease API requests by operation (acquire, renew, release, get) and
+    /// result (granted, held, ok, gone, error...).
+    pub leases: IntCounterVec,
+    /// Lease API answer time by operation (an acquire's `wait_ms`
+    /// included).
+    pub lease_latency: HistogramVec,
 }
 
 impl Metrics {
@@ -253,8 +259,21 @@ impl Metrics {
         registry
             .register(Box::new(workers.clone()))
             .expect("register");
+        let leases = counter(
+            "fencegate_lease_requests_total",
+            "Lease API requests, by operation and result.",
+            &["op", "result"],
+        );
+        let lease_latency = histogram(
+            "fencegate_lease_seconds",
+            "Lease API answer time, by operation (an acquire's wait included).",
+            &["op"],
+            0.000_05,
+        );
         store_up.set(1);
         Self {
+            leases,
+            lease_latency,
             worker_connections,
             workers,
             connections,
@@ -514,6 +533,44 @@ impl crate::store::FenceStore for InstrumentedStore {
         lease: &crate::store::WriteLease,
     ) -> Result<(), crate::store::StoreError> {
         self.inner.release_lease(key, lease).await
+    }
+    async fn claim_lock(
+        &self,
+        key: &str,
+        id: &str,
+        holder: &str,
+        ttl: std::time::Duration,
+    ) -> Result<crate::store::Claim, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.claim_lock(key, id, holder, ttl).await;
+        self.observe("claim_lock", t);
+        r
+    }
+    async fn read_lock(
+        &self,
+        key: &str,
+    ) -> Result<Option<crate::store::Lock>, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.read_lock(key).await;
+        self.observe("read_lock", t);
+        r
+    }
+    async fn renew_lock(
+        &self,
+        key: &str,
+        id: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Option<crate::store::Lock>, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.renew_lock(key, id, ttl).await;
+        self.observe("renew_lock", t);
+        r
+    }
+    async fn release_lock(&self, key: &str, id: &str) -> Result<bool, crate::store::StoreError> {
+        let t = std::time::Instant::now();
+        let r = self.inner.release_lock(key, id).await;
+        self.observe("release_lock", t);
+        r
     }
     fn amnesia(&self) -> Option<String> {
         self.inner.amnesia()

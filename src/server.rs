@@ -28,6 +28,7 @@ use crate::admin::Admin;
 use crate::config::{Config, StoreConfig};
 use crate::error::ProxyBody;
 use crate::fence::Fence;
+use crate::lease::Leases;
 use crate::metrics::{InstrumentedStore, Metrics};
 use crate::proxy::{Peer, Proxy};
 use crate::store::embedded::{EmbeddedStore, OpenError};
@@ -74,6 +75,8 @@ pub struct Server {
     pub admin_addr: SocketAddr,
     /// The TLS listener, if `[tls]` is configured.
     pub tls_addr: Option<SocketAddr>,
+    /// The lease API's listener, if `lease_listen` is configured.
+    pub lease_addr: Option<SocketAddr>,
     fence: Arc<Fence>,
     shutdown: CancellationToken,
     draining: CancellationToken,
@@ -250,6 +253,21 @@ impl Server {
             None => None,
         };
         let admin_listener = bind("admin_listen", config.admin_listen).await?;
+        let lease_listener = match &config.lease {
+            Some(l) => Some(bind("lease_listen", l.listen).await?),
+            None => None,
+        };
+        let leases = config.lease.as_ref().map(|l| {
+            Arc::new(Leases {
+                fence: fence.clone(),
+                proxy: proxy.clone(),
+                metrics: metrics.clone(),
+                bearers: arc_swap::ArcSwap::from_pointee(l.tokens.clone()),
+                max_ttl: l.max_ttl,
+                max_key_bytes: config.limits.max_key_bytes,
+                released: tokio::sync::Notify::new(),
+            })
+        });
         let tls_listeners = match &config.tls {
             Some(t) => Some(bind_workers("tls.listen", t.listen, workers)?),
             None => None,
@@ -377,13 +395,27 @@ impl Server {
         let admin_handler = admin.clone();
         let admin_loop = tokio::spawn(accept_loop(
             admin_listener,
-            builder,
+            builder.clone(),
             None,
-            gate,
+            gate.clone(),
             slots("admin"),
             move |req, _peer| admin_handler.clone().handle(req),
         ));
         listeners.push(Box::pin(async move { admin_loop.await.unwrap_or(false) }));
+        let lease_addr = lease_listener
+            .as_ref()
+            .map(|l| l.local_addr().expect("bound address"));
+        if let (Some(listener), Some(leases)) = (lease_listener, leases.clone()) {
+            let lease_loop = tokio::spawn(accept_loop(
+                listener,
+                builder,
+                None,
+                gate,
+                slots("lease"),
+                move |req, _peer| leases.clone().handle(req),
+            ));
+            listeners.push(Box::pin(async move { lease_loop.await.unwrap_or(false) }));
+        }
         let tls_watcher = match (&tls, &config.tls) {
             (Some(tls), Some(files)) => {
                 let metrics = metrics.clone();
@@ -400,11 +432,12 @@ impl Server {
         };
         let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
         let reaper = tokio::spawn(proxy.clone().reap_idle_connections(draining.clone()));
-        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, routes = config.routes.len(), workers, "fencegate started");
+        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, lease_addr = ?lease_addr, routes = config.routes.len(), workers, "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
             proxy_addr,
             admin,
+            leases,
             tls,
             metrics,
             started: config,
@@ -414,6 +447,7 @@ impl Server {
             proxy_addr,
             admin_addr,
             tls_addr,
+            lease_addr,
             fence,
             shutdown,
             draining,
@@ -549,6 +583,8 @@ struct ReloadState {
     /// The plain listener's bound address.
     proxy_addr: Option<SocketAddr>,
     admin: Arc<Admin>,
+    /// The lease API, whose bearer tokens a reload replaces.
+    leases: Option<Arc<Leases>>,
     tls: Option<Arc<TlsTerminator>>,
     metrics: Arc<Metrics>,
     /// What the server started with: listeners, store and limits cannot
@@ -621,6 +657,8 @@ impl Reloader {
             new.highest_cache_entries != started.highest_cache_entries,
         );
         differs("workers", new.workers != started.workers);
+        let lease_listen = |c: &Config| c.lease.as_ref().map(|l| (l.listen, l.max_ttl));
+        differs("lease_listen", lease_listen(new) != lease_listen(started));
         let tls_listen = |c: &Config| c.tls.as_ref().map(|t| t.listen);
         differs("tls.listen", tls_listen(new) != tls_listen(started));
         let watch = |c: &Config| c.tls.as_ref().map(|t| t.watch_interval);
@@ -639,6 +677,9 @@ impl Reloader {
             .admin
             .admin_token
             .store(new.admin_token.clone().map(Arc::new));
+        if let (Some(leases), Some(l)) = (&self.0.leases, &new.lease) {
+            leases.bearers.store(Arc::new(l.tokens.clone()));
+        }
         warn_if_plain_bypasses_mtls(self.0.proxy_addr, new);
         for field in &ignored {
             tracing::warn!(field, "changed in the config file, but only a restart applies it; keeping the running value");

@@ -33,7 +33,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Limits, Route};
+use crate::config::{Config, Limits, Route, TokenMode};
 use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
@@ -483,14 +483,26 @@ impl Proxy {
     ) -> Result<Arc<InFlight>, ProxyError> {
         let route = &rt.route;
         let WriteIntent { mut keys, token } = intent;
-        if let Some(step) = route.max_token_step {
+        let granted_only = route.tokens == TokenMode::Granted;
+        if route.max_token_step.is_some() || granted_only {
             for key in &keys {
+                // Read before admission, not in it: the highest only rises,
+                // and a token at or below it never raises it, so on a
+                // granted route only a grant can (which makes more tokens
+                // granted, never fewer).
                 let highest = self
                     .fence
                     .highest(key)
                     .await
                     .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
-                if let Some(h) = highest {
+                if granted_only && highest.is_none_or(|h| token > h) {
+                    ctx.key = Some(key.clone());
+                    return Err(ProxyError::NotGranted {
+                        token,
+                        granted: highest.map_or_else(|| "none".into(), |h| h.to_string()),
+                    });
+                }
+                if let (Some(step), Some(h)) = (route.max_token_step, highest) {
                     if token > h.saturating_add(step) {
                         ctx.key = Some(key.clone());
                         return Err(ProxyError::TokenTooFarAhead {

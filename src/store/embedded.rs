@@ -22,10 +22,13 @@ use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{Advance, CrashedKey, FenceStore, StartState, StoreError};
+use super::{Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+/// The lock service's leases: key -> (lease id, token, holder, expiry in ms
+/// since the Unix epoch on this host's clock, which must survive a restart).
+const LOCKS: TableDefinition<&str, (&str, u64, &str, u64)> = TableDefinition::new("leases");
 /// In-flight marks: sequence number -> (the token of the write it was made
 /// for, key). Marks below the watermark ([`WATERMARK_KEY`]) are dead.
 const MARKS: TableDefinition<u64, (u64, &str)> = TableDefinition::new("in_flight_log");
@@ -98,12 +101,51 @@ enum Op {
         key: String,
         reply: oneshot::Sender<Result<Option<u64>, StoreError>>,
     },
+    Lock {
+        key: String,
+        op: LockOp,
+        reply: oneshot::Sender<Result<LockAnswer, StoreError>>,
+    },
     Ping {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
     CloseClean {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+}
+
+/// A lock-service operation ([`FenceStore::claim_lock`] and its kin).
+enum LockOp {
+    Claim {
+        id: String,
+        holder: String,
+        ttl: Duration,
+    },
+    Read,
+    Renew {
+        id: String,
+        ttl: Duration,
+    },
+    Release {
+        id: String,
+    },
+}
+
+enum LockAnswer {
+    Claim(Claim),
+    Lock(Option<Lock>),
+    Released(bool),
+}
+
+/// Milliseconds since the Unix epoch on this host's clock.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Answers of one batch for the callers on one runtime.
@@ -353,6 +395,11 @@ impl EmbeddedStore {
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
+    async fn lock(&self, key: &str, op: LockOp) -> Result<LockAnswer, StoreError> {
+        let key = key.to_string();
+        self.call(|reply| Op::Lock { key, op, reply }).await
+    }
+
     /// The courier of the calling runtime, started on first use. `None`
     /// outside a runtime: the writer then answers directly.
     fn courier(&self) -> Option<Courier> {
@@ -477,6 +524,55 @@ impl FenceStore for EmbeddedStore {
     async fn forget(&self, key: &str) -> Result<Option<u64>, StoreError> {
         let key = key.to_string();
         self.call(|reply| Op::Forget { key, reply }).await
+    }
+
+    async fn claim_lock(
+        &self,
+        key: &str,
+        id: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        let op = LockOp::Claim {
+            id: id.to_string(),
+            holder: holder.to_string(),
+            ttl,
+        };
+        match self.lock(key, op).await? {
+            LockAnswer::Claim(c) => Ok(c),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    async fn read_lock(&self, key: &str) -> Result<Option<Lock>, StoreError> {
+        match self.lock(key, LockOp::Read).await? {
+            LockAnswer::Lock(l) => Ok(l),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    async fn renew_lock(
+        &self,
+        key: &str,
+        id: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lock>, StoreError> {
+        let op = LockOp::Renew {
+            id: id.to_string(),
+            ttl,
+        };
+        match self.lock(key, op).await? {
+            LockAnswer::Lock(l) => Ok(l),
+            _ => Err(StoreError::Closed),
+        }
+    }
+
+    async fn release_lock(&self, key: &str, id: &str) -> Result<bool, StoreError> {
+        let op = LockOp::Release { id: id.to_string() };
+        match self.lock(key, op).await? {
+            LockAnswer::Released(r) => Ok(r),
+            _ => Err(StoreError::Closed),
+        }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -649,6 +745,17 @@ impl Writer {
             let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
             let mut marks = txn.open_table(MARKS).map_err(|e| self.fail(e))?;
+            // Only batches with a lease operation open the lease table: the
+            // write path pays nothing for the lock service.
+            let mut locks = if batch
+                .iter()
+                .any(|op| matches!(op, Op::Lock { .. } | Op::Forget { .. }))
+            {
+                Some(txn.open_table(LOCKS).map_err(|e| self.fail(e))?)
+            } else {
+                None
+            };
+            let now = wall_ms();
             // Appends a mark and returns its sequence number.
             let mut mark = |marks: &mut redb::Table<u64, (u64, &str)>,
                             key: &str,
@@ -662,11 +769,13 @@ impl Writer {
             };
             for op in batch {
                 let answer = match op {
-                    Op::Advance { .. } | Op::AdvanceMarked { .. } | Op::Mark { .. }
-                        if closed || closing =>
-                    {
-                        Answer::Refused
-                    }
+                    Op::Advance { .. }
+                    | Op::AdvanceMarked { .. }
+                    | Op::Mark { .. }
+                    | Op::Lock {
+                        op: LockOp::Claim { .. },
+                        ..
+                    } if closed || closing => Answer::Refused,
                     Op::Advance { key, token, .. } | Op::AdvanceMarked { key, token, .. } => {
                         let token = *token;
                         let current = table
@@ -725,8 +834,85 @@ impl Writer {
                             .map_err(|e| self.fail(e))?
                             .map(|v| v.value()),
                     ),
+                    Op::Lock { key, op, .. } => {
+                        let locks = locks.as_mut().expect("opened for lease operations");
+                        let held = locks
+                            .get(key.as_str())
+                            .map_err(|e| self.fail(e))?
+                            .map(|v| {
+                                let (id, token, holder, exp) = v.value();
+                                (
+                                    Lock {
+                                        id: id.to_string(),
+                                        token,
+                                        holder: holder.to_string(),
+                                        expires_in: Duration::from_millis(exp.saturating_sub(now)),
+                                    },
+                                    exp,
+                                )
+                            })
+                            .filter(|(_, exp)| *exp > now)
+                            .map(|(l, _)| l);
+                        match op {
+                            LockOp::Claim { id, holder, ttl } => {
+                                let current = table
+                                    .get(key.as_str())
+                                    .map_err(|e| self.fail(e))?
+                                    .map(|v| v.value());
+                                let next = current.map_or(Some(1), |h| h.checked_add(1));
+                                match (held, next) {
+                                    (Some(l), _) => Answer::Lock(LockAnswer::Claim(Claim::Held(l))),
+                                    (None, None) => {
+                                        Answer::Lock(LockAnswer::Claim(Claim::Exhausted))
+                                    }
+                                    (None, Some(token)) => {
+                                        table
+                                            .insert(key.as_str(), token)
+                                            .map_err(|e| self.fail(e))?;
+                                        let exp = now.saturating_add(ms(*ttl));
+                                        locks
+                                            .insert(
+                                                key.as_str(),
+                                                (id.as_str(), token, holder.as_str(), exp),
+                                            )
+                                            .map_err(|e| self.fail(e))?;
+                                        arm = true;
+                                        raised = true;
+                                        Answer::Lock(LockAnswer::Claim(Claim::Granted { token }))
+                                    }
+                                }
+                            }
+                            LockOp::Read => Answer::Lock(LockAnswer::Lock(held)),
+                            LockOp::Renew { id, ttl } => match held.filter(|l| &l.id == id) {
+                                Some(mut l) => {
+                                    let exp = now.saturating_add(ms(*ttl));
+                                    locks
+                                        .insert(
+                                            key.as_str(),
+                                            (id.as_str(), l.token, l.holder.as_str(), exp),
+                                        )
+                                        .map_err(|e| self.fail(e))?;
+                                    raised = true;
+                                    l.expires_in = *ttl;
+                                    Answer::Lock(LockAnswer::Lock(Some(l)))
+                                }
+                                None => Answer::Lock(LockAnswer::Lock(None)),
+                            },
+                            LockOp::Release { id } => {
+                                let mine = held.is_some_and(|l| &l.id == id);
+                                if mine {
+                                    locks.remove(key.as_str()).map_err(|e| self.fail(e))?;
+                                    raised = true;
+                                }
+                                Answer::Lock(LockAnswer::Released(mine))
+                            }
+                        }
+                    }
                     Op::Forget { key, .. } => {
                         raised = true; // a change to commit
+                        if let Some(locks) = locks.as_mut() {
+                            locks.remove(key.as_str()).map_err(|e| self.fail(e))?;
+                        }
                         Answer::Token(
                             table
                                 .remove(key.as_str())
@@ -792,6 +978,7 @@ enum Answer {
     Seq(u64),
     Seqs(Vec<u64>),
     Token(Option<u64>),
+    Lock(LockAnswer),
     Done,
     /// An advance after the clean-stop mark.
     Refused,
@@ -812,6 +999,10 @@ impl Op {
                     _ => None,
                 })))
             }
+            Op::Lock { reply, .. } => drop(reply.send(result.and_then(|a| match a {
+                Answer::Lock(l) => Ok(l),
+                _ => Err(StoreError::Closed),
+            }))),
             Op::Ping { reply } | Op::CloseClean { reply } => drop(reply.send(result.map(|_| ()))),
             Op::AdvanceMarked { reply, .. } => drop(reply.send(result.and_then(|a| match a {
                 Answer::Marked(a, seq) => Ok((a, seq)),

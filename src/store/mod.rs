@@ -185,6 +185,37 @@ pub enum LeaseOutcome {
     Stale { highest: u64 },
 }
 
+/// A lease of the lock service (`lease` module) as the store keeps it:
+/// at most one per key, held until it expires or is released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lock {
+    /// The lease id the API hands out (it names the key too).
+    pub id: String,
+    /// The token granted with it: the key's highest when it was granted.
+    pub token: u64,
+    /// Free text from the client, for people.
+    pub holder: String,
+    /// Left of its TTL, on the store's clock (the granting side's where the
+    /// store has none).
+    pub expires_in: Duration,
+}
+
+/// The answer to [`FenceStore::claim_lock`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Granted: the key's highest is now `token`, durably, and the lease is
+    /// recorded.
+    Granted { token: u64 },
+    /// Another unexpired lease holds the key; nothing changed.
+    Held(Lock),
+    /// The key's highest is `u64::MAX`: no token above it exists.
+    Exhausted,
+}
+
+fn no_locks(kind: &str) -> StoreError {
+    StoreError::Unavailable(format!("the {kind} store keeps no leases"))
+}
+
 /// A durable map from fence key to the highest token seen.
 ///
 /// Keys are opaque UTF-8 strings (`namespace:resource`). Implementations must
@@ -308,6 +339,48 @@ pub trait FenceStore: Send + Sync + 'static {
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         let _ = (key, lease);
         Ok(())
+    }
+
+    /// Lock service, in one atomic step: unless an unexpired lease holds
+    /// `key`, raises its highest to one above every token it had (admitted
+    /// or granted) and records lease `id` for `holder`, expiring after `ttl`;
+    /// both durable before this returns. Of two concurrent claims on one
+    /// key (from any replica), at most one is granted.
+    async fn claim_lock(
+        &self,
+        key: &str,
+        id: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        let _ = (key, id, holder, ttl);
+        Err(no_locks(self.kind()))
+    }
+
+    /// The unexpired lease holding `key`, if any.
+    async fn read_lock(&self, key: &str) -> Result<Option<Lock>, StoreError> {
+        let _ = key;
+        Err(no_locks(self.kind()))
+    }
+
+    /// Extends lease `id` to `ttl` from now if it still holds `key`
+    /// (unexpired); `None` otherwise: an expired or released lease is never
+    /// revived.
+    async fn renew_lock(
+        &self,
+        key: &str,
+        id: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lock>, StoreError> {
+        let _ = (key, id, ttl);
+        Err(no_locks(self.kind()))
+    }
+
+    /// Ends lease `id` on `key` if it still holds it (durably); `false` if
+    /// it had expired or was released already.
+    async fn release_lock(&self, key: &str, id: &str) -> Result<bool, StoreError> {
+        let _ = (key, id);
+        Err(no_locks(self.kind()))
     }
 
     /// Marks a new store as this deployment's (`fencegate init-store`), the

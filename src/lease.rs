@@ -1,0 +1,532 @@
+//! The lock service: leases whose tokens come from the fence itself.
+//!
+//! A lease on a key is granted with a token one above every token the key
+//! ever had (admitted or granted), and the key's highest is raised to it
+//! durably before the answer leaves, so the previous holder's writes are
+//! refused from that moment (Chubby's sequencers; fencing tokens). On a
+//! route with `tokens = "granted"` a write must carry the key's last grant:
+//! a token above it was never granted (403) and never reaches the backend.
+//!
+//! Leases live in the fence store ([`crate::store::FenceStore::claim_lock`]),
+//! so any replica on a shared store may grant, renew or release them. A
+//! lease id is `RANDOM.KEY` (the key in unpadded base64url), so every
+//! operation on an id finds its key without an index.
+//!
+//! The API (`lease_listen`), each request with `Authorization: Bearer T`:
+//! `POST /v1/leases`, `GET /v1/leases/{id}`, `POST /v1/leases/{id}/renew`,
+//! `DELETE /v1/leases/{id}`. docs/leases.md has the details.
+
+pub mod client;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{json, Map, Value};
+use tokio::sync::Notify;
+
+use crate::error::{full, LeaseError, ProxyBody};
+use crate::fence::Fence;
+use crate::metrics::Metrics;
+use crate::proxy::Proxy;
+use crate::store::{Claim, Lock};
+
+/// Largest request body the API reads.
+const MAX_BODY: usize = 16 * 1024;
+/// Longest `holder` text.
+const MAX_HOLDER: usize = 256;
+/// How often a waiting acquire asks the store again at most (a release on
+/// this replica wakes it at once; one on another replica is seen within
+/// this).
+const WAIT_POLL: Duration = Duration::from_millis(50);
+
+/// One line of the lease token file: a bearer token and the key prefixes
+/// it may lease (none: every key).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Bearer {
+    token: String,
+    prefixes: Vec<String>,
+}
+
+impl std::fmt::Debug for Bearer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bearer")
+            .field("token", &"****")
+            .field("prefixes", &self.prefixes)
+            .finish()
+    }
+}
+
+impl Bearer {
+    /// Whether this token may lease `key`.
+    pub fn covers(&self, key: &str) -> bool {
+        self.prefixes.is_empty() || self.prefixes.iter().any(|p| key.starts_with(p.as_str()))
+    }
+}
+
+/// Parses the lease token file: one `TOKEN [PREFIX ...]` per line; blank
+/// lines and `#` comments are skipped. Tokens are at least 16 characters.
+pub fn parse_bearers(text: &str) -> Result<Vec<Bearer>, String> {
+    let mut out: Vec<Bearer> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let token = words.next().unwrap_or_default().to_string();
+        if token.len() < 16 {
+            return Err(format!(
+                "line {}: the token must be at least 16 characters",
+                n + 1
+            ));
+        }
+        if out.iter().any(|b| b.token == token) {
+            return Err(format!("line {}: the token is listed twice", n + 1));
+        }
+        out.push(Bearer {
+            token,
+            prefixes: words.map(str::to_string).collect(),
+        });
+    }
+    if out.is_empty() {
+        return Err("holds no token (a line is `TOKEN [KEY-PREFIX ...]`)".into());
+    }
+    Ok(out)
+}
+
+/// The id of a new lease on `key`.
+fn new_id(key: &str) -> String {
+    let k = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key);
+    format!("{}.{k}", crate::id::unique_id())
+}
+
+/// The key a lease id names; `None` for an id this API never made.
+fn id_key(id: &str) -> Option<String> {
+    let (random, k) = id.split_once('.')?;
+    if random.is_empty() || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(k)
+        .ok()?;
+    String::from_utf8(bytes).ok().filter(|k| !k.is_empty())
+}
+
+/// The lease API's state.
+pub struct Leases {
+    pub fence: Arc<Fence>,
+    /// Maps a `path` to its key as a write to it would be.
+    pub proxy: Arc<Proxy>,
+    pub metrics: Arc<Metrics>,
+    pub bearers: arc_swap::ArcSwap<Vec<Bearer>>,
+    pub max_ttl: Duration,
+    pub max_key_bytes: usize,
+    /// Woken by every release here, so a waiting acquire on this replica
+    /// retries at once.
+    pub released: Notify,
+}
+
+fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
+    let mut r = Response::new(full(body.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A lease as the API shows it.
+fn shown(key: &str, lock: &Lock) -> Value {
+    json!({
+        "lease": lock.id,
+        "key": key,
+        "token": lock.token.to_string(),
+        "holder": lock.holder,
+        "expires_in_ms": ms(lock.expires_in),
+    })
+}
+
+/// The acquire body, checked field by field so that a 400 names the field.
+struct AcquireBody {
+    key: Option<String>,
+    path: Option<String>,
+    host: Option<String>,
+    ttl: Duration,
+    holder: String,
+    wait: Duration,
+}
+
+fn text(obj: &Map<String, Value>, field: &'static str) -> Result<Option<String>, LeaseError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(LeaseError::BadField(field, "must be a string".into())),
+    }
+}
+
+/// A millisecond count in 1..=max (0 allowed for `wait_ms`).
+fn millis(
+    obj: &Map<String, Value>,
+    field: &'static str,
+    max: Duration,
+    zero_ok: bool,
+) -> Result<Option<Duration>, LeaseError> {
+    let Some(v) = obj.get(field).filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let low = u64::from(!zero_ok);
+    let bound = || {
+        LeaseError::BadField(
+            field,
+            format!(
+                "must be a whole number of milliseconds from {low} to {} (max_lease_ttl)",
+                ms(max)
+            ),
+        )
+    };
+    let n = v.as_u64().ok_or_else(bound)?;
+    if n < low || n > ms(max) {
+        return Err(bound());
+    }
+    Ok(Some(Duration::from_millis(n)))
+}
+
+impl Leases {
+    /// Serves one request of the lease listener.
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
+        let started = Instant::now();
+        let (op, answer) = self.route(req).await;
+        let result = match &answer {
+            Ok((_, r)) => *r,
+            Err(e) => e.kind(),
+        };
+        self.metrics.leases.with_label_values(&[op, result]).inc();
+        self.metrics
+            .lease_latency
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(match answer {
+            Ok((resp, _)) => resp,
+            Err(e) => e.into_response(),
+        })
+    }
+
+    /// The operation's name and its answer (with a result label).
+    async fn route(
+        &self,
+        req: Request<Incoming>,
+    ) -> (
+        &'static str,
+        Result<(Response<ProxyBody>, &'static str), LeaseError>,
+    ) {
+        let path = req.uri().path().to_string();
+        let Some(rest) = path.strip_prefix("/v1/leases") else {
+            return ("other", Err(LeaseError::NotFound));
+        };
+        let bearer = match self.bearer(&req) {
+            Some(b) => b,
+            None => return ("other", Err(LeaseError::Unauthorized)),
+        };
+        let method = req.method().clone();
+        let (id, action) = match rest.trim_start_matches('/').split_once('/') {
+            Some((id, action)) => (id.to_string(), Some(action.to_string())),
+            None => (rest.trim_start_matches('/').to_string(), None),
+        };
+        match (&method, id.as_str(), action.as_deref()) {
+            (&Method::POST, "", None) => ("acquire", self.acquire(&bearer, req).await),
+            (&Method::GET, id, None) if !id.is_empty() => ("get", self.get(&bearer, id).await),
+            (&Method::DELETE, id, None) if !id.is_empty() => {
+                ("release", self.release(&bearer, id).await)
+            }
+            (&Method::POST, id, Some("renew")) if !id.is_empty() => {
+                ("renew", self.renew(&bearer, id, req).await)
+            }
+            (_, "", None) | (_, _, None) | (_, _, Some("renew")) => {
+                ("other", Err(LeaseError::MethodNotAllowed))
+            }
+            _ => ("other", Err(LeaseError::NotFound)),
+        }
+    }
+
+    /// The bearer token the request carries, if it is one of ours.
+    fn bearer<B>(&self, req: &Request<B>) -> Option<Bearer> {
+        let got = req
+            .headers()
+            .get(header::AUTHORIZATION)?
+            .to_str()
+            .ok()?
+            .strip_prefix("Bearer ")?
+            .trim();
+        // Every token is compared in full, whatever matches: no timing leak
+        // of how much of a token was right.
+        let mut found = None;
+        for b in self.bearers.load().iter() {
+            let same = got.len() == b.token.len()
+                && got
+                    .bytes()
+                    .zip(b.token.bytes())
+                    .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                    == 0;
+            if same {
+                found = Some(b.clone());
+            }
+        }
+        found
+    }
+
+    /// The key a lease id names, if the bearer may lease it.
+    fn scoped(&self, bearer: &Bearer, id: &str) -> Result<String, LeaseError> {
+        let key = id_key(id).ok_or(LeaseError::Gone)?;
+        if !bearer.covers(&key) {
+            return Err(LeaseError::OutOfScope(key));
+        }
+        Ok(key)
+    }
+
+    async fn body(req: Request<Incoming>) -> Result<Map<String, Value>, LeaseError> {
+        let bytes = http_body_util::Limited::new(req.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|_| {
+                LeaseError::BadBody(format!("the body must be JSON of at most {MAX_BODY} bytes"))
+            })?
+            .to_bytes();
+        if bytes.is_empty() {
+            return Ok(Map::new());
+        }
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(m)) => Ok(m),
+            Ok(_) => Err(LeaseError::BadBody("the body must be a JSON object".into())),
+            Err(e) => Err(LeaseError::BadBody(format!("the body is not JSON: {e}"))),
+        }
+    }
+
+    fn acquire_body(&self, obj: &Map<String, Value>) -> Result<AcquireBody, LeaseError> {
+        const FIELDS: [&str; 6] = ["key", "path", "host", "ttl_ms", "holder", "wait_ms"];
+        if let Some(f) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+            return Err(LeaseError::BadBody(format!(
+                "unknown field `{f}` (known: {})",
+                FIELDS.join(", ")
+            )));
+        }
+        let holder = text(obj, "holder")?.unwrap_or_default();
+        if holder.len() > MAX_HOLDER {
+            return Err(LeaseError::BadField(
+                "holder",
+                format!("must be at most {MAX_HOLDER} bytes"),
+            ));
+        }
+        Ok(AcquireBody {
+            key: text(obj, "key")?,
+            path: text(obj, "path")?,
+            host: text(obj, "host")?,
+            ttl: millis(obj, "ttl_ms", self.max_ttl, false)?
+                .ok_or(LeaseError::BadField("ttl_ms", "is required".into()))?,
+            holder,
+            wait: millis(obj, "wait_ms", self.max_ttl, true)?.unwrap_or_default(),
+        })
+    }
+
+    /// The key an acquire names: `key` as given, or `path` (and `host`)
+    /// mapped as a write to it would be.
+    fn acquire_key(&self, b: &AcquireBody) -> Result<String, LeaseError> {
+        let key = match (&b.key, &b.path) {
+            (Some(k), None) => {
+                if b.host.is_some() {
+                    return Err(LeaseError::BadField(
+                        "host",
+                        "goes with `path`, not with `key`".into(),
+                    ));
+                }
+                if k.is_empty() {
+                    return Err(LeaseError::BadField("key", "must not be empty".into()));
+                }
+                k.clone()
+            }
+            (None, Some(p)) => {
+                let explained = self
+                    .proxy
+                    .explain(b.host.as_deref(), p, &http::HeaderMap::new())
+                    .map_err(|e| LeaseError::BadField("path", e.to_string()))?;
+                explained
+                    .key
+                    .map_err(|e| LeaseError::BadField("path", e.to_string()))?
+            }
+            (Some(_), Some(_)) => {
+                return Err(LeaseError::BadBody("give `key` or `path`, not both".into()))
+            }
+            (None, None) => {
+                return Err(LeaseError::BadField(
+                    "key",
+                    "is required (or `path`, mapped to its key as a write would be)".into(),
+                ))
+            }
+        };
+        if key.len() > self.max_key_bytes {
+            return Err(LeaseError::BadField(
+                "key",
+                format!("is over the limit of {} bytes", self.max_key_bytes),
+            ));
+        }
+        Ok(key)
+    }
+
+    async fn acquire(
+        &self,
+        bearer: &Bearer,
+        req: Request<Incoming>,
+    ) -> Result<(Response<ProxyBody>, &'static str), LeaseError> {
+        let obj = Self::body(req).await?;
+        let b = self.acquire_body(&obj)?;
+        let key = self.acquire_key(&b)?;
+        if !bearer.covers(&key) {
+            return Err(LeaseError::OutOfScope(key));
+        }
+        let id = new_id(&key);
+        let deadline = tokio::time::Instant::now() + b.wait;
+        loop {
+            // Armed before the claim, so a release between the claim and
+            // the wait is not missed.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            match self.fence.claim(&key, &id, &b.holder, b.ttl).await? {
+                Claim::Granted { token } => {
+                    tracing::info!(%key, token, holder = %b.holder, ttl_ms = ms(b.ttl), "lease granted");
+                    let body = json!({
+                        "lease": id,
+                        "key": key,
+                        "token": token.to_string(),
+                        "ttl_ms": ms(b.ttl),
+                        "holder": b.holder,
+                    });
+                    return Ok((json_response(StatusCode::CREATED, body), "granted"));
+                }
+                Claim::Exhausted => return Err(LeaseError::Exhausted(key)),
+                Claim::Held(lock) => {
+                    let now = tokio::time::Instant::now();
+                    if now >= deadline {
+                        return Err(LeaseError::Held {
+                            key,
+                            holder: lock.holder,
+                            expires_in: lock.expires_in,
+                        });
+                    }
+                    let nap = (lock.expires_in + Duration::from_millis(1))
+                        .min(WAIT_POLL)
+                        .min(deadline - now);
+                    tokio::select! {
+                        _ = tokio::time::sleep(nap) => {}
+                        _ = released => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn get(
+        &self,
+        bearer: &Bearer,
+        id: &str,
+    ) -> Result<(Response<ProxyBody>, &'static str), LeaseError> {
+        let key = self.scoped(bearer, id)?;
+        match self.fence.read_lock(&key).await? {
+            Some(lock) if lock.id == id => {
+                Ok((json_response(StatusCode::OK, shown(&key, &lock)), "ok"))
+            }
+            _ => Err(LeaseError::Gone),
+        }
+    }
+
+    async fn renew(
+        &self,
+        bearer: &Bearer,
+        id: &str,
+        req: Request<Incoming>,
+    ) -> Result<(Response<ProxyBody>, &'static str), LeaseError> {
+        let key = self.scoped(bearer, id)?;
+        let obj = Self::body(req).await?;
+        if let Some(f) = obj.keys().find(|k| k.as_str() != "ttl_ms") {
+            return Err(LeaseError::BadBody(format!(
+                "unknown field `{f}` (known: ttl_ms)"
+            )));
+        }
+        let ttl = millis(&obj, "ttl_ms", self.max_ttl, false)?
+            .ok_or(LeaseError::BadField("ttl_ms", "is required".into()))?;
+        match self.fence.renew_lock(&key, id, ttl).await? {
+            Some(lock) => {
+                let body = json!({
+                    "lease": id,
+                    "key": key,
+                    "token": lock.token.to_string(),
+                    "ttl_ms": ms(ttl),
+                    "holder": lock.holder,
+                });
+                Ok((json_response(StatusCode::OK, body), "ok"))
+            }
+            None => Err(LeaseError::Gone),
+        }
+    }
+
+    async fn release(
+        &self,
+        bearer: &Bearer,
+        id: &str,
+    ) -> Result<(Response<ProxyBody>, &'static str), LeaseError> {
+        let key = self.scoped(bearer, id)?;
+        let released = self.fence.release_lock(&key, id).await?;
+        if released {
+            tracing::info!(%key, "lease released");
+            self.released.notify_waiters();
+        }
+        let mut r = Response::new(full(""));
+        *r.status_mut() = StatusCode::NO_CONTENT;
+        Ok((r, if released { "ok" } else { "gone" }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_lines_and_scopes() {
+        let b = parse_bearers("# ops\n\nabcdefghijklmnop\nqrstuvwxyz012345 jobs: s3:reports/\n")
+            .unwrap();
+        assert_eq!(b.len(), 2);
+        assert!(b[0].covers("anything"));
+        assert!(b[1].covers("jobs:x") && b[1].covers("s3:reports/a"));
+        assert!(!b[1].covers("s3:other"));
+        assert!(parse_bearers("short").unwrap_err().contains("16"));
+        assert!(parse_bearers("\n# none\n").is_err());
+        assert!(parse_bearers("abcdefghijklmnop\nabcdefghijklmnop x")
+            .unwrap_err()
+            .contains("twice"));
+        assert!(!format!("{:?}", b[0]).contains("abcdefghijklmnop"));
+    }
+
+    #[test]
+    fn lease_ids_name_their_key() {
+        for key in ["ns:a", "ns:with.dots/and spaces", "ü:ñ"] {
+            let id = new_id(key);
+            assert_eq!(id_key(&id).as_deref(), Some(key));
+        }
+        assert_eq!(id_key("nodot"), None);
+        assert_eq!(id_key("zz.bnM6YQ"), None);
+        assert_eq!(id_key("ab.!!!"), None);
+        assert_eq!(id_key("ab."), None);
+    }
+}

@@ -8,6 +8,10 @@
 //! - `fencegate/l/HEX/TOKEN20/ID`: an in-flight lease, attached to an etcd
 //!   lease of this replica (expires on etcd's clock if the replica dies, at
 //!   most an eighth after the write's own lease would).
+//! - `fencegate/g/HEX`: the lock service's lease on the key, JSON `{id,
+//!   token, holder, exp}`; `exp` is in ms on the granting replica's wall
+//!   clock (etcd has no clock to read), so replicas' clock skew shifts
+//!   expiry. Changed by compare-and-swap on its and the fence's revisions.
 //! - `fencegate/marker`: `EPOCH SEQ` (amnesia detection).
 //!
 //! Admission is one transaction: if the stored highest is greater, read it
@@ -33,8 +37,8 @@ use serde_json::{json, Value};
 
 use crate::config::Secret;
 
-use super::shared::{busy, stored_token, Acquire, Backend, Marker};
-use super::{Advance, LeaseOutcome, StoreError, WriteLease};
+use super::shared::{busy, stored_token, Acquire, Backend, LockCall, LockReply, Marker};
+use super::{Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
 
@@ -118,6 +122,32 @@ fn fence_key(key: &str) -> String {
 
 fn lease_prefix(key: &str) -> String {
     format!("fencegate/l/{}/", hex(key))
+}
+
+fn grant_key(key: &str) -> String {
+    format!("fencegate/g/{}", hex(key))
+}
+
+/// How many times a lock operation reads and tries its compare-and-swap
+/// before it gives up (each retry means another replica changed the key
+/// meanwhile).
+const LOCK_ATTEMPTS: usize = 16;
+
+/// Milliseconds since the Unix epoch on this host's clock.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The first key-value of a range answer in a transaction, with its
+/// modification revision ("0" when absent, as a compare sees it).
+fn range_kv(resp: &Value) -> Option<(String, String)> {
+    let kv = resp["response_range"]["kvs"].as_array()?.first()?;
+    Some((
+        unb64(&kv["value"]),
+        kv["mod_revision"].as_str().unwrap_or("0").to_string(),
+    ))
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
@@ -712,6 +742,114 @@ impl Backend for EtcdBackend {
             self.post("/v3/kv/txn", json!({"success": chunk})).await?;
         }
         Ok(())
+    }
+
+    async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
+        let (fk, gk) = (fence_key(key), grant_key(key));
+        let (_, _, _, ttl_ms) = call.args();
+        for _ in 0..LOCK_ATTEMPTS {
+            // The fence and the lease at one revision.
+            let v = self
+                .txn(json!({"success": [
+                    {"request_range": {"key": b64(&fk)}},
+                    {"request_range": {"key": b64(&gk)}},
+                ]}))
+                .await?;
+            let resps = v["responses"].as_array().cloned().unwrap_or_default();
+            let (fence, grant) = match resps.as_slice() {
+                [f, g] => (range_kv(f), range_kv(g)),
+                _ => return Err(unavailable("lease read without its two answers")),
+            };
+            let fmr = fence.as_ref().map_or("0".into(), |(_, r)| r.clone());
+            let gmr = grant.as_ref().map_or("0".into(), |(_, r)| r.clone());
+            let highest = fence.map(|(v, _)| decode_padded(&v)).transpose()?;
+            let now = wall_ms();
+            let lock = match grant {
+                None => None,
+                Some((text, _)) => {
+                    let g: Value = serde_json::from_str(&text)
+                        .map_err(|_| unavailable(format!("unexpected lease record {text:?}")))?;
+                    let exp = g["exp"].as_u64().unwrap_or(0);
+                    (exp > now)
+                        .then(|| -> Result<Lock, StoreError> {
+                            Ok(Lock {
+                                id: g["id"].as_str().unwrap_or("").to_string(),
+                                token: parse_token(g["token"].as_str().unwrap_or(""))?,
+                                holder: g["holder"].as_str().unwrap_or("").to_string(),
+                                expires_in: Duration::from_millis(exp - now),
+                            })
+                        })
+                        .transpose()?
+                }
+            };
+            let record = |id: &str, token: u64, holder: &str| {
+                b64(&json!({
+                    "id": id,
+                    "token": token.to_string(),
+                    "holder": holder,
+                    "exp": now.saturating_add(ttl_ms),
+                })
+                .to_string())
+            };
+            let unchanged = |k: &str, rev: &str| json!({"key": b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": rev});
+            let (body, answer) = match call {
+                LockCall::Read => return Ok(LockReply::Lock(lock)),
+                LockCall::Claim { id, holder, .. } => {
+                    if let Some(l) = lock {
+                        // Sent again after a lost answer: already ours.
+                        if l.id == id {
+                            return Ok(LockReply::Claim(Claim::Granted { token: l.token }));
+                        }
+                        return Ok(LockReply::Claim(Claim::Held(l)));
+                    }
+                    let Some(t) = highest.map_or(Some(1), |h| h.checked_add(1)) else {
+                        return Ok(LockReply::Claim(Claim::Exhausted));
+                    };
+                    (
+                        json!({
+                            "compare": [unchanged(&fk, &fmr), unchanged(&gk, &gmr)],
+                            "success": [
+                                {"request_put": {"key": b64(&fk), "value": b64(&pad(t))}},
+                                {"request_put": {"key": b64(&gk), "value": record(id, t, holder)}},
+                            ],
+                        }),
+                        LockReply::Claim(Claim::Granted { token: t }),
+                    )
+                }
+                LockCall::Renew { id, ttl } => {
+                    let Some(mut l) = lock.filter(|l| l.id == id) else {
+                        return Ok(LockReply::Lock(None));
+                    };
+                    let value = record(id, l.token, &l.holder);
+                    l.expires_in = ttl;
+                    (
+                        json!({
+                            "compare": [unchanged(&gk, &gmr)],
+                            "success": [{"request_put": {"key": b64(&gk), "value": value}}],
+                        }),
+                        LockReply::Lock(Some(l)),
+                    )
+                }
+                LockCall::Release { id } => {
+                    if lock.is_none_or(|l| l.id != id) {
+                        return Ok(LockReply::Released(false));
+                    }
+                    (
+                        json!({
+                            "compare": [unchanged(&gk, &gmr)],
+                            "success": [{"request_delete_range": {"key": b64(&gk)}}],
+                        }),
+                        LockReply::Released(true),
+                    )
+                }
+            };
+            if self.txn(body).await?["succeeded"].as_bool() == Some(true) {
+                return Ok(answer);
+            }
+        }
+        Err(unavailable(
+            "a lease operation lost its compare-and-swap too many times in a row",
+        ))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

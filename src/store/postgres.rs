@@ -18,14 +18,17 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::postgres_tls::PgTls;
-use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
+use super::shared::{
+    advance_answer, lease_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply,
+    Marker,
+};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// How long after a failed connect the next one waits.
 const BACKOFF: Duration = Duration::from_millis(200);
 
 /// Bumped with every change below; recorded in `fencegate_schema`.
-const SCHEMA_VERSION: i32 = 4;
+const SCHEMA_VERSION: i32 = 5;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL);
@@ -40,6 +43,15 @@ CREATE TABLE IF NOT EXISTS fencegate_leases (
     expires_at timestamptz NOT NULL
 );
 CREATE INDEX IF NOT EXISTS fencegate_leases_key ON fencegate_leases (key, token);
+-- The lock service's leases, one per key at most (expiry on the server's
+-- clock).
+CREATE TABLE IF NOT EXISTS fencegate_grants (
+    key text PRIMARY KEY,
+    id text NOT NULL,
+    token numeric(20,0) NOT NULL,
+    holder text NOT NULL,
+    expires_at timestamptz NOT NULL
+);
 CREATE TABLE IF NOT EXISTS fencegate_marker (
     id integer PRIMARY KEY CHECK (id = 1),
     epoch text NOT NULL,
@@ -156,6 +168,55 @@ BEGIN
         VALUES (lid, k, t, clock_timestamp() + ttl_ms * interval '1 millisecond')
         ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
     RETURN QUERY SELECT 'granted'::text, t::text;
+END $$;
+
+-- One lock-service operation ('claim', 'read', 'renew', 'release'),
+-- answered as text: granted T | held ID T HOLDER MS | exhausted | lock ID T
+-- HOLDER MS | released | none. Operations on one key run one at a time (a
+-- transaction-scoped advisory lock on the key; admissions never take
+-- one, so no lock cycle with their fence-row locks). A claim raises the
+-- fence row to one above its highest in the same transaction that records
+-- the lease.
+CREATE OR REPLACE FUNCTION fencegate_lock(op text, k text, lid text, who text, ttl_ms bigint)
+RETURNS text[] LANGUAGE plpgsql AS $$
+DECLARE
+    now timestamptz := clock_timestamp();
+    g fencegate_grants%ROWTYPE;
+    t numeric;
+    live boolean;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('fencegate:' || k, 0));
+    SELECT * INTO g FROM fencegate_grants x WHERE x.key = k;
+    live := FOUND AND g.expires_at > now;
+    IF op = 'claim' THEN
+        -- Sent again after a broken connection: the lease is already ours.
+        IF live AND g.id = lid THEN RETURN ARRAY['granted', g.token::text]; END IF;
+        IF live THEN
+            RETURN ARRAY['held', g.id, g.token::text, g.holder,
+                floor(extract(epoch FROM g.expires_at - now) * 1000)::bigint::text];
+        END IF;
+        INSERT INTO fencegate_fences AS f (key, highest) VALUES (k, 1)
+            ON CONFLICT (key) DO UPDATE SET highest = f.highest + 1
+            WHERE f.highest < 18446744073709551615
+            RETURNING f.highest INTO t;
+        IF t IS NULL THEN RETURN ARRAY['exhausted']; END IF;
+        INSERT INTO fencegate_grants AS x (key, id, token, holder, expires_at)
+            VALUES (k, lid, t, who, now + ttl_ms * interval '1 millisecond')
+            ON CONFLICT (key) DO UPDATE SET id = EXCLUDED.id, token = EXCLUDED.token,
+                holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at;
+        RETURN ARRAY['granted', t::text];
+    END IF;
+    IF NOT live OR (op <> 'read' AND g.id <> lid) THEN RETURN ARRAY['none']; END IF;
+    IF op = 'release' THEN
+        DELETE FROM fencegate_grants x WHERE x.key = k;
+        RETURN ARRAY['released'];
+    END IF;
+    IF op = 'renew' THEN
+        g.expires_at := now + ttl_ms * interval '1 millisecond';
+        UPDATE fencegate_grants x SET expires_at = g.expires_at WHERE x.key = k;
+    END IF;
+    RETURN ARRAY['lock', g.id, g.token::text, g.holder,
+        floor(extract(epoch FROM g.expires_at - now) * 1000)::bigint::text];
 END $$;
 
 CREATE OR REPLACE FUNCTION fencegate_poll(k text, t numeric, lid text, ttl_ms bigint)
@@ -623,6 +684,31 @@ impl Backend for PostgresBackend {
             ttl,
         )
         .await
+    }
+
+    async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
+        let (op, id, holder, ttl) = call.args();
+        let args = (
+            op.to_string(),
+            key.to_string(),
+            id.to_string(),
+            holder.to_string(),
+            i64::try_from(ttl).unwrap_or(i64::MAX),
+        );
+        let parts: Vec<String> = self
+            .with_client(|mut c| async move {
+                let (op, k, id, holder, ttl) = &args;
+                let r = c
+                    .query_one(
+                        "SELECT fencegate_lock($1, $2, $3, $4, $5)",
+                        &[op, k, id, holder, ttl],
+                    )
+                    .await
+                    .and_then(|row| row.try_get::<_, Vec<String>>(0));
+                (c, r)
+            })
+            .await?;
+        lock_reply("postgres", &call, &parts)
     }
 
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {

@@ -11,6 +11,9 @@
 //! - `fencegate:o:{KEY}`: the same leases in a sorted set (score 0, ordered
 //!   by name, so by zero-padded token): the oldest lease is found in
 //!   O(log n).
+//! - `fencegate:g:{KEY}`: the lock service's lease on the key, a hash of
+//!   `id`, `token`, `holder` and `exp` (ms, server clock), expiring with
+//!   it (PEXPIRE).
 //! - `fencegate:marker`: hash with `epoch` and `seq` (amnesia detection).
 //!
 //! Durability is Redis's: only `appendonly yes` with `appendfsync always`
@@ -28,7 +31,10 @@ use redis::{
     Value,
 };
 
-use super::shared::{advance_answer, lease_answer, stored_token, Acquire, Backend, Marker};
+use super::shared::{
+    advance_answer, lease_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply,
+    Marker,
+};
 use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const LT: &str = r#"
@@ -149,6 +155,53 @@ redis.call('SET', KEYS[1], token)
 return {'raised', h or ''}
 "#;
 
+/// One lock-service operation (keys: fence, lease; arguments: operation,
+/// lease id, holder, TTL in ms). A claim raises the fence to one above
+/// its highest (decimal text, so incremented digit by digit) in the same
+/// script that records the lease. Answers as [`lock_reply`] reads them.
+const LOCK: &str = r#"
+local op, id, holder, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local now = now_ms()
+local g = redis.call('HMGET', KEYS[2], 'id', 'token', 'holder', 'exp')
+local live = g[1] and tonumber(g[4]) > now
+local function shown(tag)
+  return {tag, g[1], g[2], g[3], string.format('%d', tonumber(g[4]) - now)}
+end
+if op == 'claim' then
+  -- Sent again after a broken connection: the lease is already ours.
+  if live and g[1] == id then return {'granted', g[2]} end
+  if live then return shown('held') end
+  local h = redis.call('GET', KEYS[1])
+  local t = '1'
+  if h then
+    if h == '18446744073709551615' then return {'exhausted'} end
+    local i = #h
+    while i > 0 and h:sub(i, i) == '9' do i = i - 1 end
+    if i == 0 then
+      t = '1' .. string.rep('0', #h)
+    else
+      t = h:sub(1, i - 1) .. string.char(h:byte(i) + 1) .. string.rep('0', #h - i)
+    end
+  end
+  redis.call('SET', KEYS[1], t)
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], 'id', id, 'token', t, 'holder', holder, 'exp', string.format('%d', now + ttl))
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  return {'granted', t}
+end
+if not live or (op ~= 'read' and g[1] ~= id) then return {'none'} end
+if op == 'release' then
+  redis.call('DEL', KEYS[2])
+  return {'released'}
+end
+if op == 'renew' then
+  g[4] = string.format('%d', now + ttl)
+  redis.call('HSET', KEYS[2], 'exp', g[4])
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return shown('lock')
+"#;
+
 const MARKER: &str = "fencegate:marker";
 
 /// How long after a failed connection or call the next connect waits.
@@ -169,6 +222,7 @@ pub struct RedisBackend {
     renew: Script,
     advance: Script,
     release: Script,
+    lock: Script,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -194,6 +248,10 @@ fn fence_key(key: &str) -> String {
 
 fn lease_key(key: &str) -> String {
     format!("fencegate:l:{{{key}}}")
+}
+
+fn grant_key(key: &str) -> String {
+    format!("fencegate:g:{{{key}}}")
 }
 
 fn lease_order_key(key: &str) -> String {
@@ -256,6 +314,7 @@ impl RedisBackend {
             renew: Script::new(&with_lib(RENEW)),
             advance: Script::new(&with_lib(ADVANCE)),
             release: Script::new(&with_lib(RELEASE)),
+            lock: Script::new(&with_lib(LOCK)),
         })
     }
 
@@ -518,6 +577,18 @@ impl Backend for RedisBackend {
         }
         let _: i64 = self.script(&self.release, &keys, &args).await?;
         Ok(())
+    }
+
+    async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
+        let (op, id, holder, ttl) = call.args();
+        let reply: Vec<String> = self
+            .script(
+                &self.lock,
+                &[fence_key(key), grant_key(key)],
+                &[op.into(), id.into(), holder.into(), ttl.to_string()],
+            )
+            .await?;
+        lock_reply("redis", &call, &reply)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use dashmap::DashMap;
 
 use super::batch::{Batcher, Run};
-use super::{Advance, FenceStore, LeaseOutcome, StartState, StoreError, WriteLease};
+use super::{Advance, Claim, FenceStore, LeaseOutcome, Lock, StartState, StoreError, WriteLease};
 
 /// How often the marker is re-read even without a reconnect.
 const MARKER_INTERVAL: Duration = Duration::from_secs(1);
@@ -67,6 +67,11 @@ pub trait Backend: Send + Sync + 'static {
     /// already gone is no error.
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
+    /// One lock-service operation on `key`, atomically (see
+    /// [`FenceStore::claim_lock`] and its kin). May run twice on a broken
+    /// connection: a claim sent again finds its own lease and answers it
+    /// granted.
+    async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError>;
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError>;
     /// Creates the marker if none exists; returns the stored one.
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError>;
@@ -81,6 +86,81 @@ pub trait Backend: Send + Sync + 'static {
         expected: Option<&Marker>,
         epoch: &str,
     ) -> Result<Marker, StoreError>;
+}
+
+/// A lock-service operation ([`Backend::lock`]).
+#[derive(Debug, Clone, Copy)]
+pub enum LockCall<'a> {
+    Claim {
+        id: &'a str,
+        holder: &'a str,
+        ttl: Duration,
+    },
+    Read,
+    Renew {
+        id: &'a str,
+        ttl: Duration,
+    },
+    Release {
+        id: &'a str,
+    },
+}
+
+impl LockCall<'_> {
+    /// The operation's name, lease id, holder and TTL (ms) as scripts and
+    /// functions take them.
+    pub fn args(&self) -> (&'static str, &str, &str, u64) {
+        let ms = |t: &Duration| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
+        match self {
+            LockCall::Claim { id, holder, ttl } => ("claim", id, holder, ms(ttl)),
+            LockCall::Read => ("read", "", "", 0),
+            LockCall::Renew { id, ttl } => ("renew", id, "", ms(ttl)),
+            LockCall::Release { id } => ("release", id, "", 0),
+        }
+    }
+}
+
+/// The answer to a [`LockCall`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockReply {
+    Claim(Claim),
+    Lock(Option<Lock>),
+    Released(bool),
+}
+
+/// A lock answer as Redis's script and PostgreSQL's function give it, a
+/// list of text: `granted T`, `held ID T HOLDER MS`, `exhausted`, `lock ID
+/// T HOLDER MS`, `released` or `none`.
+pub fn lock_reply(
+    engine: &str,
+    call: &LockCall<'_>,
+    parts: &[String],
+) -> Result<LockReply, StoreError> {
+    let bad = || StoreError::Unavailable(format!("{engine}: unexpected lease answer {parts:?}"));
+    let lock = || -> Result<Lock, StoreError> {
+        match parts {
+            [_, id, token, holder, left] => Ok(Lock {
+                id: id.clone(),
+                token: stored_token(engine, token)?,
+                holder: holder.clone(),
+                expires_in: Duration::from_millis(left.parse::<u64>().map_err(|_| bad())?),
+            }),
+            _ => Err(bad()),
+        }
+    };
+    let status = parts.first().map(String::as_str).unwrap_or("");
+    Ok(match (call, status) {
+        (LockCall::Claim { .. }, "granted") => LockReply::Claim(Claim::Granted {
+            token: stored_token(engine, parts.get(1).ok_or_else(bad)?)?,
+        }),
+        (LockCall::Claim { .. }, "held") => LockReply::Claim(Claim::Held(lock()?)),
+        (LockCall::Claim { .. }, "exhausted") => LockReply::Claim(Claim::Exhausted),
+        (LockCall::Read | LockCall::Renew { .. }, "lock") => LockReply::Lock(Some(lock()?)),
+        (LockCall::Read | LockCall::Renew { .. }, "none") => LockReply::Lock(None),
+        (LockCall::Release { .. }, "released") => LockReply::Released(true),
+        (LockCall::Release { .. }, "none") => LockReply::Released(false),
+        _ => return Err(bad()),
+    })
 }
 
 /// One admission in a batch ([`Backend::acquire_many`]).
@@ -451,6 +531,23 @@ impl<B: Backend> SharedStore<B> {
         Ok(outcome)
     }
 
+    /// A lock-service operation as admissions run theirs: refused while in
+    /// amnesia, and a grant witnessed like an admitted token (a later
+    /// answer below it means the store lost data).
+    async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
+        self.ensure().await?;
+        let sent = self.ticket();
+        let reply = self
+            .backend
+            .lock(key, call)
+            .await
+            .map_err(|e| self.latch(e))?;
+        if let LockReply::Claim(Claim::Granted { token }) = &reply {
+            self.witness(key, sent, None, Some(*token))?;
+        }
+        Ok(reply)
+    }
+
     /// A backend's own report of lost data latches amnesia like ours.
     fn latch(&self, e: StoreError) -> StoreError {
         match e {
@@ -458,6 +555,10 @@ impl<B: Backend> SharedStore<B> {
             other => other,
         }
     }
+}
+
+fn wrong_reply(r: LockReply) -> StoreError {
+    StoreError::Unavailable(format!("unexpected lease answer {r:?}"))
 }
 
 fn no_marks() -> StoreError {
@@ -588,6 +689,45 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn ping(&self) -> Result<(), StoreError> {
         self.backend.ping().await?;
         self.ensure().await
+    }
+
+    async fn claim_lock(
+        &self,
+        key: &str,
+        id: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        match self.lock(key, LockCall::Claim { id, holder, ttl }).await? {
+            LockReply::Claim(c) => Ok(c),
+            other => Err(wrong_reply(other)),
+        }
+    }
+
+    async fn read_lock(&self, key: &str) -> Result<Option<Lock>, StoreError> {
+        match self.lock(key, LockCall::Read).await? {
+            LockReply::Lock(l) => Ok(l),
+            other => Err(wrong_reply(other)),
+        }
+    }
+
+    async fn renew_lock(
+        &self,
+        key: &str,
+        id: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lock>, StoreError> {
+        match self.lock(key, LockCall::Renew { id, ttl }).await? {
+            LockReply::Lock(l) => Ok(l),
+            other => Err(wrong_reply(other)),
+        }
+    }
+
+    async fn release_lock(&self, key: &str, id: &str) -> Result<bool, StoreError> {
+        match self.lock(key, LockCall::Release { id }).await? {
+            LockReply::Released(r) => Ok(r),
+            other => Err(wrong_reply(other)),
+        }
     }
 
     async fn initialise(&self) -> Result<bool, StoreError> {

@@ -261,6 +261,8 @@ pub struct Proxy {
     pub admin: SocketAddr,
     /// The TLS listener, if one was configured.
     pub tls: Option<SocketAddr>,
+    /// The lease API's listener, if one was configured.
+    pub lease: Option<SocketAddr>,
     /// Whether a plain listener runs (`listen = "off"` turns it off).
     pub plain: bool,
     pub child: Child,
@@ -438,6 +440,7 @@ impl Proxy {
             plain: *p != "off",
             admin: a.parse().unwrap(),
             tls: fields.get("tls").map(|t| t.parse().unwrap()),
+            lease: fields.get("lease").map(|t| t.parse().unwrap()),
             child,
             args,
             env,
@@ -452,6 +455,13 @@ impl Proxy {
             "no plain listener (listen = off): use the TLS address"
         );
         format!("http://{}{}", self.addr, path)
+    }
+    pub fn lease_url(&self, path: &str) -> String {
+        format!(
+            "http://{}{}",
+            self.lease.expect("started without --lease-listen"),
+            path
+        )
     }
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{}", self.admin, path)

@@ -42,6 +42,9 @@ struct Setup {
     expect_503: bool,
     /// Length of the run unless `HISTORY_SECS` says otherwise.
     secs: u64,
+    /// fencegate's own lease API is the lock service, and writes go to a
+    /// route that admits only granted tokens.
+    fencegate_locks: bool,
 }
 
 impl Setup {
@@ -55,6 +58,7 @@ impl Setup {
             lease: LEASE,
             expect_503: false,
             secs: 8,
+            fencegate_locks: false,
         }
     }
 }
@@ -74,7 +78,13 @@ where
         lease,
         expect_503,
         secs,
+        fencegate_locks,
     } = setup;
+    let config = if fencegate_locks {
+        Some(GRANTED_ROUTE)
+    } else {
+        config
+    };
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -97,14 +107,24 @@ where
     if let Some(text) = config {
         write_config(&config_file, &text.replace("{u}", &up.url()));
     }
+    let lease_tokens = dir.path().join("lease-tokens");
+    std::fs::write(&lease_tokens, LEASE_BEARER).unwrap();
     let replica = |i: usize| {
         let rdir = dir.path().join(format!("r{i}"));
         std::fs::create_dir_all(&rdir).unwrap();
-        let b = match config {
+        let mut b = match config {
             Some(_) => ProxyBuilder::with_config(&config_file, &rdir),
             None => ProxyBuilder::new(&up.url(), &rdir).args(&["--upstream-timeout", "1s"]),
         }
         .args(&["--store-timeout", "1s"]);
+        if fencegate_locks {
+            b = b.args(&[
+                "--lease-listen",
+                "127.0.0.1:0",
+                "--lease-token-file",
+                lease_tokens.to_str().unwrap(),
+            ]);
+        }
         match &server {
             Some(s) => b.store_url(&s.url()).spawn(),
             None => b.spawn(),
@@ -122,6 +142,11 @@ where
                 ttl_secs: 2,
                 latest: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
             }),
+            None if fencegate_locks => LockService::Fencegate(FencegateLocks::new(
+                proxies.iter().map(|p| p.lease.unwrap()).collect(),
+                LEASE_BEARER,
+                lease,
+            )),
             None => LockService::in_test_with(lease),
         },
         seq: AtomicU64::new(0),
@@ -146,6 +171,17 @@ where
     let records = up.records();
     let report = Report::new(&attempts, &records, fault_count);
     eprintln!("{}", report.line(name, seed));
+    if let LockService::Fencegate(f) = &run.locks {
+        let grants = f.grants.lock().unwrap().clone();
+        eprintln!(
+            "history {name}: {} leases granted by fencegate",
+            grants.len()
+        );
+        assert!(grants.len() > 10, "too few grants to check (seed {seed})");
+        if let Err(why) = check_grants(&grants) {
+            panic!("history {name}: two holders at once (seed {seed}):\n{why}");
+        }
+    }
     if let Err(why) = check(&attempts, &records) {
         let kept = keep_failure(name, seed, &attempts, &records, &why);
         panic!("history {name} violated the fence (seed {seed}, kept in {kept}):\n{why}");
@@ -162,6 +198,104 @@ where
     if let Err(why) = report.check_unknowns(&attempts) {
         panic!("history {name} (seed {seed}): {why}");
     }
+}
+
+/// The lease API's bearer token in the fencegate-leases runs.
+const LEASE_BEARER: &str = "history-lease-token-0123456789";
+
+/// One route that admits only tokens fencegate granted (its key is the
+/// path, as the lease requests name it).
+const GRANTED_ROUTE: &str = r#"
+[[routes]]
+name = "granted"
+upstream = "{u}"
+tokens = "granted"
+upstream_timeout = "1s"
+"#;
+
+/// The fencegate-leases runs' faults: replica after replica killed with
+/// kill -9 while clients take leases from it and write through it, then
+/// restarted (on a fresh port, which the clients learn).
+async fn kill_granting_replicas(
+    run: Arc<Run>,
+    mut proxies: Vec<Proxy>,
+    server: Option<StoreServer>,
+) -> (usize, Vec<Proxy>, Option<StoreServer>) {
+    let mut faults = 0;
+    while Instant::now() + Duration::from_secs(2) < run.deadline {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let i = faults % proxies.len();
+        let others = |ps: &[Proxy]| -> (Vec<_>, Vec<_>) {
+            let live = ps
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i || ps.len() == 1);
+            live.map(|(_, p)| (p.addr, p.lease.unwrap())).unzip()
+        };
+        if proxies.len() > 1 {
+            let (addrs, leases) = others(&proxies);
+            *run.replicas.write().unwrap() = addrs;
+            if let LockService::Fencegate(f) = &run.locks {
+                *f.addrs.write().unwrap() = leases;
+            }
+        }
+        proxies[i].kill9();
+        proxies[i].restart();
+        *run.replicas.write().unwrap() = proxies.iter().map(|p| p.addr).collect();
+        if let LockService::Fencegate(f) = &run.locks {
+            *f.addrs.write().unwrap() = proxies.iter().map(|p| p.lease.unwrap()).collect();
+        }
+        faults += 1;
+    }
+    (faults, proxies, server)
+}
+
+fn with_fencegate_leases(store: StoreKind) -> Setup {
+    Setup {
+        fencegate_locks: true,
+        lease: Duration::from_millis(300),
+        ..Setup::on(store)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_fencegate_leases_embedded_with_kill_9_mid_grant() {
+    history(
+        "leases-embedded",
+        with_fencegate_leases(StoreKind::Embedded),
+        kill_granting_replicas,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_fencegate_leases_redis_two_replicas_granting() {
+    history(
+        "leases-redis",
+        with_fencegate_leases(StoreKind::Redis),
+        kill_granting_replicas,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_fencegate_leases_postgres_two_replicas_granting() {
+    history(
+        "leases-postgres",
+        with_fencegate_leases(StoreKind::Postgres),
+        kill_granting_replicas,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_fencegate_leases_etcd_two_replicas_granting() {
+    history(
+        "leases-etcd",
+        with_fencegate_leases(StoreKind::Etcd),
+        kill_granting_replicas,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -311,4 +445,22 @@ async fn history_embedded_with_clean_stops_during_recovery() {
         },
     )
     .await;
+}
+
+/// The grant checker itself: it sees an overlap and a token that went down.
+#[test]
+fn grant_checker_catches_overlaps_and_lower_tokens() {
+    let t0 = Instant::now();
+    let ms = |n| t0 + Duration::from_millis(n);
+    let g = |key, token, from, until| Grant {
+        key,
+        token,
+        from: ms(from),
+        until: ms(until),
+    };
+    assert!(check_grants(&[g(0, 1, 0, 100), g(0, 2, 100, 200), g(1, 1, 50, 150)]).is_ok());
+    let e = check_grants(&[g(0, 1, 0, 100), g(0, 2, 90, 200)]).unwrap_err();
+    assert!(e.contains("before token 1's lease could end"), "{e}");
+    let e = check_grants(&[g(0, 5, 0, 100), g(0, 4, 100, 200)]).unwrap_err();
+    assert!(e.contains("token 4 granted after token 5"), "{e}");
 }

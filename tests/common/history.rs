@@ -50,9 +50,87 @@ pub struct EtcdLocks {
     pub latest: Vec<AtomicU64>,
 }
 
+/// fencegate's own lease API as the lock service: a lock is a lease from
+/// any live replica, its token the one fencegate granted (writes go to a
+/// route with `tokens = "granted"`).
+pub struct FencegateLocks {
+    /// Lease API addresses of the live replicas (they change on restart).
+    pub addrs: RwLock<Vec<SocketAddr>>,
+    pub bearer: String,
+    pub ttl: Duration,
+    pub latest: Vec<AtomicU64>,
+    /// Each grant's lease id, by key and token, for its release.
+    pub ids: Mutex<HashMap<(usize, u64), String>>,
+    /// Every grant, as the client saw it, for [`check_grants`].
+    pub grants: Mutex<Vec<Grant>>,
+    pub next: AtomicU64,
+}
+
+/// A lease as its holder saw it: from its 201 until the earlier of its
+/// release being sent and its TTL counted from the acquire being sent.
+/// The store held it at least that long (it committed after the acquire
+/// was sent and before the 201), so the grants of one key must not
+/// overlap if no two holders ever held the key at once.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub key: usize,
+    pub token: u64,
+    pub from: Instant,
+    pub until: Instant,
+}
+
+impl FencegateLocks {
+    pub fn new(addrs: Vec<SocketAddr>, bearer: &str, ttl: Duration) -> Self {
+        FencegateLocks {
+            addrs: RwLock::new(addrs),
+            bearer: bearer.into(),
+            ttl,
+            latest: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
+            ids: Mutex::new(HashMap::new()),
+            grants: Mutex::new(Vec::new()),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// A live replica's lease API, round robin.
+    fn addr(&self) -> SocketAddr {
+        let addrs = self.addrs.read().unwrap();
+        addrs[self.next.fetch_add(1, Ordering::Relaxed) as usize % addrs.len()]
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: String,
+    ) -> Option<(u16, serde_json::Value)> {
+        let url = format!("http://{}{path}", self.addr());
+        let auth = format!("Bearer {}", self.bearer);
+        let req = http::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("authorization", auth)
+            .body(full(body))
+            .unwrap();
+        // A replica killed mid-call: no answer, the grant's fate unknown
+        // (a lease it made holds the key until it expires).
+        let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+            .await
+            .ok()?
+            .ok()?;
+        let status = resp.status().as_u16();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .ok()?
+            .to_bytes();
+        Some((status, serde_json::from_slice(&body).unwrap_or_default()))
+    }
+}
+
 pub enum LockService {
     InTest(InTestLocks),
     Etcd(EtcdLocks),
+    Fencegate(FencegateLocks),
 }
 
 pub fn b64(s: &str) -> String {
@@ -79,6 +157,7 @@ impl LockService {
         match self {
             LockService::InTest(l) => l.lease,
             LockService::Etcd(e) => Duration::from_secs(e.ttl_secs),
+            LockService::Fencegate(f) => f.ttl,
         }
     }
 
@@ -127,6 +206,31 @@ impl LockService {
                 e.latest[key].fetch_max(token, Ordering::SeqCst);
                 Some(token)
             }
+            LockService::Fencegate(f) => {
+                let sent = Instant::now();
+                let body = format!(
+                    r#"{{"path":"/k{key}","ttl_ms":{},"holder":"client {client}"}}"#,
+                    f.ttl.as_millis()
+                );
+                let (status, v) = f.call("POST", "/v1/leases", body).await?;
+                if status != 201 {
+                    return None;
+                }
+                let from = Instant::now();
+                let token: u64 = v["token"].as_str()?.parse().ok()?;
+                f.latest[key].fetch_max(token, Ordering::SeqCst);
+                f.ids
+                    .lock()
+                    .unwrap()
+                    .insert((key, token), v["lease"].as_str()?.to_string());
+                f.grants.lock().unwrap().push(Grant {
+                    key,
+                    token,
+                    from,
+                    until: sent + f.ttl,
+                });
+                Some(token)
+            }
         }
     }
 
@@ -134,6 +238,7 @@ impl LockService {
         match self {
             LockService::InTest(l) => l.locks[key].lock().unwrap().map_or(0, |(_, t, _)| t),
             LockService::Etcd(e) => e.latest[key].load(Ordering::SeqCst),
+            LockService::Fencegate(f) => f.latest[key].load(Ordering::SeqCst),
         }
     }
 
@@ -153,6 +258,24 @@ impl LockService {
                     r#"{{"compare":[{{"key":"{k}","target":"CREATE","result":"EQUAL","create_revision":"{token}"}}],"success":[{{"request_delete_range":{{"key":"{k}"}}}}]}}"#
                 );
                 let _ = send("POST", &format!("{}/v3/kv/txn", e.endpoint), &[], txn).await;
+            }
+            LockService::Fencegate(f) => {
+                let Some(id) = f.ids.lock().unwrap().remove(&(key, token)) else {
+                    return;
+                };
+                let sent = Instant::now();
+                if let Some(g) = f
+                    .grants
+                    .lock()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|g| g.key == key && g.token == token)
+                {
+                    g.until = g.until.min(sent);
+                }
+                let _ = f
+                    .call("DELETE", &format!("/v1/leases/{id}"), String::new())
+                    .await;
             }
         }
     }
@@ -472,7 +595,7 @@ pub fn check(attempts: &[Attempt], records: &[Record]) -> Result<(), String> {
             200..=299 if !was_applied => {
                 errors.push(format!("{} answered {} but not applied", a.id, a.status))
             }
-            400 | 409 | 428 | 503 if was_applied => {
+            400 | 403 | 409 | 428 | 503 if was_applied => {
                 errors.push(format!("{} answered {} but applied", a.id, a.status))
             }
             0 if a.not_connected() && was_applied => {
@@ -505,6 +628,40 @@ pub fn check(attempts: &[Attempt], records: &[Record]) -> Result<(), String> {
             }
         }
     }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+/// The lock service's promise, from its holders' side: per key, no two
+/// grants overlap, and each grant's token is above every earlier one's.
+pub fn check_grants(grants: &[Grant]) -> Result<(), String> {
+    let mut errors = Vec::new();
+    for key in 0..KEYS {
+        let mut gs: Vec<&Grant> = grants.iter().filter(|g| g.key == key).collect();
+        gs.sort_by_key(|g| g.from);
+        for (i, g) in gs.iter().enumerate() {
+            for e in &gs[..i] {
+                if g.from < e.until {
+                    errors.push(format!(
+                        "k{key}: token {} granted {:?} before token {}'s lease could end",
+                        g.token,
+                        e.until - g.from,
+                        e.token
+                    ));
+                }
+                if g.token <= e.token {
+                    errors.push(format!(
+                        "k{key}: token {} granted after token {}",
+                        g.token, e.token
+                    ));
+                }
+            }
+        }
+    }
+    errors.truncate(20);
     if errors.is_empty() {
         Ok(())
     } else {

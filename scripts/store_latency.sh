@@ -6,6 +6,10 @@
 # Servers are started here on loopback in temp dirs, with the durability
 # settings docs/stores.md asks for.
 #
+# The second table is the lock service's (--lease-listen, docs/leases.md):
+# grants of leases on new keys and renewals of held leases, latency with one
+# connection and throughput with 64.
+#
 # Usage: scripts/store_latency.sh [SECONDS]   (needs wrk, nginx, redis-server,
 # postgresql, etcd-server; run as root for PostgreSQL's runuser)
 set -euo pipefail
@@ -63,6 +67,30 @@ LUA
 cat > "$WORK/steady.lua" <<'LUA'
 wrk.method = "PUT"; wrk.body = "x"; wrk.headers["X-Fence-Token"] = "1"
 LUA
+# Lease grants on new keys (the key prefix is the URL's query, so each
+# run's keys are its own), and renewals over a list of held leases (ids.lua,
+# written below), each lease renewed by one request at a time.
+LEASE_BEARER=store-latency-lease-token-0123
+echo "$LEASE_BEARER" > "$WORK/lease-tokens"
+cat > "$WORK/grant.lua" <<LUA
+local n = 0
+wrk.headers["Authorization"] = "Bearer $LEASE_BEARER"
+request = function()
+  n = n + 1
+  local prefix = wrk.path:match("%?(.*)") or "k"
+  return wrk.format("POST", "/v1/leases", nil, '{"key":"' .. prefix .. n .. '","ttl_ms":60000}')
+end
+LUA
+cat > "$WORK/renew.lua" <<LUA
+dofile("$WORK/ids.lua")
+local n = 0
+wrk.headers["Authorization"] = "Bearer $LEASE_BEARER"
+request = function()
+  n = n % #ids + 1
+  return wrk.format("POST", "/v1/leases/" .. ids[n] .. "/renew", nil, '{"ttl_ms":60000}')
+end
+LUA
+LEASES=()
 
 echo "| store | advance p50 (1 conn) | advance p99 (1 conn) | advances/s (64 conns) | steady-token writes/s (64 conns) |"
 echo "|---|---|---|---|---|"
@@ -74,6 +102,7 @@ for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0
     for _ in $(seq 100); do "$BIN" init-store --store "$url" >/dev/null 2>&1 && break; sleep 0.2; done
   fi
   "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://127.0.0.1:$NGINX_PORT" \
+    --lease-listen 127.0.0.1:0 --lease-token-file "$WORK/lease-tokens" \
     --store "$url" > "$WORK/$name.out" 2> "$WORK/$name.err" &
   FG=$!; PIDS+=($FG)
   for _ in $(seq 100); do grep -q listening "$WORK/$name.out" 2>/dev/null && break; sleep 0.1; done
@@ -88,7 +117,29 @@ for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0
   p50=$(awk '$1=="50%" {print $2}' "$WORK/$name.1"); p99=$(awk '$1=="99%" {print $2}' "$WORK/$name.1")
   rps=$(awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.64"); steady=$(awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.s")
   echo "| $name | $p50 | $p99 | $rps | $steady |"
+  # The lock service on the same store.
+  LEASE=$(sed -n 's/.*lease=\([^ ]*\).*/\1/p' "$WORK/$name.out")
+  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/grant.lua" "http://$LEASE/?$name-g1-" > "$WORK/$name.g1"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/grant.lua" "http://$LEASE/?$name-g64-" > "$WORK/$name.g64"
+  echo "ids = {" > "$WORK/ids.lua"
+  for i in $(seq 256); do
+    curl -sf -H "Authorization: Bearer $LEASE_BEARER" -d "{\"key\":\"$name-renew-$i\",\"ttl_ms\":60000}" \
+      "http://$LEASE/v1/leases" | python3 -c 'import json,sys; print(repr(json.load(sys.stdin)["lease"]) + ",")' >> "$WORK/ids.lua"
+  done
+  echo "}" >> "$WORK/ids.lua"
+  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/renew.lua" "http://$LEASE/" > "$WORK/$name.r1"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/renew.lua" "http://$LEASE/" > "$WORK/$name.r64"
+  for f in g1 g64 r1 r64; do
+    if grep -q Non-2xx "$WORK/$name.$f"; then echo "$name: non-2xx lease answers" >&2; cat "$WORK/$name.$f" >&2; exit 1; fi
+  done
+  q() { awk -v k="$1" '$1==k {print $2}' "$WORK/$name.$2"; }
+  r() { awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.$1"; }
+  LEASES+=("| $name | $(q 50% g1) | $(q 99% g1) | $(r g64) | $(q 50% r1) | $(q 99% r1) | $(r r64) |")
   kill "$FG"; wait "$FG" 2>/dev/null || true
 done
+echo
+echo "| store | lease grant p50 (1 conn) | grant p99 (1 conn) | grants/s, new keys (64 conns) | renew p50 (1 conn) | renew p99 (1 conn) | renews/s (64 conns) |"
+echo "|---|---|---|---|---|---|---|"
+printf '%s\n' "${LEASES[@]}"
 echo
 echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d); wrk -t1, ${SECS}s per cell; servers on the same host (loopback)"

@@ -404,7 +404,7 @@ impl Leases {
             tokio::pin!(released);
             released.as_mut().enable();
             match self.fence.claim(&key, &id, &b.holder, b.ttl).await? {
-                Claim::Granted { token } => {
+                Claim::Granted { token, .. } => {
                     tracing::info!(%key, token, holder = %b.holder, ttl_ms = ms(b.ttl), "lease granted");
                     let body = json!({
                         "lease": id,

@@ -374,6 +374,64 @@ async fn granted_route_admits_only_grants(kind: StoreKind) {
     assert_eq!(put(&a.url("/free"), "9").await.status, 200);
 }
 
+/// A grant cuts off the previous holder's token on every replica from its
+/// answer on, even where that token's writes are being admitted without a
+/// store round trip (a replica's registration of the key).
+async fn a_grant_cuts_off_registered_writes(kind: StoreKind) {
+    let s = Service::start(kind).await;
+    let (a, b) = (s.at(0), s.at(1));
+    for round in 0..5 {
+        let r = acquire(b, r#"{"key":"g:/g/hot","ttl_ms":10000}"#).await;
+        let t = token_of(&r);
+        // The holder writes on replica a, keeping its registration busy.
+        let url = a.url("/g/hot");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (url, stop) = (url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 2000 {
+                    put(&url, &t.to_string()).await;
+                    n += 1;
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Taken over: released, and granted anew on the other replica.
+        call(
+            b,
+            "DELETE",
+            &format!("/v1/leases/{}", lease_of(&r)),
+            Some(BEARER),
+            "",
+        )
+        .await;
+        let taken = acquire(b, r#"{"key":"g:/g/hot","ttl_ms":10000}"#).await;
+        let next = token_of(&taken);
+        let old = put(&url, &t.to_string()).await;
+        assert_eq!(
+            old.status,
+            409,
+            "round {round}: token {t} after {next} was granted: {}",
+            old.text()
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.await.unwrap();
+        let r = call(
+            b,
+            "DELETE",
+            &format!("/v1/leases/{}", lease_of(&taken)),
+            Some(BEARER),
+            "",
+        )
+        .await;
+        assert_eq!(r.status, 204);
+    }
+    // No write of an older token reached the backend after a newer one.
+    let tokens: Vec<u64> = s.tokens().iter().map(|t| t.parse().unwrap()).collect();
+    assert!(tokens.windows(2).all(|w| w[0] <= w[1]), "{tokens:?}");
+}
+
 async fn wait_and_expiry(kind: StoreKind) {
     let s = Service::start(kind).await;
     let (a, b) = (s.at(0), s.at(1));
@@ -511,6 +569,10 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread")]
             async fn granted_route_admits_only_grants() {
                 super::granted_route_admits_only_grants($kind).await
+            }
+            #[tokio::test(flavor = "multi_thread")]
+            async fn a_grant_cuts_off_registered_writes() {
+                super::a_grant_cuts_off_registered_writes($kind).await
             }
             #[tokio::test(flavor = "multi_thread")]
             async fn wait_and_expiry() {

@@ -25,7 +25,14 @@ impl Fence {
     ) -> Result<Claim, FenceError> {
         if !self.store.exclusive() {
             let claim = self.store.claim_lock(key, id, holder, ttl).await?;
-            if let Claim::Granted { token } = claim {
+            // Without a registration on the key when it was granted, no
+            // replica can admit an older token on one afterwards (a new
+            // registration of an older token would be stale): no wait.
+            if let Claim::Granted {
+                token,
+                registered: true,
+            } = claim
+            {
                 self.follow_shared_raise(key, token).await;
             }
             return Ok(claim);
@@ -38,7 +45,7 @@ impl Fence {
         // not leave a committed grant unseen by the gate.
         let task = tokio::spawn(async move {
             let claim = fence.store.claim_lock(&key, &id, &holder, ttl).await;
-            if let Ok(Claim::Granted { token }) = &claim {
+            if let Ok(Claim::Granted { token, .. }) = &claim {
                 let mut st = gate.state.lock().expect("gate lock");
                 let max = st.highest.map_or(*token, |h| h.max(*token));
                 st.highest = Some(max);

@@ -878,7 +878,10 @@ impl Writer {
                                             .map_err(|e| self.fail(e))?;
                                         arm = true;
                                         raised = true;
-                                        Answer::Lock(LockAnswer::Claim(Claim::Granted { token }))
+                                        Answer::Lock(LockAnswer::Claim(Claim::Granted {
+                                            token,
+                                            registered: false,
+                                        }))
                                     }
                                 }
                             }

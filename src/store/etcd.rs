@@ -798,7 +798,10 @@ impl Backend for EtcdBackend {
                     if let Some(l) = lock {
                         // Sent again after a lost answer: already ours.
                         if l.id == id {
-                            return Ok(LockReply::Claim(Claim::Granted { token: l.token }));
+                            return Ok(LockReply::Claim(Claim::Granted {
+                                token: l.token,
+                                registered: true,
+                            }));
                         }
                         return Ok(LockReply::Claim(Claim::Held(l)));
                     }
@@ -811,9 +814,16 @@ impl Backend for EtcdBackend {
                             "success": [
                                 {"request_put": {"key": b64(&fk), "value": b64(&pad(t))}},
                                 {"request_put": {"key": b64(&gk), "value": record(id, t, holder)}},
+                                // Write registrations held as it commits
+                                // (all older than t; they expire on etcd's
+                                // clock).
+                                older_count(key, t),
                             ],
                         }),
-                        LockReply::Claim(Claim::Granted { token: t }),
+                        LockReply::Claim(Claim::Granted {
+                            token: t,
+                            registered: true,
+                        }),
                     )
                 }
                 LockCall::Renew { id, ttl } => {
@@ -843,7 +853,18 @@ impl Backend for EtcdBackend {
                     )
                 }
             };
-            if self.txn(body).await?["succeeded"].as_bool() == Some(true) {
+            let v = self.txn(body).await?;
+            if v["succeeded"].as_bool() == Some(true) {
+                if let LockReply::Claim(Claim::Granted { token, .. }) = answer {
+                    let held = v["responses"]
+                        .as_array()
+                        .and_then(|r| r.get(2))
+                        .map(|r| count(&r["response_range"]));
+                    return Ok(LockReply::Claim(Claim::Granted {
+                        token,
+                        registered: held != Some(0),
+                    }));
+                }
                 return Ok(answer);
             }
         }

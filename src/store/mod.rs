@@ -204,8 +204,11 @@ pub struct Lock {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// Granted: the key's highest is now `token`, durably, and the lease is
-    /// recorded.
-    Granted { token: u64 },
+    /// recorded. `registered`: a replica held a write registration on the
+    /// key at that moment (shared stores), so it may still admit an older
+    /// token on it for a while (see `fence::active`); never on the
+    /// embedded store.
+    Granted { token: u64, registered: bool },
     /// Another unexpired lease holds the key; nothing changed.
     Held(Lock),
     /// The key's highest is `u64::MAX`: no token above it exists.

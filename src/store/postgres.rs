@@ -190,7 +190,7 @@ BEGIN
     live := FOUND AND g.expires_at > now;
     IF op = 'claim' THEN
         -- Sent again after a broken connection: the lease is already ours.
-        IF live AND g.id = lid THEN RETURN ARRAY['granted', g.token::text]; END IF;
+        IF live AND g.id = lid THEN RETURN ARRAY['granted', g.token::text, '1']; END IF;
         IF live THEN
             RETURN ARRAY['held', g.id, g.token::text, g.holder,
                 floor(extract(epoch FROM g.expires_at - now) * 1000)::bigint::text];
@@ -204,7 +204,9 @@ BEGIN
             VALUES (k, lid, t, who, now + ttl_ms * interval '1 millisecond')
             ON CONFLICT (key) DO UPDATE SET id = EXCLUDED.id, token = EXCLUDED.token,
                 holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at;
-        RETURN ARRAY['granted', t::text];
+        -- Every write lease is older than t: is any still held?
+        RETURN ARRAY['granted', t::text, CASE WHEN EXISTS (SELECT 1 FROM fencegate_leases l
+            WHERE l.key = k AND l.expires_at > now) THEN '1' ELSE '0' END];
     END IF;
     IF NOT live OR (op <> 'read' AND g.id <> lid) THEN RETURN ARRAY['none']; END IF;
     IF op = 'release' THEN

@@ -155,7 +155,8 @@ redis.call('SET', KEYS[1], token)
 return {'raised', h or ''}
 "#;
 
-/// One lock-service operation (keys: fence, lease; arguments: operation,
+/// One lock-service operation (keys: fence, lease, write leases, their
+/// order; arguments: operation,
 /// lease id, holder, TTL in ms). A claim raises the fence to one above
 /// its highest (decimal text, so incremented digit by digit) in the same
 /// script that records the lease. Answers as [`lock_reply`] reads them.
@@ -169,7 +170,7 @@ local function shown(tag)
 end
 if op == 'claim' then
   -- Sent again after a broken connection: the lease is already ours.
-  if live and g[1] == id then return {'granted', g[2]} end
+  if live and g[1] == id then return {'granted', g[2], '1'} end
   if live then return shown('held') end
   local h = redis.call('GET', KEYS[1])
   local t = '1'
@@ -187,7 +188,8 @@ if op == 'claim' then
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 'id', id, 'token', t, 'holder', holder, 'exp', string.format('%d', now + ttl))
   redis.call('PEXPIRE', KEYS[2], ttl)
-  return {'granted', t}
+  -- Every write lease is older than t: is any still held?
+  return {'granted', t, older_exists(KEYS[3], KEYS[4], t, now) and '1' or '0'}
 end
 if not live or (op ~= 'read' and g[1] ~= id) then return {'none'} end
 if op == 'release' then
@@ -584,7 +586,12 @@ impl Backend for RedisBackend {
         let reply: Vec<String> = self
             .script(
                 &self.lock,
-                &[fence_key(key), grant_key(key)],
+                &[
+                    fence_key(key),
+                    grant_key(key),
+                    lease_key(key),
+                    lease_order_key(key),
+                ],
                 &[op.into(), id.into(), holder.into(), ttl.to_string()],
             )
             .await?;

@@ -129,7 +129,8 @@ pub enum LockReply {
 }
 
 /// A lock answer as Redis's script and PostgreSQL's function give it, a
-/// list of text: `granted T`, `held ID T HOLDER MS`, `exhausted`, `lock ID
+/// list of text: `granted T R` (R: `1` if a write registration was held on
+/// the key, else `0`), `held ID T HOLDER MS`, `exhausted`, `lock ID
 /// T HOLDER MS`, `released` or `none`.
 pub fn lock_reply(
     engine: &str,
@@ -152,6 +153,8 @@ pub fn lock_reply(
     Ok(match (call, status) {
         (LockCall::Claim { .. }, "granted") => LockReply::Claim(Claim::Granted {
             token: stored_token(engine, parts.get(1).ok_or_else(bad)?)?,
+            // Absent (an older answer): assume a registration.
+            registered: parts.get(2).is_none_or(|r| r != "0"),
         }),
         (LockCall::Claim { .. }, "held") => LockReply::Claim(Claim::Held(lock()?)),
         (LockCall::Claim { .. }, "exhausted") => LockReply::Claim(Claim::Exhausted),
@@ -542,7 +545,7 @@ impl<B: Backend> SharedStore<B> {
             .lock(key, call)
             .await
             .map_err(|e| self.latch(e))?;
-        if let LockReply::Claim(Claim::Granted { token }) = &reply {
+        if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
             self.witness(key, sent, None, Some(*token))?;
         }
         Ok(reply)

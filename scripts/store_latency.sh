@@ -101,7 +101,20 @@ for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0
   if [ "$name" != embedded ]; then
     for _ in $(seq 100); do "$BIN" init-store --store "$url" >/dev/null 2>&1 && break; sleep 0.2; done
   fi
-  "$BIN" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://127.0.0.1:$NGINX_PORT" \
+  # The quick start's catch-all route, and /g admitting only granted tokens.
+  cat > "$WORK/$name.toml" <<TOML
+[[routes]]
+name = "granted"
+path_prefix = "/g"
+upstream = "http://127.0.0.1:$NGINX_PORT"
+namespace = "g"
+tokens = "granted"
+
+[[routes]]
+name = "default"
+upstream = "http://127.0.0.1:$NGINX_PORT"
+TOML
+  "$BIN" --config "$WORK/$name.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
     --lease-listen 127.0.0.1:0 --lease-token-file "$WORK/lease-tokens" \
     --store "$url" > "$WORK/$name.out" 2> "$WORK/$name.err" &
   FG=$!; PIDS+=($FG)
@@ -129,17 +142,23 @@ for store in "embedded|$WORK/fences.redb" "redis|redis://127.0.0.1:$REDIS_PORT/0
   echo "}" >> "$WORK/ids.lua"
   wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/renew.lua" "http://$LEASE/" > "$WORK/$name.r1"
   wrk -t1 -c64 -d"${SECS}s" -s "$WORK/renew.lua" "http://$LEASE/" > "$WORK/$name.r64"
-  for f in g1 g64 r1 r64; do
+  # Steady writes of a granted token on the granted route (the same load
+  # as the steady column above, on a route that checks the grant).
+  T=$(curl -sf -H "Authorization: Bearer $LEASE_BEARER" -d '{"path":"/g/steady","ttl_ms":60000}' \
+    "http://$LEASE/v1/leases" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
+  sed "s/\"1\"/\"$T\"/" "$WORK/steady.lua" > "$WORK/steady-g.lua"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/steady-g.lua" "http://$PROXY/g/steady" > "$WORK/$name.gs"
+  for f in g1 g64 r1 r64 gs; do
     if grep -q Non-2xx "$WORK/$name.$f"; then echo "$name: non-2xx lease answers" >&2; cat "$WORK/$name.$f" >&2; exit 1; fi
   done
   q() { awk -v k="$1" '$1==k {print $2}' "$WORK/$name.$2"; }
   r() { awk '/Requests\/sec/ {printf "%.0f", $2}' "$WORK/$name.$1"; }
-  LEASES+=("| $name | $(q 50% g1) | $(q 99% g1) | $(r g64) | $(q 50% r1) | $(q 99% r1) | $(r r64) |")
+  LEASES+=("| $name | $(q 50% g1) | $(q 99% g1) | $(r g64) | $(q 50% r1) | $(q 99% r1) | $(r r64) | $(r gs) |")
   kill "$FG"; wait "$FG" 2>/dev/null || true
 done
 echo
-echo "| store | lease grant p50 (1 conn) | grant p99 (1 conn) | grants/s, new keys (64 conns) | renew p50 (1 conn) | renew p99 (1 conn) | renews/s (64 conns) |"
-echo "|---|---|---|---|---|---|---|"
+echo "| store | lease grant p50 (1 conn) | grant p99 (1 conn) | grants/s, new keys (64 conns) | renew p50 (1 conn) | renew p99 (1 conn) | renews/s (64 conns) | steady writes/s on a granted route (64 conns) |"
+echo "|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${LEASES[@]}"
 echo
 echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d); wrk -t1, ${SECS}s per cell; servers on the same host (loopback)"

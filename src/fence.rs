@@ -1136,16 +1136,27 @@ impl Fence {
     /// the store.
     pub async fn highest(&self, key: &str) -> Result<Option<u64>, FenceError> {
         if self.store.exclusive() {
-            if let Some(g) = self.gates.get(key) {
-                if let Some(h) = g.state.lock().expect("gate lock").highest {
-                    return Ok(Some(h));
-                }
-            }
-            if let Some(h) = self.cache.get(key) {
+            if let Some(h) = self.highest_known(key) {
                 return Ok(Some(h));
             }
         }
         Ok(self.store.highest(key).await?)
+    }
+
+    /// A lower bound of the key's highest token known without I/O, if any:
+    /// the in-memory copy (exclusive stores, where it is the highest), or
+    /// the token of this replica's registration of the key (shared stores:
+    /// the store granted it as the key's highest, and highests only rise).
+    pub fn highest_known(&self, key: &str) -> Option<u64> {
+        if !self.store.exclusive() {
+            return self.actives.get(key).map(|a| a.token);
+        }
+        if let Some(g) = self.gates.get(key) {
+            if let Some(h) = g.state.lock().expect("gate lock").highest {
+                return Some(h);
+            }
+        }
+        self.cache.get(key)
     }
 
     /// Fence-ahead: raises the key's highest to `token` (durably) without a

@@ -45,8 +45,8 @@ pub enum ProxyError {
     MethodNotAllowed(String),
     #[error("an HTTP/2 write needs a content-length: a stream the client resets is otherwise indistinguishable from a complete body")]
     LengthRequired,
-    #[error("token {token} was never granted for this key (the lease API's last grant is {granted}); this route admits only granted tokens")]
-    NotGranted { token: u64, granted: String },
+    #[error("token {token} was never granted for this key; this route admits only tokens granted by fencegate's lease API")]
+    NotGranted { token: u64 },
     #[error("the fence key is {len} bytes, over the limit of {limit}")]
     KeyTooLong { len: usize, limit: usize },
     #[error("the request body exceeds the limit of {limit} bytes")]
@@ -353,6 +353,10 @@ impl LeaseError {
             Self::Store(_) => {
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            Self::MethodNotAllowed => {
+                resp.headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, POST, DELETE"));
             }
             _ => {}
         }

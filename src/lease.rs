@@ -39,10 +39,12 @@ use crate::store::{Claim, Lock};
 const MAX_BODY: usize = 16 * 1024;
 /// Longest `holder` text.
 const MAX_HOLDER: usize = 256;
-/// How often a waiting acquire asks the store again at most (a release on
-/// this replica wakes it at once; one on another replica is seen within
-/// this).
+/// A waiting acquire asks the store again after this, then after twice as
+/// long each time up to [`WAIT_POLL_MAX`], and at the holder's expiry: a
+/// release on this replica wakes it at once, one on another replica is
+/// seen at the next poll. Many waiters must not load the store much.
 const WAIT_POLL: Duration = Duration::from_millis(50);
+const WAIT_POLL_MAX: Duration = Duration::from_millis(400);
 
 /// One line of the lease token file: a bearer token and the key prefixes
 /// it may lease (none: every key).
@@ -156,6 +158,17 @@ fn shown(key: &str, lock: &Lock) -> Value {
     })
 }
 
+/// The answer to a grant or a renewal.
+fn held(id: &str, key: &str, token: u64, ttl: Duration, holder: &str) -> Value {
+    json!({
+        "lease": id,
+        "key": key,
+        "token": token.to_string(),
+        "ttl_ms": ms(ttl),
+        "holder": holder,
+    })
+}
+
 /// The acquire body, checked field by field so that a 400 names the field.
 struct AcquireBody {
     key: Option<String>,
@@ -233,7 +246,10 @@ impl Leases {
         Result<(Response<ProxyBody>, &'static str), LeaseError>,
     ) {
         let path = req.uri().path().to_string();
-        let Some(rest) = path.strip_prefix("/v1/leases") else {
+        let Some(rest) = path
+            .strip_prefix("/v1/leases")
+            .filter(|r| r.is_empty() || r.starts_with('/'))
+        else {
             return ("other", Err(LeaseError::NotFound));
         };
         let bearer = match self.bearer(&req) {
@@ -263,13 +279,18 @@ impl Leases {
 
     /// The bearer token the request carries, if it is one of ours.
     fn bearer<B>(&self, req: &Request<B>) -> Option<Bearer> {
-        let got = req
-            .headers()
-            .get(header::AUTHORIZATION)?
-            .to_str()
-            .ok()?
-            .strip_prefix("Bearer ")?
-            .trim();
+        let mut values = req.headers().get_all(header::AUTHORIZATION).iter();
+        let value = values.next()?.to_str().ok()?;
+        if values.next().is_some() {
+            // Two credentials: which one counts is ambiguous.
+            return None;
+        }
+        // The scheme is case-insensitive (RFC 9110).
+        let (scheme, got) = value.split_once(' ')?;
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return None;
+        }
+        let got = got.trim();
         // Every token is compared in full, whatever matches: no timing leak
         // of how much of a token was right.
         let mut found = None;
@@ -323,10 +344,10 @@ impl Leases {
             )));
         }
         let holder = text(obj, "holder")?.unwrap_or_default();
-        if holder.len() > MAX_HOLDER {
+        if holder.len() > MAX_HOLDER || holder.chars().any(char::is_control) {
             return Err(LeaseError::BadField(
                 "holder",
-                format!("must be at most {MAX_HOLDER} bytes"),
+                format!("must be at most {MAX_HOLDER} bytes of text without control characters"),
             ));
         }
         Ok(AcquireBody {
@@ -351,8 +372,22 @@ impl Leases {
                         "goes with `path`, not with `key`".into(),
                     ));
                 }
-                if k.is_empty() {
-                    return Err(LeaseError::BadField("key", "must not be empty".into()));
+                // A route's keys are `namespace:resource`: any other key
+                // could never meet a write.
+                if !k
+                    .split_once(':')
+                    .is_some_and(|(ns, r)| !ns.is_empty() && !r.is_empty())
+                {
+                    return Err(LeaseError::BadField(
+                        "key",
+                        "must be namespace:resource, as writes take it (GET /v1/fences?path= on the admin listener shows a path's key), or give `path`".into(),
+                    ));
+                }
+                if k.chars().any(char::is_control) {
+                    return Err(LeaseError::BadField(
+                        "key",
+                        "must not hold control characters".into(),
+                    ));
                 }
                 k.clone()
             }
@@ -397,22 +432,28 @@ impl Leases {
         }
         let id = new_id(&key);
         let deadline = tokio::time::Instant::now() + b.wait;
+        let mut poll = WAIT_POLL;
         loop {
             // Armed before the claim, so a release between the claim and
             // the wait is not missed.
             let released = self.released.notified();
             tokio::pin!(released);
             released.as_mut().enable();
-            match self.fence.claim(&key, &id, &b.holder, b.ttl).await? {
+            // A claim that failed may have been applied (a timeout, a lost
+            // answer): asked again with the same id, the store answers it
+            // granted, so the lease is not left held by nobody.
+            let claim = match self.fence.claim(&key, &id, &b.holder, b.ttl).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%key, error = %e, "lease claim failed; asking once more");
+                    tokio::time::sleep(WAIT_POLL).await;
+                    self.fence.claim(&key, &id, &b.holder, b.ttl).await?
+                }
+            };
+            match claim {
                 Claim::Granted { token, .. } => {
                     tracing::info!(%key, token, holder = %b.holder, ttl_ms = ms(b.ttl), "lease granted");
-                    let body = json!({
-                        "lease": id,
-                        "key": key,
-                        "token": token.to_string(),
-                        "ttl_ms": ms(b.ttl),
-                        "holder": b.holder,
-                    });
+                    let body = held(&id, &key, token, b.ttl, &b.holder);
                     return Ok((json_response(StatusCode::CREATED, body), "granted"));
                 }
                 Claim::Exhausted => return Err(LeaseError::Exhausted(key)),
@@ -426,8 +467,9 @@ impl Leases {
                         });
                     }
                     let nap = (lock.expires_in + Duration::from_millis(1))
-                        .min(WAIT_POLL)
+                        .min(poll)
                         .min(deadline - now);
+                    poll = (poll * 2).min(WAIT_POLL_MAX);
                     tokio::select! {
                         _ = tokio::time::sleep(nap) => {}
                         _ = released => {}
@@ -468,13 +510,7 @@ impl Leases {
             .ok_or(LeaseError::BadField("ttl_ms", "is required".into()))?;
         match self.fence.renew_lock(&key, id, ttl).await? {
             Some(lock) => {
-                let body = json!({
-                    "lease": id,
-                    "key": key,
-                    "token": lock.token.to_string(),
-                    "ttl_ms": ms(ttl),
-                    "holder": lock.holder,
-                });
+                let body = held(id, &key, lock.token, ttl, &lock.holder);
                 Ok((json_response(StatusCode::OK, body), "ok"))
             }
             None => Err(LeaseError::Gone),

@@ -650,9 +650,13 @@ fn lease(op: &LeaseOp, url: Option<&str>, opts: &Opts) -> ExitCode {
         Err(e) => return fail(e),
     };
     let millis = |flag: &str, text: &str| {
-        fencegate::config::parse_duration(text)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .map_err(|e| format!("--{flag}: {e}"))
+        let d = fencegate::config::parse_duration(text).map_err(|e| format!("--{flag}: {e}"))?;
+        if d.subsec_nanos() % 1_000_000 != 0 {
+            return Err(format!(
+                "--{flag}: `{text}` is not a whole number of milliseconds"
+            ));
+        }
+        Ok(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
     };
     let request = match op {
         LeaseOp::Acquire {

@@ -67,8 +67,9 @@ pub struct Metrics {
     pub worker_connections: IntCounterVec,
     /// Worker threads serving the proxy listeners.
     pub workers: IntGauge,
-    /// Lease API requests by operation (acquire, renew, release, get) and
-    /// result (granted, held, ok, gone, error...).
+    /// Lease API requests by operation (acquire, renew, release, get,
+    /// other) and result (granted, ok, gone, or the problem type: lease-held,
+    /// lease-gone, unauthorized...).
     pub leases: IntCounterVec,
     /// Lease API answer time by operation (an acquire's `wait_ms`
     /// included).

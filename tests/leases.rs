@@ -169,8 +169,14 @@ async fn api_answers(kind: StoreKind) {
         (r#"{"key":"g:/g/x","ttl_ms":"5s"}"#, "ttl_ms"),
         (r#"{"key":"g:/g/x","ttl_ms":5000,"wait_ms":-1}"#, "wait_ms"),
         (r#"{"key":"g:/g/x","ttl_ms":5000,"holder":7}"#, "holder"),
+        (
+            r#"{"key":"g:/g/x","ttl_ms":5000,"holder":"a\nforged log line"}"#,
+            "holder",
+        ),
         (r#"{"ttl_ms":5000}"#, "key"),
         (r#"{"key":"","ttl_ms":5000}"#, "key"),
+        (r#"{"key":"nocolon","ttl_ms":5000}"#, "key"),
+        (r#"{"key":"g:/nul\u0000x","ttl_ms":5000}"#, "key"),
         (r#"{"path":"/g/a%zz","ttl_ms":5000}"#, "path"),
     ] {
         let r = acquire(a, body).await;
@@ -273,6 +279,17 @@ async fn api_answers(kind: StoreKind) {
     assert_eq!(r.status, 405);
     let r = call(a, "GET", "/v2/other", Some(BEARER), "").await;
     assert_eq!(r.status, 404);
+    let r = call(a, "GET", "/v1/leasesX", Some(BEARER), "").await;
+    assert_eq!(r.status, 404);
+    // The scheme is case-insensitive.
+    let r = send(
+        "GET",
+        &a.lease_url("/v1/leases/nonsense"),
+        &[("authorization", &format!("bearer {BEARER}"))],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 410, "{}", r.text());
     let r = call(
         a,
         "DELETE",
@@ -359,6 +376,11 @@ async fn granted_route_admits_only_grants(kind: StoreKind) {
     for forged in [t + 1, t + 1000, u64::MAX] {
         let r = put(&b.url("/g/doc"), &forged.to_string()).await;
         assert_eq!(r.status, 403, "{forged}: {}", r.text());
+        assert!(
+            r.header("x-fence-token-highest").is_none() && r.json().get("highest").is_none(),
+            "the refusal names the grant: {}",
+            r.text()
+        );
     }
     assert_eq!(put(&a.url("/g/doc"), &t.to_string()).await.status, 200);
     // The next holder's grant cuts off the previous one.
@@ -554,38 +576,31 @@ async fn grants_survive_kill_9(kind: StoreKind) {
     );
 }
 
+/// One `#[tokio::test]` per case, on the store `$kind`.
+macro_rules! cases {
+    ($kind:expr; $($case:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread")]
+            async fn $case() {
+                super::$case($kind).await
+            }
+        )*
+    };
+}
+
 macro_rules! suite {
     ($store:ident, $kind:expr) => {
         mod $store {
             use super::*;
-            #[tokio::test(flavor = "multi_thread")]
-            async fn api_answers() {
-                super::api_answers($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn concurrent_claims_have_one_winner() {
-                super::concurrent_claims_have_one_winner($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn granted_route_admits_only_grants() {
-                super::granted_route_admits_only_grants($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn a_grant_cuts_off_registered_writes() {
-                super::a_grant_cuts_off_registered_writes($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn wait_and_expiry() {
-                super::wait_and_expiry($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn cli() {
-                super::cli($kind).await
-            }
-            #[tokio::test(flavor = "multi_thread")]
-            async fn grants_survive_kill_9() {
-                super::grants_survive_kill_9($kind).await
-            }
+            cases!($kind;
+                api_answers,
+                concurrent_claims_have_one_winner,
+                granted_route_admits_only_grants,
+                a_grant_cuts_off_registered_writes,
+                wait_and_expiry,
+                cli,
+                grants_survive_kill_9
+            );
         }
     };
 }

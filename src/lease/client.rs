@@ -92,7 +92,10 @@ pub async fn call(
         .get("detail")
         .and_then(Value::as_str)
         .map_or_else(|| status.to_string(), |d| format!("{status}: {d}"));
+    let kind = json.get("type").and_then(Value::as_str).unwrap_or("");
     Err(match status {
+        // No holder to wait for: retrying cannot help.
+        StatusCode::CONFLICT if kind.ends_with(":tokens-exhausted") => ClientError::Failed(detail),
         StatusCode::CONFLICT => {
             let holder = json.get("holder").and_then(Value::as_str).unwrap_or("");
             let left = json.get("expires_in_ms").and_then(Value::as_u64);

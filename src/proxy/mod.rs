@@ -503,10 +503,7 @@ impl Proxy {
                 };
                 if granted_only && highest.is_none_or(|h| token > h) {
                     ctx.key = Some(key.clone());
-                    return Err(ProxyError::NotGranted {
-                        token,
-                        granted: highest.map_or_else(|| "none".into(), |h| h.to_string()),
-                    });
+                    return Err(ProxyError::NotGranted { token });
                 }
                 if let (Some(step), Some(h)) = (route.max_token_step, highest) {
                     if token > h.saturating_add(step) {

@@ -861,6 +861,13 @@ impl Writer {
                                     .map(|v| v.value());
                                 let next = current.map_or(Some(1), |h| h.checked_add(1));
                                 match (held, next) {
+                                    // Asked again (a retry): already ours.
+                                    (Some(l), _) if &l.id == id => {
+                                        Answer::Lock(LockAnswer::Claim(Claim::Granted {
+                                            token: l.token,
+                                            registered: false,
+                                        }))
+                                    }
                                     (Some(l), _) => Answer::Lock(LockAnswer::Claim(Claim::Held(l))),
                                     (None, None) => {
                                         Answer::Lock(LockAnswer::Claim(Claim::Exhausted))

@@ -747,7 +747,18 @@ impl Backend for EtcdBackend {
     async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
         let (fk, gk) = (fence_key(key), grant_key(key));
         let (_, _, _, ttl_ms) = call.args();
-        for _ in 0..LOCK_ATTEMPTS {
+        for attempt in 0..LOCK_ATTEMPTS {
+            if attempt > 0 {
+                // Another replica changed the key: step aside a little
+                // (spread by the clock's low bits), then read it again.
+                let spread = u64::from(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.subsec_nanos())
+                        % 4,
+                );
+                tokio::time::sleep(Duration::from_millis(1 + spread + attempt as u64)).await;
+            }
             // The fence and the lease at one revision.
             let v = self
                 .txn(json!({"success": [
@@ -760,7 +771,16 @@ impl Backend for EtcdBackend {
                 [f, g] => (range_kv(f), range_kv(g)),
                 _ => return Err(unavailable("lease read without its two answers")),
             };
-            let fmr = fence.as_ref().map_or("0".into(), |(_, r)| r.clone());
+            // The fence is compared by value: admissions of an equal token
+            // rewrite it (a new revision) without changing it.
+            let fence_same = match &fence {
+                Some((v, _)) => {
+                    json!({"key": b64(&fk), "target": "VALUE", "result": "EQUAL", "value": b64(v)})
+                }
+                None => {
+                    json!({"key": b64(&fk), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+                }
+            };
             let gmr = grant.as_ref().map_or("0".into(), |(_, r)| r.clone());
             let highest = fence.map(|(v, _)| decode_padded(&v)).transpose()?;
             let now = wall_ms();
@@ -810,7 +830,7 @@ impl Backend for EtcdBackend {
                     };
                     (
                         json!({
-                            "compare": [unchanged(&fk, &fmr), unchanged(&gk, &gmr)],
+                            "compare": [fence_same, unchanged(&gk, &gmr)],
                             "success": [
                                 {"request_put": {"key": b64(&fk), "value": b64(&pad(t))}},
                                 {"request_put": {"key": b64(&gk), "value": record(id, t, holder)}},

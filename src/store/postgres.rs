@@ -180,12 +180,14 @@ END $$;
 CREATE OR REPLACE FUNCTION fencegate_lock(op text, k text, lid text, who text, ttl_ms bigint)
 RETURNS text[] LANGUAGE plpgsql AS $$
 DECLARE
-    now timestamptz := clock_timestamp();
+    now timestamptz;
     g fencegate_grants%ROWTYPE;
     t numeric;
     live boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('fencegate:' || k, 0));
+    -- After the wait for the lock: expiry is judged at the operation's turn.
+    now := clock_timestamp();
     SELECT * INTO g FROM fencegate_grants x WHERE x.key = k;
     live := FOUND AND g.expires_at > now;
     IF op = 'claim' THEN

@@ -717,6 +717,21 @@ impl TryFrom<RawConfig> for Config {
         let mut names = BTreeSet::new();
         let mut matches = BTreeSet::new();
         for (i, r) in routes.iter().enumerate() {
+            // A route admitting any token raises the keys of its namespace:
+            // on a granted route of the same namespace its tokens would
+            // count as granted.
+            if let Some(other) = routes[..i]
+                .iter()
+                .find(|o| o.namespace == r.namespace && o.tokens != r.tokens)
+            {
+                return Err(invalid(
+                    format!("routes[{i}].tokens"),
+                    format!(
+                        "routes `{}` and `{}` share namespace `{}` but not `tokens`: a route admitting any token would raise the keys of a granted one (give the granted route a namespace of its own)",
+                        other.name, r.name, r.namespace
+                    ),
+                ));
+            }
             if !names.insert(r.name.clone()) {
                 return Err(invalid(
                     format!("routes[{i}].name"),
@@ -1160,6 +1175,36 @@ mod tests {
                 |r| r.routes[0].host = Some("api.example:8080".into()),
                 "routes[0].host",
             ),
+            (
+                |r| r.routes[0].tokens = Some("strict".into()),
+                "routes[0].tokens",
+            ),
+            (
+                |r| {
+                    let mut granted = r.routes[0].clone();
+                    granted.name = Some("granted".into());
+                    granted.path_prefix = Some("/g".into());
+                    granted.tokens = Some("granted".into());
+                    r.routes.push(granted);
+                },
+                "routes[1].tokens",
+            ),
+            (
+                |r| r.lease_token_file = Some("/nonexistent/lease".into()),
+                "lease_token_file",
+            ),
+            (
+                |r| r.lease_listen = Some("127.0.0.1:0".into()),
+                "lease_token_file",
+            ),
+            (
+                |r| {
+                    r.lease_listen = Some("127.0.0.1:0".into());
+                    r.lease_token_file = Some("/nonexistent/lease".into());
+                },
+                "lease_token_file",
+            ),
+            (|r| r.max_lease_ttl = Some("0s".into()), "max_lease_ttl"),
             (
                 |r| r.routes[0].host = Some("api.example.".into()),
                 "routes[0].host",

@@ -253,6 +253,8 @@ pub enum LeaseError {
     Unauthorized,
     #[error("this bearer token may not lease {0} (its key prefixes do not cover it)")]
     OutOfScope(String),
+    #[error("the lease on {0} was taken with another bearer token: only that token may renew, read or release it")]
+    OtherBearer(String),
     #[error("{0}: {1}")]
     BadField(&'static str, String),
     #[error("{0}")]
@@ -285,7 +287,7 @@ impl LeaseError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::OutOfScope(_) => StatusCode::FORBIDDEN,
+            Self::OutOfScope(_) | Self::OtherBearer(_) => StatusCode::FORBIDDEN,
             Self::BadField(..) | Self::BadBody(_) => StatusCode::BAD_REQUEST,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -300,6 +302,7 @@ impl LeaseError {
         match self {
             Self::Unauthorized => "unauthorized",
             Self::OutOfScope(_) => "out-of-scope",
+            Self::OtherBearer(_) => "other-bearer",
             Self::BadField(..) | Self::BadBody(_) => "bad-request",
             Self::NotFound => "not-found",
             Self::MethodNotAllowed => "method-not-allowed",
@@ -339,7 +342,7 @@ impl LeaseError {
             Self::BadField(field, _) => {
                 body.insert("field".into(), json!(field));
             }
-            Self::OutOfScope(key) | Self::Exhausted(key) => {
+            Self::OutOfScope(key) | Self::OtherBearer(key) | Self::Exhausted(key) => {
                 body.insert("key".into(), json!(key));
             }
             _ => {}

@@ -9,8 +9,11 @@
 //!
 //! Leases live in the fence store ([`crate::store::FenceStore::claim_lock`]),
 //! so any replica on a shared store may grant, renew or release them. A
-//! lease id is `RANDOM.KEY` (the key in unpadded base64url), so every
-//! operation on an id finds its key without an index.
+//! lease id is `NONCE TAG.KEY` (the key in unpadded base64url), so every
+//! operation on an id finds its key without an index; TAG is an HMAC of
+//! the rest under the bearer token that took the lease, so only that token
+//! (on any replica: they share the token file) can renew, read or release
+//! it.
 //!
 //! The API (`lease_listen`), each request with `Authorization: Bearer T`:
 //! `POST /v1/leases`, `GET /v1/leases/{id}`, `POST /v1/leases/{id}/renew`,
@@ -101,22 +104,44 @@ pub fn parse_bearers(text: &str) -> Result<Vec<Bearer>, String> {
     Ok(out)
 }
 
-/// The id of a new lease on `key`.
-fn new_id(key: &str) -> String {
-    let k = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key);
-    format!("{}.{k}", crate::id::unique_id())
+/// Hex digits of the nonce ([`crate::id::unique_id`]) at the start of an id.
+const NONCE_HEX: usize = 32;
+
+/// HMAC-SHA256 of `nonce.KEY64` under `bearer`'s token.
+fn tag(bearer: &Bearer, nonce: &str, key64: &str) -> ring::hmac::Tag {
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, bearer.token.as_bytes());
+    ring::hmac::sign(&k, format!("{nonce}.{key64}").as_bytes())
 }
 
-/// The key a lease id names; `None` for an id this API never made.
-fn id_key(id: &str) -> Option<String> {
-    let (random, k) = id.split_once('.')?;
-    if random.is_empty() || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The id of a new lease on `key`, taken with `bearer`.
+fn new_id(bearer: &Bearer, key: &str) -> String {
+    let k = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key);
+    let nonce = crate::id::unique_id();
+    let t = tag(bearer, &nonce, &k);
+    format!("{nonce}{}.{k}", hex(t.as_ref()))
+}
+
+/// The parts of a lease id: nonce, tag, and the key (and its base64);
+/// `None` for an id this API never made.
+fn id_parts(id: &str) -> Option<(&str, Vec<u8>, &str, String)> {
+    let (head, k) = id.split_once('.')?;
+    if head.len() != NONCE_HEX + 64 || !head.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
+    let (nonce, t) = head.split_at(NONCE_HEX);
+    let t = (0..t.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&t[i..i + 2], 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(k)
         .ok()?;
-    String::from_utf8(bytes).ok().filter(|k| !k.is_empty())
+    let key = String::from_utf8(bytes).ok().filter(|k| !k.is_empty())?;
+    Some((nonce, t, k, key))
 }
 
 /// The lease API's state.
@@ -308,12 +333,17 @@ impl Leases {
         found
     }
 
-    /// The key a lease id names, if the bearer may lease it.
+    /// The key a lease id names, if the bearer may lease it and took this
+    /// lease.
     fn scoped(&self, bearer: &Bearer, id: &str) -> Result<String, LeaseError> {
-        let key = id_key(id).ok_or(LeaseError::Gone)?;
+        let (nonce, t, key64, key) = id_parts(id).ok_or(LeaseError::Gone)?;
         if !bearer.covers(&key) {
             return Err(LeaseError::OutOfScope(key));
         }
+        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, bearer.token.as_bytes());
+        // Constant time: the tag is the capability.
+        ring::hmac::verify(&k, format!("{nonce}.{key64}").as_bytes(), &t)
+            .map_err(|_| LeaseError::OtherBearer(key.clone()))?;
         Ok(key)
     }
 
@@ -430,7 +460,7 @@ impl Leases {
         if !bearer.covers(&key) {
             return Err(LeaseError::OutOfScope(key));
         }
-        let id = new_id(&key);
+        let id = new_id(bearer, &key);
         let deadline = tokio::time::Instant::now() + b.wait;
         let mut poll = WAIT_POLL;
         loop {
@@ -555,14 +585,24 @@ mod tests {
     }
 
     #[test]
-    fn lease_ids_name_their_key() {
+    fn lease_ids_name_their_key_and_their_bearer() {
+        let b = parse_bearers("abcdefghijklmnop\nqrstuvwxyz012345").unwrap();
         for key in ["ns:a", "ns:with.dots/and spaces", "ü:ñ"] {
-            let id = new_id(key);
-            assert_eq!(id_key(&id).as_deref(), Some(key));
+            let id = new_id(&b[0], key);
+            let (nonce, t, k64, k) = id_parts(&id).unwrap();
+            assert_eq!(k, key);
+            assert_eq!(t, tag(&b[0], nonce, k64).as_ref());
+            assert_ne!(t, tag(&b[1], nonce, k64).as_ref());
         }
-        assert_eq!(id_key("nodot"), None);
-        assert_eq!(id_key("zz.bnM6YQ"), None);
-        assert_eq!(id_key("ab.!!!"), None);
-        assert_eq!(id_key("ab."), None);
+        let good = new_id(&b[0], "ns:a");
+        for bad in [
+            "nodot",
+            "zz.bnM6YQ",
+            &good[1..],
+            &good.replace(".", ".!"),
+            "ab.",
+        ] {
+            assert!(id_parts(bad).is_none(), "{bad}");
+        }
     }
 }

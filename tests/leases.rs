@@ -15,6 +15,8 @@ use common::*;
 const BEARER: &str = "lease-test-token-0123456789";
 /// May lease only keys under `g:/g/team/`.
 const SCOPED: &str = "scoped-lease-token-0123456789";
+/// May lease any key, like BEARER, but holds none of BEARER's leases.
+const OTHER: &str = "other-lease-token-0123456789";
 
 const ROUTES: &str = r#"
 [[routes]]
@@ -55,7 +57,7 @@ impl Service {
         };
         std::fs::write(
             s.dir.path().join("lease-tokens"),
-            format!("# test tokens\n{BEARER}\n{SCOPED} g:/g/team/\n"),
+            format!("# test tokens\n{BEARER}\n{SCOPED} g:/g/team/\n{OTHER}\n"),
         )
         .unwrap();
         write_config(
@@ -234,9 +236,21 @@ async fn api_answers(kind: StoreKind) {
         "{}",
         r.text()
     );
-    // The scoped token cannot touch a lease outside its scope.
+    // The scoped token cannot touch a lease outside its scope, nor another
+    // token a lease it did not take.
     let r = call(a, "DELETE", &format!("/v1/leases/{id}"), Some(SCOPED), "").await;
     assert_eq!(r.status, 403);
+    for (method, path) in [
+        ("GET", format!("/v1/leases/{id}")),
+        ("POST", format!("/v1/leases/{id}/renew")),
+        ("DELETE", format!("/v1/leases/{id}")),
+    ] {
+        let r = call(b, method, &path, Some(OTHER), r#"{"ttl_ms":1000}"#).await;
+        assert_eq!(r.status, 403, "{method} {path}: {}", r.text());
+        assert_eq!(r.json()["type"], "urn:fencegate:problem:other-bearer");
+    }
+    let r = call(a, "GET", &format!("/v1/leases/{id}"), Some(BEARER), "").await;
+    assert_eq!(r.status, 200, "still held: {}", r.text());
     // Released: gone for good, and the key is free at once.
     let r = call(b, "DELETE", &format!("/v1/leases/{id}"), Some(BEARER), "").await;
     assert_eq!(r.status, 204);

@@ -111,6 +111,16 @@ async fn acquire(p: &Proxy, body: &str) -> Answer {
     call(p, "POST", "/v1/leases", Some(BEARER), body).await
 }
 
+/// Lease `id` answers 410 to a read on `get_on` and a renewal on
+/// `renew_on`: gone, and never revived.
+async fn assert_gone(get_on: &Proxy, renew_on: &Proxy, id: &str, what: &str) {
+    let r = call(get_on, "GET", &format!("/v1/leases/{id}"), Some(BEARER), "").await;
+    assert_eq!(r.status, 410, "{what}: {}", r.text());
+    let renew = format!("/v1/leases/{id}/renew");
+    let r = call(renew_on, "POST", &renew, Some(BEARER), r#"{"ttl_ms":5000}"#).await;
+    assert_eq!(r.status, 410, "{what} is never revived: {}", r.text());
+}
+
 fn token_of(a: &Answer) -> u64 {
     assert_eq!(a.status, 201, "{}", a.text());
     a.json()["token"].as_str().unwrap().parse().unwrap()
@@ -254,17 +264,7 @@ async fn api_answers(kind: StoreKind) {
     // Released: gone for good, and the key is free at once.
     let r = call(b, "DELETE", &format!("/v1/leases/{id}"), Some(BEARER), "").await;
     assert_eq!(r.status, 204);
-    let r = call(a, "GET", &format!("/v1/leases/{id}"), Some(BEARER), "").await;
-    assert_eq!(r.status, 410, "{}", r.text());
-    let r = call(
-        a,
-        "POST",
-        &format!("/v1/leases/{id}/renew"),
-        Some(BEARER),
-        r#"{"ttl_ms":8000}"#,
-    )
-    .await;
-    assert_eq!(r.status, 410, "a released lease is never revived");
+    assert_gone(a, b, &id, "a released lease").await;
     let r = acquire(b, r#"{"path":"/g/x","ttl_ms":5000}"#).await;
     assert_eq!(token_of(&r), 2, "above every earlier grant");
     // An admitted write raises the key; the next grant is above it.
@@ -506,17 +506,7 @@ async fn wait_and_expiry(kind: StoreKind) {
     );
     // The waiter's 300 ms lease expires: gone, not renewable, key free.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let r = call(b, "GET", &format!("/v1/leases/{id2}"), Some(BEARER), "").await;
-    assert_eq!(r.status, 410, "{}", r.text());
-    let r = call(
-        a,
-        "POST",
-        &format!("/v1/leases/{id2}/renew"),
-        Some(BEARER),
-        r#"{"ttl_ms":5000}"#,
-    )
-    .await;
-    assert_eq!(r.status, 410, "an expired lease is never revived");
+    assert_gone(b, a, &id2, "an expired lease").await;
     let t3 = token_of(&acquire(a, r#"{"key":"g:/g/w","ttl_ms":5000}"#).await);
     assert!(t3 > t2);
     // A wait bounded by wait_ms ends in 409.

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{full, problem_response, ProxyBody};
+use crate::error::{full, json_response, problem_response, same_secret, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -53,16 +53,6 @@ fn unauthorized() -> Response<ProxyBody> {
     r
 }
 
-fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ProxyBody> {
-    let mut r = Response::new(full(body.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
 /// Decodes one percent-encoded path segment into the key text.
 fn decode_segment(seg: &str) -> Option<String> {
     String::from_utf8(crate::key::percent_decode(seg).ok()?).ok()
@@ -84,13 +74,7 @@ impl Admin {
         else {
             return false;
         };
-        // Constant-time comparison: do not leak the token through timing.
-        got.len() == expected.len()
-            && got
-                .bytes()
-                .zip(expected.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        same_secret(got, expected)
     }
 
     pub async fn handle(

@@ -237,6 +237,28 @@ pub fn problem_response(status: StatusCode, body: Value) -> Response<ProxyBody> 
     resp
 }
 
+/// A JSON (not problem) response with the given body.
+pub fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
+    let mut r = Response::new(full(body.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// Compares a presented secret with the expected one in time that does not
+/// depend on where they differ (a bearer token must not leak by timing).
+pub fn same_secret(got: &str, expected: &str) -> bool {
+    got.len() == expected.len()
+        && got
+            .bytes()
+            .zip(expected.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
 /// A complete in-memory body.
 pub fn full(data: impl Into<Bytes>) -> ProxyBody {
     Full::new(data.into())
@@ -336,7 +358,7 @@ impl LeaseError {
                 body.insert("holder".into(), json!(holder));
                 body.insert(
                     "expires_in_ms".into(),
-                    json!(u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX)),
+                    json!(crate::store::millis(*expires_in)),
                 );
             }
             Self::BadField(field, _) => {

@@ -26,17 +26,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 use tokio::sync::Notify;
 
-use crate::error::{full, LeaseError, ProxyBody};
+use crate::error::{full, json_response, same_secret, LeaseError, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::{Claim, Lock};
+use crate::store::{millis as ms, Claim, Lock};
 
 /// Largest request body the API reads.
 const MAX_BODY: usize = 16 * 1024;
@@ -156,20 +156,6 @@ pub struct Leases {
     /// Woken by every release here, so a waiting acquire on this replica
     /// retries at once.
     pub released: Notify,
-}
-
-fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
-    let mut r = Response::new(full(body.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A lease as the API shows it.
@@ -320,13 +306,7 @@ impl Leases {
         // of how much of a token was right.
         let mut found = None;
         for b in self.bearers.load().iter() {
-            let same = got.len() == b.token.len()
-                && got
-                    .bytes()
-                    .zip(b.token.bytes())
-                    .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-                    == 0;
-            if same {
+            if same_secret(got, &b.token) {
                 found = Some(b.clone());
             }
         }

@@ -22,7 +22,9 @@ use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError};
+use super::{
+    millis as ms, wall_ms, Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError,
+};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
@@ -135,17 +137,6 @@ enum LockAnswer {
     Claim(Claim),
     Lock(Option<Lock>),
     Released(bool),
-}
-
-/// Milliseconds since the Unix epoch on this host's clock.
-fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Answers of one batch for the callers on one runtime.
@@ -755,7 +746,8 @@ impl Writer {
             } else {
                 None
             };
-            let now = wall_ms();
+            // Lease expiry is the only use of the wall clock here.
+            let now = if locks.is_some() { wall_ms() } else { 0 };
             // Appends a mark and returns its sequence number.
             let mut mark = |marks: &mut redb::Table<u64, (u64, &str)>,
                             key: &str,

@@ -38,7 +38,7 @@ use serde_json::{json, Value};
 use crate::config::Secret;
 
 use super::shared::{busy, stored_token, Acquire, Backend, LockCall, LockReply, Marker};
-use super::{Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
+use super::{wall_ms, Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
 
@@ -132,13 +132,6 @@ fn grant_key(key: &str) -> String {
 /// before it gives up (each retry means another replica changed the key
 /// meanwhile).
 const LOCK_ATTEMPTS: usize = 16;
-
-/// Milliseconds since the Unix epoch on this host's clock.
-fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
 
 /// The first key-value of a range answer in a transaction, with its
 /// modification revision ("0" when absent, as a compare sees it).

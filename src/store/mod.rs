@@ -215,6 +215,20 @@ pub enum Claim {
     Exhausted,
 }
 
+/// Whole milliseconds of `d`, saturating (TTLs and expiries as stores and
+/// the lease API carry them).
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds since the Unix epoch on this host's wall clock (lease
+/// expiry where the store has no clock of its own to read).
+pub fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, millis)
+}
+
 fn no_locks(kind: &str) -> StoreError {
     StoreError::Unavailable(format!("the {kind} store keeps no leases"))
 }

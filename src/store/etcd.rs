@@ -1,6 +1,7 @@
-//! The etcd store, over etcd's v3 JSON gateway (HTTP/1.1, or HTTPS for
-//! `etcds://`, with the proxy's own client: no gRPC stack or protoc in the
-//! build). With a user, calls carry the token etcd's auth gave for it.
+//! The etcd store, over etcd's v3 gRPC API ([`rpc`]: HTTP/2, cleartext
+//! with prior knowledge for `etcd://`, TLS with ALPN for `etcds://`; one
+//! connection carries every call). With a user, calls carry the token
+//! etcd's auth gave for it.
 //!
 //! Keyspace (`HEX` is the fence key in hex, so keys never nest):
 //! - `fencegate/f/HEX`: the highest token, zero-padded to 20 digits so that
@@ -19,24 +20,24 @@
 //! leases, atomically. A raise is durable once etcd acknowledged it: etcd
 //! commits through its Raft quorum and fsyncs its WAL.
 
+mod rpc;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 use async_trait::async_trait;
-use base64::engine::general_purpose::STANDARD as B64;
-use base64::Engine;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use prost::Message;
 use serde_json::{json, Value};
 
 use crate::config::Secret;
 
+use self::rpc::{CallError, RequestOp, ResponseOp, TxnRequest, TxnResponse};
 use super::shared::{busy, stored_token, Acquire, Backend, LockCall, LockReply, Marker};
 use super::{wall_ms, Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
 
@@ -45,7 +46,7 @@ const MARKER: &str = "fencegate/marker";
 /// Per-replica etcd lease that in-flight lease keys are attached to,
 /// rotated so every key outlives the longest write it can belong to.
 struct ReplicaLease {
-    id: String,
+    id: i64,
     granted: Instant,
     ttl: Duration,
 }
@@ -53,13 +54,13 @@ struct ReplicaLease {
 pub struct EtcdBackend {
     endpoints: Vec<String>,
     current: AtomicUsize,
-    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    channel: rpc::Channel,
     timeout: Duration,
     session: AtomicU64,
     failing: AtomicBool,
     lease: tokio::sync::Mutex<Option<ReplicaLease>>,
     /// etcd auth: the user and password, and the token they were last
-    /// exchanged for (sent as `Authorization` with every call).
+    /// exchanged for (sent as the `token` metadata of every call).
     auth: Option<(String, Secret)>,
     token: ArcSwapOption<String>,
     /// One re-authentication at a time.
@@ -86,26 +87,18 @@ fn exchange_failed(e: hyper_util::client::legacy::Error) -> StoreError {
     }
 }
 
+/// gRPC's UNAUTHENTICATED.
+const UNAUTHENTICATED: u32 = 16;
+
 /// Whether an error answer says the auth token is missing, expired or
 /// revoked (etcd's simple tokens expire after five idle minutes): get a new
 /// one and ask again.
-fn token_invalid(status: http::StatusCode, message: &str) -> bool {
-    status == http::StatusCode::UNAUTHORIZED
+fn token_invalid(code: u32, message: &str) -> bool {
+    code == UNAUTHENTICATED
         || message.contains("invalid auth token")
         || message.contains("user name is empty")
         // Any change to users or roles makes etcd refuse older tokens.
         || message.contains("revision of auth store is old")
-}
-
-fn b64(s: &str) -> String {
-    B64.encode(s.as_bytes())
-}
-
-fn unb64(v: &Value) -> String {
-    v.as_str()
-        .and_then(|s| B64.decode(s).ok())
-        .and_then(|b| String::from_utf8(b).ok())
-        .unwrap_or_default()
 }
 
 fn hex(key: &str) -> String {
@@ -133,26 +126,19 @@ fn grant_key(key: &str) -> String {
 /// meanwhile).
 const LOCK_ATTEMPTS: usize = 16;
 
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
 /// The first key-value of a range answer in a transaction, with its
-/// modification revision ("0" when absent, as a compare sees it).
-fn range_kv(resp: &Value) -> Option<(String, String)> {
-    let kv = resp["response_range"]["kvs"].as_array()?.first()?;
-    Some((
-        unb64(&kv["value"]),
-        kv["mod_revision"].as_str().unwrap_or("0").to_string(),
-    ))
+/// modification revision.
+fn range_kv(resp: &ResponseOp) -> Option<(String, i64)> {
+    let kv = resp.range()?.kvs.first()?;
+    Some((text(&kv.value), kv.mod_revision))
 }
 
 fn parse_token(v: &str) -> Result<u64, StoreError> {
     stored_token("etcd", v)
-}
-
-/// etcd's JSON omits zero values: a missing count is 0.
-fn count(v: &Value) -> u64 {
-    v["count"]
-        .as_str()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
 }
 
 /// An etcd lease for keys that must live `ttl`: an eighth more, in whole
@@ -162,6 +148,16 @@ fn grant_for(ttl: Duration) -> Duration {
     let secs = (ms + ms / 8).div_ceil(1000).max(ms / 1000 + 1).max(2);
     Duration::from_secs(secs)
 }
+
+/// gRPC methods fencegate calls.
+const TXN: &str = "/etcdserverpb.KV/Txn";
+const RANGE: &str = "/etcdserverpb.KV/Range";
+const LEASE_GRANT: &str = "/etcdserverpb.Lease/LeaseGrant";
+const AUTHENTICATE: &str = "/etcdserverpb.Auth/Authenticate";
+
+/// HTTP/2 flow-control windows: a batch transaction (up to
+/// [`MAX_TXN_BYTES`]) goes out without waiting for window updates.
+const WINDOW: u32 = 4 * 1024 * 1024;
 
 impl EtcdBackend {
     /// `tls`: the client config for `https://` endpoints (`etcds://`);
@@ -178,14 +174,21 @@ impl EtcdBackend {
         connector.enforce_http(false);
         let tls = tls.unwrap_or_else(crate::tls::plain_client_config);
         let mut tls = (*tls).clone();
-        // Over TLS, HTTP/2 (etcd's gateway speaks it): every call shares
-        // one connection instead of a handshake per pooled connection.
-        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        tls.alpn_protocols = vec![b"h2".to_vec()];
+        let channel = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .http2_initial_stream_window_size(WINDOW)
+            .http2_initial_connection_window_size(WINDOW)
+            // A connection that died without a FIN (a member's host gone)
+            // is found by a ping, not by the next call's timeout.
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(timeout.max(Duration::from_secs(1)))
+            .http2_keep_alive_timeout(timeout.max(Duration::from_secs(1)))
+            .build(HttpsConnector::from((connector, tls)));
         Self {
             endpoints,
             current: AtomicUsize::new(0),
-            client: Client::builder(TokioExecutor::new())
-                .build(HttpsConnector::from((connector, tls))),
+            channel,
             timeout,
             session: AtomicU64::new(0),
             failing: AtomicBool::new(true),
@@ -196,21 +199,28 @@ impl EtcdBackend {
         }
     }
 
-    /// POSTs to the current endpoint, moving to the next one on a
-    /// connection failure; with auth, gets a token first and a new one
-    /// when etcd says it is no longer valid.
-    async fn post(&self, path: &str, body: Value) -> Result<Value, StoreError> {
+    /// Calls `method` on the current endpoint, moving to the next one on a
+    /// failure; with auth, gets a token first and a new one when etcd says
+    /// it is no longer valid.
+    async fn call<Q: Message, A: Message + Default>(
+        &self,
+        method: &str,
+        request: &Q,
+    ) -> Result<A, StoreError> {
         // One bound for the whole call, whatever endpoints and re-logins it
         // takes: leases count on a store call answering within it.
-        tokio::time::timeout(self.timeout, self.post_once(path, body))
+        tokio::time::timeout(self.timeout, self.call_once(method, request))
             .await
             .unwrap_or_else(|_| Err(unavailable("timed out")))
     }
 
-    async fn post_once(&self, path: &str, body: Value) -> Result<Value, StoreError> {
-        let body = Bytes::from(body.to_string());
+    async fn call_once<Q: Message, A: Message + Default>(
+        &self,
+        method: &str,
+        request: &Q,
+    ) -> Result<A, StoreError> {
         if self.auth.is_none() {
-            return self.send(path, &body, None).await.map_err(|(e, _)| e);
+            return self.send(method, request, None).await.map_err(|(e, _)| e);
         }
         let mut fresh = false;
         loop {
@@ -221,7 +231,7 @@ impl EtcdBackend {
                     self.authenticate().await?
                 }
             };
-            match self.send(path, &body, Some(&token)).await {
+            match self.send(method, request, Some(&token)).await {
                 Err((_, true)) if !fresh => {
                     // Expired or revoked: once more with a new token (unless
                     // another call replaced it already).
@@ -241,9 +251,13 @@ impl EtcdBackend {
             return Ok(t);
         }
         let (user, password) = self.auth.as_ref().expect("auth is set");
-        let body = Bytes::from(json!({"name": user, "password": password.expose()}).to_string());
-        let v = match self.send("/v3/auth/authenticate", &body, None).await {
-            Ok(v) => v,
+        let request = rpc::AuthenticateRequest {
+            name: user.clone(),
+            password: password.expose().to_string(),
+        };
+        let answer: rpc::AuthenticateResponse = match self.send(AUTHENTICATE, &request, None).await
+        {
+            Ok(a) => a,
             Err((StoreError::Unavailable(why), _))
                 if why.contains("authentication failed")
                     || why.contains("authentication is not enabled") =>
@@ -255,86 +269,47 @@ impl EtcdBackend {
             }
             Err((e, _)) => return Err(e),
         };
-        let token = v["token"]
-            .as_str()
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| {
-                StoreError::Refused(format!(
-                    "etcd: user {user} authenticated but got no token (is auth enabled on the cluster?)"
-                ))
-            })?;
-        let token = Arc::new(token.to_string());
+        if answer.token.is_empty() {
+            return Err(StoreError::Refused(format!(
+                "etcd: user {user} authenticated but got no token (is auth enabled on the cluster?)"
+            )));
+        }
+        let token = Arc::new(answer.token);
         self.token.store(Some(token.clone()));
         Ok(token)
     }
 
-    /// One POST, over the endpoints in turn; the error says whether etcd
+    /// One call, over the endpoints in turn; the error says whether etcd
     /// refused the auth token.
-    async fn send(
+    async fn send<Q: Message, A: Message + Default>(
         &self,
-        path: &str,
-        body: &Bytes,
+        method: &str,
+        request: &Q,
         token: Option<&str>,
-    ) -> Result<Value, (StoreError, bool)> {
+    ) -> Result<A, (StoreError, bool)> {
         let mut last = None;
         for _ in 0..self.endpoints.len() {
             let i = self.current.load(Ordering::Relaxed) % self.endpoints.len();
-            let url = format!("{}{path}", self.endpoints[i]);
-            let mut req = http::Request::post(&url).header("content-type", "application/json");
-            if let Some(t) = token {
-                req = req.header("authorization", t);
-            }
-            let req = req
-                .body(Full::new(body.clone()))
-                .map_err(|e| (unavailable(e), false))?;
-            let result = tokio::time::timeout(self.timeout, async {
-                let resp = self
-                    .client
-                    .request(req)
-                    .await
-                    .map_err(|e| (exchange_failed(e), false))?;
-                let status = resp.status();
-                let bytes = resp
-                    .into_body()
-                    .collect()
-                    .await
-                    .map_err(|e| (unavailable(e), false))?
-                    .to_bytes();
-                let v: Value = match serde_json::from_slice(&bytes) {
-                    Ok(v) => v,
-                    // The gateway answers some refusals in plain text.
-                    Err(_) if !status.is_success() => {
-                        json!({"message": String::from_utf8_lossy(&bytes).trim()})
-                    }
-                    Err(e) => return Err((unavailable(e), false)),
-                };
-                if !status.is_success() {
-                    let message = v["message"].as_str().or(v["error"].as_str()).unwrap_or("");
-                    if message.contains("CommonName of client") {
-                        return Err((
-                            StoreError::Refused(format!(
-                                "etcd: {message} (with etcd auth on, its HTTP gateway takes only client certificates without a CommonName, docs/stores.md)"
-                            )),
-                            false,
-                        ));
-                    }
-                    if message.contains("permission denied") {
-                        return Err((
-                            StoreError::Refused(format!(
-                                "etcd: {message} (the user needs read-write on the prefix fencegate/, docs/stores.md)"
-                            )),
-                            false,
-                        ));
-                    }
-                    return Err((
-                        unavailable(format!("{status}: {message}")),
-                        token_invalid(status, message),
-                    ));
-                }
-                Ok(v)
-            })
+            let result = tokio::time::timeout(
+                self.timeout,
+                rpc::call(&self.channel, &self.endpoints[i], method, token, request),
+            )
             .await
-            .unwrap_or_else(|_| Err((unavailable("timed out"), false)));
+            .unwrap_or_else(|_| Err(CallError::Malformed("timed out".into())))
+            .map_err(|e| match e {
+                CallError::Exchange(e) => (exchange_failed(e), false),
+                CallError::Status { message, .. } if message.contains("permission denied") => (
+                    StoreError::Refused(format!(
+                        "etcd: {message} (the user needs read-write on the prefix fencegate/, docs/stores.md)"
+                    )),
+                    false,
+                ),
+                CallError::Status { code, message } => {
+                    let invalid = token_invalid(code, &message);
+                    (unavailable(message), invalid)
+                }
+                CallError::Malformed(why) => (unavailable(why), false),
+            });
             match result {
                 Ok(v) => {
                     if self.failing.swap(false, Ordering::AcqRel) {
@@ -365,7 +340,7 @@ impl EtcdBackend {
     /// `ttl` (the write plus the store's latency) and a dead replica's keys
     /// no longer than the grant. etcd itself may lengthen it (its minimum
     /// TTL, a leader change).
-    async fn replica_lease(&self, ttl: Duration) -> Result<String, StoreError> {
+    async fn replica_lease(&self, ttl: Duration) -> Result<i64, StoreError> {
         let mut slot = self.lease.lock().await;
         if let Some(l) = slot.as_ref() {
             // Stamped before the grant was sent: etcd's clock for it started
@@ -374,7 +349,7 @@ impl EtcdBackend {
             if left >= ttl
                 && l.ttl <= grant_for(ttl).max(ttl + self.timeout + Duration::from_secs(1))
             {
-                return Ok(l.id.clone());
+                return Ok(l.id);
             }
         }
         // A new lease must also cover the grant call itself (at most a
@@ -383,22 +358,26 @@ impl EtcdBackend {
             (ttl + self.timeout).as_millis().div_ceil(1000) as u64,
         ));
         let sent = Instant::now();
-        let v = self
-            .post(
-                "/v3/lease/grant",
-                json!({"TTL": grant_ttl.as_secs().to_string()}),
+        let answer: rpc::LeaseGrantResponse = self
+            .call(
+                LEASE_GRANT,
+                &rpc::LeaseGrantRequest {
+                    ttl: grant_ttl.as_secs() as i64,
+                },
             )
             .await?;
-        let id = v["ID"]
-            .as_str()
-            .map(str::to_string)
-            .ok_or_else(|| unavailable("lease grant without an ID"))?;
+        if !answer.error.is_empty() || answer.id == 0 {
+            return Err(unavailable(format!(
+                "lease grant refused: {}",
+                answer.error
+            )));
+        }
         *slot = Some(ReplicaLease {
-            id: id.clone(),
+            id: answer.id,
             granted: sent,
             ttl: grant_ttl,
         });
-        Ok(id)
+        Ok(answer.id)
     }
 
     fn lease_key(key: &str, lease: &WriteLease) -> String {
@@ -411,21 +390,35 @@ impl EtcdBackend {
         &self,
         key: &str,
         token: u64,
-        stale_ops: Vec<Value>,
-        ops: Vec<Value>,
+        stale_ops: Vec<RequestOp>,
+        ops: Vec<RequestOp>,
     ) -> Result<LeaseStep, StoreError> {
-        let mut txn = GuardedTxn::new(key, token, stale_ops, ops);
-        let v = self.txn(std::mem::take(&mut txn.body)).await?;
-        txn.answer(&v)
+        let txn = GuardedTxn::new(key, token, stale_ops, ops);
+        let answer = self.txn(&txn.body).await?;
+        txn.answer(answer)
     }
 
     /// Sends a transaction; an answer without etcd's header is no answer.
-    async fn txn(&self, body: Value) -> Result<Value, StoreError> {
-        let v = self.post("/v3/kv/txn", body).await?;
-        if v["header"]["revision"].as_str().is_none() {
+    async fn txn(&self, body: &TxnRequest) -> Result<TxnResponse, StoreError> {
+        let answer: TxnResponse = self.call(TXN, body).await?;
+        if answer.header.is_none() {
             return Err(unavailable("transaction answer without a header"));
         }
-        Ok(v)
+        Ok(answer)
+    }
+
+    /// The transaction of one acquire (nested in a batch's).
+    fn acquire_txn(key: &str, lease: &WriteLease, etcd_lease: i64) -> GuardedTxn {
+        GuardedTxn::new(
+            key,
+            lease.token,
+            vec![],
+            vec![
+                rpc::put(&fence_key(key), &pad(lease.token), 0),
+                rpc::put(&Self::lease_key(key, lease), "", etcd_lease),
+                older_count(key, lease.token),
+            ],
+        )
     }
 }
 
@@ -433,69 +426,62 @@ impl EtcdBackend {
 /// the token, the stale operations run and the highest is read; otherwise
 /// the operations run.
 struct GuardedTxn {
-    body: Value,
+    body: TxnRequest,
     success_n: usize,
     ops_n: usize,
 }
 
 impl GuardedTxn {
-    fn new(key: &str, token: u64, stale_ops: Vec<Value>, ops: Vec<Value>) -> Self {
+    fn new(key: &str, token: u64, stale_ops: Vec<RequestOp>, ops: Vec<RequestOp>) -> Self {
         let fk = fence_key(key);
         let mut success = stale_ops;
-        success.push(json!({"request_range": {"key": b64(&fk)}}));
+        success.push(rpc::range(&fk));
         let (success_n, ops_n) = (success.len(), ops.len());
         Self {
-            body: json!({
-                "compare": [{"key": b64(&fk), "target": "VALUE", "result": "GREATER", "value": b64(&pad(token))}],
-                "success": success,
-                "failure": ops,
-            }),
+            body: TxnRequest {
+                compare: vec![rpc::value_greater(&fk, &pad(token))],
+                success,
+                failure: ops,
+            },
             success_n,
             ops_n,
         }
     }
 
-    /// The transaction's answer (`v`: its response, top-level or nested).
-    fn answer(&self, v: &Value) -> Result<LeaseStep, StoreError> {
-        let responses = v["responses"].as_array().cloned().unwrap_or_default();
-        let succeeded = v["succeeded"].as_bool().unwrap_or(false);
-        let expected = if succeeded {
+    /// The transaction's answer (top-level or nested).
+    fn answer(&self, v: TxnResponse) -> Result<LeaseStep, StoreError> {
+        let expected = if v.succeeded {
             self.success_n
         } else {
             self.ops_n
         };
-        if responses.len() != expected {
+        if v.responses.len() != expected {
             return Err(unavailable(format!(
                 "transaction answered {} results for {expected} operations",
-                responses.len()
+                v.responses.len()
             )));
         }
-        if succeeded {
-            let range = responses
-                .last()
-                .map(|r| r["response_range"].clone())
-                .unwrap_or_default();
-            return Ok(LeaseStep::Stale(decode_padded(&unb64(
-                &range["kvs"][0]["value"],
-            ))?));
+        if v.succeeded {
+            let highest = v.responses.last().and_then(range_kv).map(|(h, _)| h);
+            return Ok(LeaseStep::Stale(decode_padded(
+                &highest.unwrap_or_default(),
+            )?));
         }
-        Ok(LeaseStep::Ran(responses))
+        Ok(LeaseStep::Ran(v.responses))
     }
 }
 
-/// The most JSON a batch transaction carries: etcd refuses requests over
-/// `--max-request-bytes` (1.5 MiB by default), and the gateway's
-/// encoding adds to what is counted.
-const MAX_TXN_JSON: usize = 512 * 1024;
+/// The most a batch transaction carries: etcd refuses requests over
+/// `--max-request-bytes` (1.5 MiB by default).
+const MAX_TXN_BYTES: usize = 512 * 1024;
 
-/// What one write adds to a batch transaction's JSON, about: its key
-/// appears six times, hex then base64 (about 2.7 bytes per key byte), plus
-/// the fixed parts.
+/// What one acquire adds to a batch transaction, at most: its key appears
+/// six times in hex (unit-tested against the encoded size).
 fn txn_size(key: &str) -> usize {
-    key.len() * 17 + 700
+    key.len() * 12 + 300
 }
 
-/// Splits a batch into transactions under [`MAX_TXN_JSON`], by each item's
+/// Splits a batch into transactions under [`MAX_TXN_BYTES`], by each item's
 /// `size` (an item over it alone goes alone, as a lone write would). The
 /// writes of a batch are independent: splitting changes no answer.
 fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
@@ -504,7 +490,7 @@ fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
     for item in items {
         let n = size(&item);
         match chunks.last_mut() {
-            Some(last) if total + n <= MAX_TXN_JSON => {
+            Some(last) if total + n <= MAX_TXN_BYTES => {
                 last.push(item);
                 total += n;
             }
@@ -519,7 +505,7 @@ fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
 
 enum LeaseStep {
     Stale(u64),
-    Ran(Vec<Value>),
+    Ran(Vec<ResponseOp>),
 }
 
 impl LeaseStep {
@@ -544,11 +530,11 @@ fn decode_padded(v: &str) -> Result<u64, StoreError> {
 
 /// Busy if the transaction's last result (the count of older leases) is
 /// not zero, else granted.
-fn older_leases(results: &[Value], lease: WriteLease) -> LeaseOutcome {
+fn older_leases(results: &[ResponseOp], lease: WriteLease) -> LeaseOutcome {
     if results
         .last()
-        .map(|x| count(&x["response_range"]))
-        .unwrap_or(0)
+        .and_then(ResponseOp::range)
+        .map_or(0, |r| r.count)
         > 0
     {
         busy(lease)
@@ -557,12 +543,9 @@ fn older_leases(results: &[Value], lease: WriteLease) -> LeaseOutcome {
     }
 }
 
-fn older_count(key: &str, token: u64) -> Value {
-    json!({"request_range": {
-        "key": b64(&lease_prefix(key)),
-        "range_end": b64(&format!("{}{}", lease_prefix(key), pad(token))),
-        "count_only": true
-    }})
+fn older_count(key: &str, token: u64) -> RequestOp {
+    let prefix = lease_prefix(key);
+    rpc::count(&prefix, &format!("{prefix}{}", pad(token)))
 }
 
 #[async_trait]
@@ -576,12 +559,18 @@ impl Backend for EtcdBackend {
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        let v = self
-            .post("/v3/kv/range", json!({"key": b64(&fence_key(key))}))
+        let answer: rpc::RangeResponse = self
+            .call(
+                RANGE,
+                &rpc::RangeRequest {
+                    key: fence_key(key).into_bytes(),
+                    ..Default::default()
+                },
+            )
             .await?;
-        match v["kvs"].as_array().and_then(|a| a.first()) {
+        match answer.kvs.first() {
             None => Ok(None),
-            Some(kv) => decode_padded(&unb64(&kv["value"])).map(Some),
+            Some(kv) => decode_padded(&text(&kv.value)).map(Some),
         }
     }
 
@@ -593,10 +582,7 @@ impl Backend for EtcdBackend {
                 key,
                 token,
                 vec![],
-                vec![
-                    json!({"request_range": {"key": b64(&fk)}}),
-                    json!({"request_put": {"key": b64(&fk), "value": b64(&pad(token)), "prev_kv": true}}),
-                ],
+                vec![rpc::range(&fk), rpc::put(&fk, &pad(token), 0)],
             )
             .await?;
         match step {
@@ -604,9 +590,8 @@ impl Backend for EtcdBackend {
             LeaseStep::Ran(r) => {
                 let prev = r
                     .first()
-                    .and_then(|x| x["response_range"]["kvs"].as_array())
-                    .and_then(|a| a.first())
-                    .map(|kv| decode_padded(&unb64(&kv["value"])))
+                    .and_then(range_kv)
+                    .map(|(v, _)| decode_padded(&v))
                     .transpose()?;
                 Ok(match prev {
                     Some(p) if p == token => Advance::Equal,
@@ -622,7 +607,7 @@ impl Backend for EtcdBackend {
     ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
         // One transaction of nested ones (etcd 3.3+), each guarded by its
         // key's fence as a lone acquire is: one Raft round for the batch.
-        // Writes of one TTL share a transaction (under MAX_TXN_JSON), and
+        // Writes of one TTL share a transaction (under MAX_TXN_BYTES), and
         // its replica lease is chosen right before it is sent, as for a
         // lone acquire: the lease must outlive the writes from the moment
         // their grant is sent, whatever the transactions before took.
@@ -636,36 +621,33 @@ impl Backend for EtcdBackend {
                 let etcd_lease = self.replica_lease(ttl).await?;
                 let mut txns: Vec<GuardedTxn> = chunk
                     .iter()
-                    .map(|&i| {
-                        let r = &reqs[i];
-                        GuardedTxn::new(
-                            &r.key,
-                            r.lease.token,
-                            vec![],
-                            vec![
-                                json!({"request_put": {"key": b64(&fence_key(&r.key)), "value": b64(&pad(r.lease.token))}}),
-                                json!({"request_put": {"key": b64(&Self::lease_key(&r.key, &r.lease)), "value": b64(""), "lease": etcd_lease}}),
-                                older_count(&r.key, r.lease.token),
-                            ],
-                        )
-                    })
+                    .map(|&i| Self::acquire_txn(&reqs[i].key, &reqs[i].lease, etcd_lease))
                     .collect();
-                let ops: Vec<Value> = txns
+                let success = txns
                     .iter_mut()
-                    .map(|t| json!({"request_txn": std::mem::take(&mut t.body)}))
+                    .map(|t| rpc::nested(std::mem::take(&mut t.body)))
                     .collect();
-                let v = self.txn(json!({"success": ops})).await?;
-                let responses = v["responses"].as_array().cloned().unwrap_or_default();
-                if responses.len() != chunk.len() {
+                let v = self
+                    .txn(&TxnRequest {
+                        success,
+                        ..Default::default()
+                    })
+                    .await?;
+                if v.responses.len() != chunk.len() {
                     return Err(unavailable(format!(
                         "a batch of {} answered {} results",
                         chunk.len(),
-                        responses.len()
+                        v.responses.len()
                     )));
                 }
-                for ((&i, t), resp) in chunk.iter().zip(&txns).zip(&responses) {
+                for ((&i, t), resp) in chunk.iter().zip(&txns).zip(v.responses) {
+                    let nested = match resp.response {
+                        Some(rpc::response_op::Response::Txn(n)) => Ok(n),
+                        _ => Err(unavailable("a batch item answered without its transaction")),
+                    };
                     answers[i] = Some(
-                        t.answer(&resp["response_txn"])
+                        nested
+                            .and_then(|n| t.answer(n))
                             .map(|step| step.admission(reqs[i].lease.clone())),
                     );
                 }
@@ -689,11 +671,11 @@ impl Backend for EtcdBackend {
             .guarded_txn(
                 key,
                 lease.token,
-                vec![json!({"request_delete_range": {"key": b64(&lk)}})],
+                vec![rpc::delete(&lk)],
                 vec![
                     // Re-attach (a no-op if present) so a long wait cannot
                     // outlive its own key.
-                    json!({"request_put": {"key": b64(&lk), "value": b64(""), "lease": etcd_lease}}),
+                    rpc::put(&lk, "", etcd_lease),
                     older_count(key, lease.token),
                 ],
             )
@@ -715,7 +697,7 @@ impl Backend for EtcdBackend {
                 key,
                 lease.token,
                 vec![],
-                vec![json!({"request_put": {"key": b64(&lk), "value": b64(""), "lease": etcd_lease}})],
+                vec![rpc::put(&lk, "", etcd_lease)],
             )
             .await?;
         match step {
@@ -725,14 +707,16 @@ impl Backend for EtcdBackend {
     }
 
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
-        let ops: Vec<Value> = leases
+        let ops: Vec<RequestOp> = leases
             .iter()
-            .map(|(key, lease)| {
-                json!({"request_delete_range": {"key": b64(&Self::lease_key(key, lease))}})
-            })
+            .map(|(key, lease)| rpc::delete(&Self::lease_key(key, lease)))
             .collect();
-        for chunk in by_size(ops, |op| op.to_string().len()) {
-            self.post("/v3/kv/txn", json!({"success": chunk})).await?;
+        for success in by_size(ops, RequestOp::encoded_len) {
+            self.txn(&TxnRequest {
+                success,
+                ..Default::default()
+            })
+            .await?;
         }
         Ok(())
     }
@@ -754,27 +738,22 @@ impl Backend for EtcdBackend {
             }
             // The fence and the lease at one revision.
             let v = self
-                .txn(json!({"success": [
-                    {"request_range": {"key": b64(&fk)}},
-                    {"request_range": {"key": b64(&gk)}},
-                ]}))
+                .txn(&TxnRequest {
+                    success: vec![rpc::range(&fk), rpc::range(&gk)],
+                    ..Default::default()
+                })
                 .await?;
-            let resps = v["responses"].as_array().cloned().unwrap_or_default();
-            let (fence, grant) = match resps.as_slice() {
+            let (fence, grant) = match v.responses.as_slice() {
                 [f, g] => (range_kv(f), range_kv(g)),
                 _ => return Err(unavailable("lease read without its two answers")),
             };
             // The fence is compared by value: admissions of an equal token
             // rewrite it (a new revision) without changing it.
             let fence_same = match &fence {
-                Some((v, _)) => {
-                    json!({"key": b64(&fk), "target": "VALUE", "result": "EQUAL", "value": b64(v)})
-                }
-                None => {
-                    json!({"key": b64(&fk), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
-                }
+                Some((v, _)) => rpc::value_equal(&fk, v),
+                None => rpc::absent(&fk),
             };
-            let gmr = grant.as_ref().map_or("0".into(), |(_, r)| r.clone());
+            let gmr = grant.as_ref().map_or(0, |(_, r)| *r);
             let highest = fence.map(|(v, _)| decode_padded(&v)).transpose()?;
             let now = wall_ms();
             let lock = match grant {
@@ -796,15 +775,14 @@ impl Backend for EtcdBackend {
                 }
             };
             let record = |id: &str, token: u64, holder: &str| {
-                b64(&json!({
+                json!({
                     "id": id,
                     "token": token.to_string(),
                     "holder": holder,
                     "exp": now.saturating_add(ttl_ms),
                 })
-                .to_string())
+                .to_string()
             };
-            let unchanged = |k: &str, rev: &str| json!({"key": b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": rev});
             let (body, answer) = match call {
                 LockCall::Read => return Ok(LockReply::Lock(lock)),
                 LockCall::Claim { id, holder, .. } => {
@@ -822,17 +800,18 @@ impl Backend for EtcdBackend {
                         return Ok(LockReply::Claim(Claim::Exhausted));
                     };
                     (
-                        json!({
-                            "compare": [fence_same, unchanged(&gk, &gmr)],
-                            "success": [
-                                {"request_put": {"key": b64(&fk), "value": b64(&pad(t))}},
-                                {"request_put": {"key": b64(&gk), "value": record(id, t, holder)}},
+                        TxnRequest {
+                            compare: vec![fence_same, rpc::unchanged(&gk, gmr)],
+                            success: vec![
+                                rpc::put(&fk, &pad(t), 0),
+                                rpc::put(&gk, &record(id, t, holder), 0),
                                 // Write registrations held as it commits
                                 // (all older than t; they expire on etcd's
                                 // clock).
                                 older_count(key, t),
                             ],
-                        }),
+                            ..Default::default()
+                        },
                         LockReply::Claim(Claim::Granted {
                             token: t,
                             registered: true,
@@ -846,10 +825,11 @@ impl Backend for EtcdBackend {
                     let value = record(id, l.token, &l.holder);
                     l.expires_in = ttl;
                     (
-                        json!({
-                            "compare": [unchanged(&gk, &gmr)],
-                            "success": [{"request_put": {"key": b64(&gk), "value": value}}],
-                        }),
+                        TxnRequest {
+                            compare: vec![rpc::unchanged(&gk, gmr)],
+                            success: vec![rpc::put(&gk, &value, 0)],
+                            ..Default::default()
+                        },
                         LockReply::Lock(Some(l)),
                     )
                 }
@@ -858,21 +838,23 @@ impl Backend for EtcdBackend {
                         return Ok(LockReply::Released(false));
                     }
                     (
-                        json!({
-                            "compare": [unchanged(&gk, &gmr)],
-                            "success": [{"request_delete_range": {"key": b64(&gk)}}],
-                        }),
+                        TxnRequest {
+                            compare: vec![rpc::unchanged(&gk, gmr)],
+                            success: vec![rpc::delete(&gk)],
+                            ..Default::default()
+                        },
                         LockReply::Released(true),
                     )
                 }
             };
-            let v = self.txn(body).await?;
-            if v["succeeded"].as_bool() == Some(true) {
+            let v = self.txn(&body).await?;
+            if v.succeeded {
                 if let LockReply::Claim(Claim::Granted { token, .. }) = answer {
-                    let held = v["responses"]
-                        .as_array()
-                        .and_then(|r| r.get(2))
-                        .map(|r| count(&r["response_range"]));
+                    let held = v
+                        .responses
+                        .get(2)
+                        .and_then(ResponseOp::range)
+                        .map(|r| r.count);
                     return Ok(LockReply::Claim(Claim::Granted {
                         token,
                         registered: held != Some(0),
@@ -887,11 +869,16 @@ impl Backend for EtcdBackend {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.post(
-            "/v3/kv/range",
-            json!({"key": b64(MARKER), "count_only": true}),
-        )
-        .await?;
+        let _: rpc::RangeResponse = self
+            .call(
+                RANGE,
+                &rpc::RangeRequest {
+                    key: MARKER.into(),
+                    count_only: true,
+                    ..Default::default()
+                },
+            )
+            .await?;
         Ok(())
     }
 
@@ -900,13 +887,11 @@ impl Backend for EtcdBackend {
     }
 
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
-        self.post(
-            "/v3/kv/txn",
-            json!({
-                "compare": [{"key": b64(MARKER), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-                "success": [{"request_put": {"key": b64(MARKER), "value": b64(&format!("{epoch} 1"))}}],
-            }),
-        )
+        self.txn(&TxnRequest {
+            compare: vec![rpc::absent(MARKER)],
+            success: vec![rpc::put(MARKER, &format!("{epoch} 1"), 0)],
+            ..Default::default()
+        })
         .await?;
         self.read_marker()
             .await?
@@ -923,15 +908,13 @@ impl Backend for EtcdBackend {
                 seq: m.seq + 1,
             };
             let v = self
-                .post(
-                    "/v3/kv/txn",
-                    json!({
-                        "compare": [{"key": b64(MARKER), "target": "MOD", "result": "EQUAL", "mod_revision": rev}],
-                        "success": [{"request_put": {"key": b64(MARKER), "value": b64(&format!("{} {}", next.epoch, next.seq))}}],
-                    }),
-                )
+                .txn(&TxnRequest {
+                    compare: vec![rpc::unchanged(MARKER, rev)],
+                    success: vec![rpc::put(MARKER, &format!("{} {}", next.epoch, next.seq), 0)],
+                    ..Default::default()
+                })
                 .await?;
-            if v["succeeded"].as_bool().unwrap_or(false) {
+            if v.succeeded {
                 return Ok(Some(next));
             }
         }
@@ -944,20 +927,14 @@ impl Backend for EtcdBackend {
         epoch: &str,
     ) -> Result<Marker, StoreError> {
         let compare = match expected {
-            None => {
-                json!({"key": b64(MARKER), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
-            }
-            Some(m) => {
-                json!({"key": b64(MARKER), "target": "VALUE", "result": "EQUAL", "value": b64(&format!("{} {}", m.epoch, m.seq))})
-            }
+            None => rpc::absent(MARKER),
+            Some(m) => rpc::value_equal(MARKER, &format!("{} {}", m.epoch, m.seq)),
         };
-        self.post(
-            "/v3/kv/txn",
-            json!({
-                "compare": [compare],
-                "success": [{"request_put": {"key": b64(MARKER), "value": b64(&format!("{epoch} 1"))}}],
-            }),
-        )
+        self.txn(&TxnRequest {
+            compare: vec![compare],
+            success: vec![rpc::put(MARKER, &format!("{epoch} 1"), 0)],
+            ..Default::default()
+        })
         .await?;
         self.read_marker()
             .await?
@@ -966,14 +943,20 @@ impl Backend for EtcdBackend {
 }
 
 impl EtcdBackend {
-    async fn read_marker_rev(&self) -> Result<Option<(Marker, String)>, StoreError> {
-        let v = self
-            .post("/v3/kv/range", json!({"key": b64(MARKER)}))
+    async fn read_marker_rev(&self) -> Result<Option<(Marker, i64)>, StoreError> {
+        let answer: rpc::RangeResponse = self
+            .call(
+                RANGE,
+                &rpc::RangeRequest {
+                    key: MARKER.into(),
+                    ..Default::default()
+                },
+            )
             .await?;
-        let Some(kv) = v["kvs"].as_array().and_then(|a| a.first()) else {
+        let Some(kv) = answer.kvs.first() else {
             return Ok(None);
         };
-        let text = unb64(&kv["value"]);
+        let text = text(&kv.value);
         let (epoch, seq) = text
             .split_once(' ')
             .ok_or_else(|| unavailable("malformed marker"))?;
@@ -982,7 +965,7 @@ impl EtcdBackend {
                 epoch: epoch.to_string(),
                 seq: seq.parse().unwrap_or(0),
             },
-            kv["mod_revision"].as_str().unwrap_or("0").to_string(),
+            kv.mod_revision,
         )))
     }
 }
@@ -993,23 +976,22 @@ mod tests {
 
     #[test]
     fn batches_split_by_size_keep_every_operation_in_order() {
-        let op = |n: usize| json!({"k": "x".repeat(n)});
-        let ops: Vec<Value> = (0..10).map(|i| op(MAX_TXN_JSON / 4 + i)).collect();
-        let size = |o: &Value| o.to_string().len();
-        let chunks = by_size(ops.clone(), size);
+        let op = |n: usize| "x".repeat(n);
+        let ops: Vec<String> = (0..10).map(|i| op(MAX_TXN_BYTES / 4 + i)).collect();
+        let chunks = by_size(ops.clone(), String::len);
         assert!(
             chunks.len() >= 3,
             "ten quarter-size operations need several transactions"
         );
         for c in &chunks {
-            let size: usize = c.iter().map(|o| o.to_string().len()).sum();
-            assert!(size <= MAX_TXN_JSON || c.len() == 1);
+            let size: usize = c.iter().map(String::len).sum();
+            assert!(size <= MAX_TXN_BYTES || c.len() == 1);
         }
         assert_eq!(chunks.concat(), ops, "nothing lost or reordered");
         // One operation over the limit goes alone.
-        let big = by_size(vec![op(10), op(MAX_TXN_JSON * 2), op(10)], size);
+        let big = by_size(vec![op(10), op(MAX_TXN_BYTES * 2), op(10)], String::len);
         assert_eq!(big.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1, 1]);
-        assert!(by_size(Vec::<Value>::new(), size).is_empty());
+        assert!(by_size(Vec::<String>::new(), String::len).is_empty());
         // Full batches of the longest default keys (1536 bytes) split, and
         // each part stays far under etcd's 1.5 MiB request limit.
         let parts = by_size((0..64).collect::<Vec<usize>>(), |_| {
@@ -1019,7 +1001,28 @@ mod tests {
             parts.len() > 1
                 && parts
                     .iter()
-                    .all(|p| p.len() * txn_size(&"k".repeat(1536)) <= MAX_TXN_JSON)
+                    .all(|p| p.len() * txn_size(&"k".repeat(1536)) <= MAX_TXN_BYTES)
         );
+    }
+
+    /// The size a batch is split by bounds what an acquire really adds to
+    /// the encoded transaction, for short and long keys and the largest
+    /// tokens, lease ids and etcd lease ids.
+    #[test]
+    fn the_size_estimate_bounds_an_acquires_encoding() {
+        for len in [0, 1, 40, 1536, 8192] {
+            let key = "\u{7f}".repeat(len);
+            let lease = WriteLease {
+                token: u64::MAX,
+                id: "f".repeat(32),
+            };
+            let txn = EtcdBackend::acquire_txn(&key, &lease, i64::MIN);
+            let encoded = rpc::nested(txn.body).encoded_len() + 4;
+            assert!(
+                encoded <= txn_size(&key),
+                "key of {len} bytes: {encoded} encoded > {} estimated",
+                txn_size(&key)
+            );
+        }
     }
 }

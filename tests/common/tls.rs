@@ -91,8 +91,8 @@ impl TestCa {
         self.leaf(file, &[], &[ExtendedKeyUsagePurpose::ClientAuth])
     }
 
-    /// A client certificate without a subject: etcd's HTTP gateway refuses
-    /// a client certificate with a CommonName once auth is on.
+    /// A client certificate without a subject, so that etcd (auth on) can
+    /// only take the user from the token fencegate sends.
     pub fn client_without_name(&self, file: &str) -> Leaf {
         self.leaf_named(file, &[], &[ExtendedKeyUsagePurpose::ClientAuth], false)
     }

@@ -50,6 +50,18 @@ end
 -- members, all with score 0, so they sort by name: "TOKEN20:ID". The oldest
 -- lease is the first member: finding an older one costs O(log n), however
 -- many writes of one token are in flight.
+-- A whole number of ms as a command argument. Lua would format the number
+-- with "%.17g" (floating-point printing, a few percent of Redis's CPU per
+-- write); a batch's writes mostly share their values, formatted once.
+local formatted = {}
+local function ms(n)
+  local s = formatted[n]
+  if not s then
+    s = string.format('%d', n)
+    formatted[n] = s
+  end
+  return s
+end
 local function pad(token)
   return string.rep('0', 20 - #token) .. token
 end
@@ -71,14 +83,17 @@ local function older_exists(lk, ok, token, now)
     redis.call('HDEL', lk, m[1])
   end
 end
-local function register(lk, ok, token, id, ttl, now)
+-- fresh: the key has no fence, so it has no leases either (leases are
+-- registered only once the fence is set, and fencegate never deletes a
+-- fence on Redis): both sets are created here, with no expiry to compare.
+local function register(lk, ok, token, id, ttl, now, fresh)
   local member = pad(token) .. ':' .. id
   redis.call('ZADD', ok, 0, member)
-  redis.call('HSET', lk, member, now + ttl)
+  redis.call('HSET', lk, member, ms(now + ttl))
   -- Only ever lengthened: a replica with a shorter TTL must not cut short
   -- another's lease (PEXPIRE's GT needs Redis 7).
   for _, k in ipairs({lk, ok}) do
-    if redis.call('PTTL', k) < ttl * 2 then redis.call('PEXPIRE', k, ttl * 2) end
+    if fresh or redis.call('PTTL', k) < ttl * 2 then redis.call('PEXPIRE', k, ms(ttl * 2)) end
   end
 end
 "#;
@@ -101,8 +116,9 @@ for i = 1, #ARGV / 3 do
     out[#out + 1] = h
   else
     if (not h) or lt(h, token) then redis.call('SET', fk, token) end
-    local older = older_exists(lk, ok, token, now)
-    register(lk, ok, token, id, ttl, now)
+    -- A key without a fence has no leases (see register): nothing older.
+    local older = h and older_exists(lk, ok, token, now)
+    register(lk, ok, token, id, ttl, now, not h)
     out[#out + 1] = older and 'busy' or 'granted'
     out[#out + 1] = token
   end

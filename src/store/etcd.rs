@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use async_trait::async_trait;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -54,7 +54,12 @@ struct ReplicaLease {
 pub struct EtcdBackend {
     endpoints: Vec<String>,
     current: AtomicUsize,
-    channel: rpc::Channel,
+    /// Replaced after a call that timed out or failed to exchange: an
+    /// HTTP/2 connection to a member that vanished without closing it would
+    /// otherwise hold every later call until a keep-alive ping gives up.
+    channel: ArcSwap<rpc::Channel>,
+    /// What a new channel is built from.
+    connector: HttpsConnector<HttpConnector>,
     timeout: Duration,
     session: AtomicU64,
     failing: AtomicBool,
@@ -155,9 +160,16 @@ const RANGE: &str = "/etcdserverpb.KV/Range";
 const LEASE_GRANT: &str = "/etcdserverpb.Lease/LeaseGrant";
 const AUTHENTICATE: &str = "/etcdserverpb.Auth/Authenticate";
 
-/// HTTP/2 flow-control windows: a batch transaction (up to
-/// [`MAX_TXN_BYTES`]) goes out without waiting for window updates.
+/// HTTP/2 flow-control windows for etcd's answers: a batch's answer comes
+/// back without waiting for window updates. (How fast a request goes out
+/// is etcd's windows' business.)
 const WINDOW: u32 = 4 * 1024 * 1024;
+
+/// HTTP/2 keep-alive pings (only while calls are out and nothing arrives).
+/// etcd refuses pings closer than 5 s apart (`--grpc-keepalive-min-time`)
+/// and closes the connection after a few; a call that times out replaces
+/// the connection anyway ([`EtcdBackend::send`]).
+const KEEP_ALIVE: Duration = Duration::from_secs(10);
 
 impl EtcdBackend {
     /// `tls`: the client config for `https://` endpoints (`etcds://`);
@@ -175,20 +187,12 @@ impl EtcdBackend {
         let tls = tls.unwrap_or_else(crate::tls::plain_client_config);
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
-        let channel = Client::builder(TokioExecutor::new())
-            .http2_only(true)
-            .http2_initial_stream_window_size(WINDOW)
-            .http2_initial_connection_window_size(WINDOW)
-            // A connection that died without a FIN (a member's host gone)
-            // is found by a ping, not by the next call's timeout.
-            .timer(TokioTimer::new())
-            .http2_keep_alive_interval(timeout.max(Duration::from_secs(1)))
-            .http2_keep_alive_timeout(timeout.max(Duration::from_secs(1)))
-            .build(HttpsConnector::from((connector, tls)));
+        let connector = HttpsConnector::from((connector, tls));
         Self {
             endpoints,
             current: AtomicUsize::new(0),
-            channel,
+            channel: ArcSwap::from_pointee(Self::channel(&connector)),
+            connector,
             timeout,
             session: AtomicU64::new(0),
             failing: AtomicBool::new(true),
@@ -197,6 +201,17 @@ impl EtcdBackend {
             token: ArcSwapOption::empty(),
             authenticating: tokio::sync::Mutex::new(()),
         }
+    }
+
+    fn channel(connector: &HttpsConnector<HttpConnector>) -> rpc::Channel {
+        Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .http2_initial_stream_window_size(WINDOW)
+            .http2_initial_connection_window_size(WINDOW)
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(KEEP_ALIVE)
+            .http2_keep_alive_timeout(KEEP_ALIVE)
+            .build(connector.clone())
     }
 
     /// Calls `method` on the current endpoint, moving to the next one on a
@@ -290,12 +305,23 @@ impl EtcdBackend {
         let mut last = None;
         for _ in 0..self.endpoints.len() {
             let i = self.current.load(Ordering::Relaxed) % self.endpoints.len();
-            let result = tokio::time::timeout(
+            let channel = self.channel.load_full();
+            let result = match tokio::time::timeout(
                 self.timeout,
-                rpc::call(&self.channel, &self.endpoints[i], method, token, request),
+                rpc::call(&channel, &self.endpoints[i], method, token, request),
             )
             .await
-            .unwrap_or_else(|_| Err(CallError::Malformed("timed out".into())))
+            {
+                Ok(Err(CallError::Exchange(e))) => {
+                    self.redial(&channel);
+                    Err(CallError::Exchange(e))
+                }
+                Ok(r) => r,
+                Err(_) => {
+                    self.redial(&channel);
+                    Err(CallError::Malformed("timed out".into()))
+                }
+            }
             .map_err(|e| match e {
                 CallError::Exchange(e) => (exchange_failed(e), false),
                 CallError::Status { message, .. } if message.contains("permission denied") => (
@@ -331,6 +357,13 @@ impl EtcdBackend {
             }
         }
         Err((last.unwrap_or_else(|| unavailable("no endpoint")), false))
+    }
+
+    /// Replaces `used` with a new channel (new connections), unless another
+    /// call did already.
+    fn redial(&self, used: &Arc<rpc::Channel>) {
+        let fresh = Arc::new(Self::channel(&self.connector));
+        self.channel.compare_and_swap(used, fresh);
     }
 
     /// The replica lease to attach a new in-flight key to. It is granted for
@@ -407,12 +440,16 @@ impl EtcdBackend {
         Ok(answer)
     }
 
-    /// The transaction of one acquire (nested in a batch's).
+    /// The transaction of one acquire (nested in a batch's). A stale answer
+    /// deletes the write's own lease key: the call may be a second sending
+    /// (the next endpoint, after the first one timed out) of one that
+    /// registered it before a higher token took the key, and the caller
+    /// releases nothing after a stale answer.
     fn acquire_txn(key: &str, lease: &WriteLease, etcd_lease: i64) -> GuardedTxn {
         GuardedTxn::new(
             key,
             lease.token,
-            vec![],
+            vec![rpc::delete(&Self::lease_key(key, lease))],
             vec![
                 rpc::put(&fence_key(key), &pad(lease.token), 0),
                 rpc::put(&Self::lease_key(key, lease), "", etcd_lease),
@@ -476,9 +513,9 @@ impl GuardedTxn {
 const MAX_TXN_BYTES: usize = 512 * 1024;
 
 /// What one acquire adds to a batch transaction, at most: its key appears
-/// six times in hex (unit-tested against the encoded size).
+/// seven times in hex (unit-tested against the encoded size).
 fn txn_size(key: &str) -> usize {
-    key.len() * 12 + 300
+    key.len() * 14 + 400
 }
 
 /// Splits a batch into transactions under [`MAX_TXN_BYTES`], by each item's

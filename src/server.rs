@@ -94,6 +94,9 @@ pub struct Server {
     sweeper: JoinHandle<()>,
     /// Closes idle upstream connections; stops with `draining`.
     reaper: JoinHandle<()>,
+    /// Checks a shared store's marker every second, writes or not; stops
+    /// with `draining`.
+    heartbeat: JoinHandle<()>,
     /// Upstream exchanges of admitted writes, which may outlive their
     /// client connection.
     exchanges: TaskTracker,
@@ -432,6 +435,7 @@ impl Server {
         };
         let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
         let reaper = tokio::spawn(proxy.clone().reap_idle_connections(draining.clone()));
+        let heartbeat = tokio::spawn(store_heartbeat(fence.store().clone(), draining.clone()));
         tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, lease_addr = ?lease_addr, routes = config.routes.len(), workers, "fencegate started");
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
@@ -457,6 +461,7 @@ impl Server {
             tls_watcher,
             sweeper,
             reaper,
+            heartbeat,
             exchanges,
             kill,
             connections,
@@ -498,6 +503,7 @@ impl Server {
         }
         let _ = self.sweeper.await;
         let _ = self.reaper.await;
+        let _ = self.heartbeat.await;
         if !connections_drained {
             tracing::warn!("grace period over: closing the connections still open");
         }
@@ -749,6 +755,31 @@ impl TlsSide {
 /// upstream connections and the store. Every proxied request may need one
 /// upstream connection besides its client's, so each listener gets a third
 /// of half of what is left after a reserve.
+/// How often a shared store's marker is checked without writes.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// Shared stores: checks and advances the store's marker every
+/// [`HEARTBEAT`] even while no write comes (`ping` runs the check when it
+/// is due). Every running replica then knows a recent sequence number, so a
+/// store rolled back to an older state (a restored backup or snapshot) is
+/// caught at the first call after it, by replicas that never wrote the
+/// keys it lost too. Failures show in `/readyz`; nothing to do here.
+async fn store_heartbeat(store: Arc<dyn crate::store::FenceStore>, stop: CancellationToken) {
+    if store.exclusive() {
+        return;
+    }
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {
+                let _ = tokio::time::timeout(HEARTBEAT, store.ping()).await;
+            }
+        }
+    }
+}
+
 fn connection_budget(configured: usize) -> usize {
     let nofile = std::fs::read_to_string("/proc/self/limits")
         .ok()

@@ -615,6 +615,38 @@ async fn a_store_restart_fails_no_write(kind: Spec) {
     }
 }
 
+/// A store restored from a backup while the replicas run: its data rolls
+/// back past a raise acknowledged by one replica. The other replica, which
+/// never wrote that key, refuses the stale token too: every running replica
+/// advances the store's marker every second, writes or not, and checks it
+/// when a call goes over a new connection.
+async fn a_restored_backup_is_caught_by_every_replica(kind: Spec) {
+    let mut c = Cluster::start(kind, "2s").await;
+    let a = put(&c.b().url("/rb"), "1000").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let backup = c.store.backup();
+    let a = put_when_ready(&c.b().url("/rb"), "2000", Duration::from_secs(15)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // Idle replicas: only their heartbeats advance the marker now.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let applied = c.up.arrivals();
+    c.store.restore(&backup);
+    // Until the store answers, 503 for being down; then 503 for lost data.
+    // Token 1500 passes the restored fence (1000): it must not pass.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = put(&c.a.url("/rb"), "1500").await;
+        assert_ne!(a.status, 200, "a stale write passed a rolled-back store");
+        assert_eq!(a.status, 503, "{}", a.text());
+        if a.text().contains("lost data") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never caught: {}", a.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
+}
+
 async fn replica_killed_mid_write(kind: Spec) {
     use tokio::io::AsyncWriteExt;
     let mut c = Cluster::start(kind, "2s").await;
@@ -1092,6 +1124,7 @@ suite!(
         concurrent_advances_then_kill_9,
         store_outage_fails_closed_and_heals,
         a_store_restart_fails_no_write,
+        a_restored_backup_is_caught_by_every_replica,
         replica_killed_mid_write,
         a_wiped_store_is_refused_until_confirmed,
         a_new_store_needs_init_store
@@ -1102,6 +1135,7 @@ suite!(
     plain(StoreKind::Postgres),
     [
         a_store_restart_fails_no_write,
+        a_restored_backup_is_caught_by_every_replica,
         batches_answer_each_write_right,
         kill_9_mid_batch_loses_nothing_acknowledged,
         steady_writes_share_a_registration,
@@ -1123,6 +1157,7 @@ suite!(
     plain(StoreKind::Etcd),
     [
         a_store_restart_fails_no_write,
+        a_restored_backup_is_caught_by_every_replica,
         batches_answer_each_write_right,
         kill_9_mid_batch_loses_nothing_acknowledged,
         steady_writes_share_a_registration,
@@ -1147,6 +1182,7 @@ suite!(
     secure(StoreKind::Redis),
     [
         tokens_across_replicas,
+        a_restored_backup_is_caught_by_every_replica,
         ordering_across_replicas,
         racing_tokens_on_one_key,
         concurrent_advances_then_kill_9,
@@ -1163,6 +1199,7 @@ suite!(
     secure(StoreKind::Postgres),
     [
         tokens_across_replicas,
+        a_restored_backup_is_caught_by_every_replica,
         ordering_across_replicas,
         racing_tokens_on_one_key,
         concurrent_advances_then_kill_9,
@@ -1178,6 +1215,7 @@ suite!(
     secure(StoreKind::Etcd),
     [
         tokens_across_replicas,
+        a_restored_backup_is_caught_by_every_replica,
         ordering_across_replicas,
         racing_tokens_on_one_key,
         concurrent_advances_then_kill_9,

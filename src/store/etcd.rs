@@ -59,7 +59,11 @@ pub struct EtcdBackend {
     /// otherwise hold every later call until a keep-alive ping gives up.
     channel: ArcSwap<rpc::Channel>,
     /// What a new channel is built from.
-    connector: HttpsConnector<HttpConnector>,
+    connector: HttpsConnector<Dialer>,
+    /// Connections made so far: part of the session, so that a new
+    /// connection (etcd restarted, perhaps from a backup) makes the marker
+    /// be checked before an answer it carried is used.
+    dials: Arc<AtomicU64>,
     timeout: Duration,
     session: AtomicU64,
     failing: AtomicBool,
@@ -154,6 +158,38 @@ fn grant_for(ttl: Duration) -> Duration {
     Duration::from_secs(secs)
 }
 
+/// The TCP connector, counting the connections it makes.
+#[derive(Clone)]
+pub struct Dialer {
+    inner: HttpConnector,
+    dials: Arc<AtomicU64>,
+}
+
+impl tower_service::Service<http::Uri> for Dialer {
+    type Response = <HttpConnector as tower_service::Service<http::Uri>>::Response;
+    type Error = <HttpConnector as tower_service::Service<http::Uri>>::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connect = self.inner.call(uri);
+        let dials = self.dials.clone();
+        Box::pin(async move {
+            let stream = connect.await?;
+            dials.fetch_add(1, Ordering::AcqRel);
+            Ok(stream)
+        })
+    }
+}
+
 /// gRPC methods fencegate calls.
 const TXN: &str = "/etcdserverpb.KV/Txn";
 const RANGE: &str = "/etcdserverpb.KV/Range";
@@ -187,12 +223,20 @@ impl EtcdBackend {
         let tls = tls.unwrap_or_else(crate::tls::plain_client_config);
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
-        let connector = HttpsConnector::from((connector, tls));
+        let dials = Arc::new(AtomicU64::new(0));
+        let connector = HttpsConnector::from((
+            Dialer {
+                inner: connector,
+                dials: dials.clone(),
+            },
+            tls,
+        ));
         Self {
             endpoints,
             current: AtomicUsize::new(0),
             channel: ArcSwap::from_pointee(Self::channel(&connector)),
             connector,
+            dials,
             timeout,
             session: AtomicU64::new(0),
             failing: AtomicBool::new(true),
@@ -203,7 +247,7 @@ impl EtcdBackend {
         }
     }
 
-    fn channel(connector: &HttpsConnector<HttpConnector>) -> rpc::Channel {
+    fn channel(connector: &HttpsConnector<Dialer>) -> rpc::Channel {
         Client::builder(TokioExecutor::new())
             .http2_only(true)
             .http2_initial_stream_window_size(WINDOW)
@@ -319,6 +363,12 @@ impl EtcdBackend {
                 Ok(r) => r,
                 Err(_) => {
                     self.redial(&channel);
+                    // etcd holds a call whose auth token names a raft index
+                    // it has not reached (a wiped or restored etcd) until
+                    // its own deadline: the next call gets a new token.
+                    if token.is_some() {
+                        self.token.store(None);
+                    }
                     Err(CallError::Malformed("timed out".into()))
                 }
             }
@@ -592,7 +642,7 @@ impl Backend for EtcdBackend {
     }
 
     fn session(&self) -> u64 {
-        self.session.load(Ordering::Acquire)
+        self.session.load(Ordering::Acquire) + self.dials.load(Ordering::Acquire)
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {

@@ -387,7 +387,6 @@ impl<B: Backend> SharedStore<B> {
             return Ok(());
         }
         let known = self.guard.lock().expect("guard lock").known.clone();
-        let periodic = same_session;
         let verdict: Result<Marker, String> = match (known, self.backend.read_marker().await?) {
             // Never initialised silently: a wiped store looks just like a
             // new one. `--accept-store-reset` is an operator's say-so.
@@ -414,9 +413,10 @@ impl<B: Backend> SharedStore<B> {
                 "its marker went back from sequence {} to {} (restored backup or lagging failover)",
                 k.seq, m.seq
             )),
-            // Same session, periodic check: the marker just has to be there
-            // and not behind.
-            (Some(_), Some(m)) if periodic => Ok(m),
+            // Advanced at every check, periodic ones too (every replica
+            // checks at least every MARKER_INTERVAL, idle or not: the
+            // server's heartbeat): a store rolled back to a state older
+            // than that is behind what every running replica saw.
             (Some(_), Some(_)) => self
                 .backend
                 .bump_marker()
@@ -530,8 +530,22 @@ impl<B: Backend> SharedStore<B> {
         self.ensure().await?;
         let sent = self.ticket();
         let outcome = call.await.map_err(|e| self.latch(e))?;
+        self.recheck().await?;
         self.witness_lease(key, sent, &outcome)?;
         Ok(outcome)
+    }
+
+    /// After a call: if a new connection was made since the marker was last
+    /// checked (this call's or another's), the marker is checked before the
+    /// answer is used. The call may have gone to a server that restarted
+    /// from a backup: its answer is from the rolled-back data.
+    async fn recheck(&self) -> Result<(), StoreError> {
+        let session = self.backend.session();
+        let checked = self.guard.lock().expect("guard lock").checked_session;
+        if checked == Some(session) {
+            return Ok(());
+        }
+        self.ensure().await
     }
 
     /// A lock-service operation as admissions run theirs: refused while in
@@ -545,6 +559,7 @@ impl<B: Backend> SharedStore<B> {
             .lock(key, call)
             .await
             .map_err(|e| self.latch(e))?;
+        self.recheck().await?;
         if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
             self.witness(key, sent, None, Some(*token))?;
         }
@@ -592,6 +607,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         self.ensure().await?;
         let sent = self.ticket();
         let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
+        self.recheck().await?;
         if let Some(h) = h {
             self.witness(key, sent, Some(h), None)?;
         }
@@ -606,6 +622,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             .advance(key, token)
             .await
             .map_err(|e| self.latch(e))?;
+        self.recheck().await?;
         match a {
             Advance::Stale { highest } => self.witness(key, sent, Some(highest), None)?,
             Advance::Raised { .. } | Advance::Equal => {

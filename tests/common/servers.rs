@@ -619,6 +619,48 @@ impl StoreServer {
         self.run();
     }
 
+    /// The store's data, as its server keeps it on disk.
+    fn data(&self) -> std::path::PathBuf {
+        let dir = self.dir.path();
+        match self.kind {
+            StoreKind::Redis => dir.join("appendonlydir"),
+            StoreKind::Postgres => dir.join("pg"),
+            StoreKind::Etcd => dir.join("etcd"),
+            StoreKind::Embedded => panic!("the embedded store has no server"),
+        }
+    }
+
+    /// Takes a backup of the data (the server stopped, its files copied,
+    /// the server started again); returns where it is.
+    pub fn backup(&mut self) -> std::path::PathBuf {
+        self.kill9();
+        let to = self.dir.path().join("backup");
+        let ok = Command::new("cp")
+            .arg("-a")
+            .arg(self.data())
+            .arg(&to)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "cp -a of the store's data");
+        self.restart();
+        to
+    }
+
+    /// Restores a backup taken by [`Self::backup`]: the server stopped, its
+    /// data replaced, started again. What was written since is lost.
+    pub fn restore(&mut self, backup: &std::path::Path) {
+        self.kill9();
+        std::fs::remove_dir_all(self.data()).unwrap();
+        let ok = Command::new("cp")
+            .arg("-a")
+            .arg(backup)
+            .arg(self.data())
+            .status()
+            .unwrap();
+        assert!(ok.success(), "cp -a of the backup");
+        self.restart();
+    }
+
     /// Makes the store lose its data while it keeps running (a restart
     /// without persistence, a restored empty backup).
     pub async fn wipe(&self) {

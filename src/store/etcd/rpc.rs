@@ -14,7 +14,6 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use prost::Message;
 
@@ -296,7 +295,7 @@ impl std::fmt::Display for CallError {
     }
 }
 
-pub type Channel = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub type Channel = Client<HttpsConnector<super::Dialer>, Full<Bytes>>;
 
 /// One unary call: `method` is `/etcdserverpb.KV/Txn` and the like, `base`
 /// the endpoint (`http://host:port`); `token` is etcd auth's, sent as its

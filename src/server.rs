@@ -749,18 +749,14 @@ impl TlsSide {
     }
 }
 
-/// Connections a listener may hold: the configured limit, but never more
-/// than the process's file-descriptor limit allows with room to spare, so
-/// that a flood of client connections cannot leave no descriptor for the
-/// upstream connections and the store. Every proxied request may need one
-/// upstream connection besides its client's, so each listener gets a third
-/// of half of what is left after a reserve.
-/// How often a shared store's marker is checked without writes.
-const HEARTBEAT: Duration = Duration::from_secs(1);
+/// How often the heartbeat asks a shared store's marker to be checked; a
+/// check runs when the last one is a second old (the store's
+/// `MARKER_INTERVAL`), so an idle replica checks at most 1.25 s apart.
+const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// Shared stores: checks and advances the store's marker every
-/// [`HEARTBEAT`] even while no write comes (`ping` runs the check when it
-/// is due). Every running replica then knows a recent sequence number, so a
+/// second even while no write comes (`ping` runs the check when it is
+/// due). Every running replica then knows a recent sequence number, so a
 /// store rolled back to an older state (a restored backup or snapshot) is
 /// caught at the first call after it, by replicas that never wrote the
 /// keys it lost too. Failures show in `/readyz`; nothing to do here.
@@ -773,13 +769,21 @@ async fn store_heartbeat(store: Arc<dyn crate::store::FenceStore>, stop: Cancell
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tick.tick() => {
-                let _ = tokio::time::timeout(HEARTBEAT, store.ping()).await;
-            }
+            // The store's calls have their own timeouts.
+            _ = async {
+                tick.tick().await;
+                let _ = store.ping().await;
+            } => {}
         }
     }
 }
 
+/// Connections a listener may hold: the configured limit, but never more
+/// than the process's file-descriptor limit allows with room to spare, so
+/// that a flood of client connections cannot leave no descriptor for the
+/// upstream connections and the store. Every proxied request may need one
+/// upstream connection besides its client's, so each listener gets a third
+/// of half of what is left after a reserve.
 fn connection_budget(configured: usize) -> usize {
     let nofile = std::fs::read_to_string("/proc/self/limits")
         .ok()

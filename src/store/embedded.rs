@@ -23,7 +23,7 @@ use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 use tokio::sync::oneshot;
 
 use super::{
-    millis as ms, wall_ms, Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError,
+    lease_end, wall_ms, Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError,
 };
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
@@ -868,7 +868,7 @@ impl Writer {
                                         table
                                             .insert(key.as_str(), token)
                                             .map_err(|e| self.fail(e))?;
-                                        let exp = now.saturating_add(ms(*ttl));
+                                        let exp = lease_end(now, *ttl);
                                         locks
                                             .insert(
                                                 key.as_str(),
@@ -887,7 +887,7 @@ impl Writer {
                             LockOp::Read => Answer::Lock(LockAnswer::Lock(held)),
                             LockOp::Renew { id, ttl } => match held.filter(|l| &l.id == id) {
                                 Some(mut l) => {
-                                    let exp = now.saturating_add(ms(*ttl));
+                                    let exp = lease_end(now, *ttl);
                                     locks
                                         .insert(
                                             key.as_str(),

@@ -268,9 +268,33 @@ impl EtcdBackend {
     ) -> Result<A, StoreError> {
         // One bound for the whole call, whatever endpoints and re-logins it
         // takes: leases count on a store call answering within it.
-        tokio::time::timeout(self.timeout, self.call_once(method, request))
-            .await
-            .unwrap_or_else(|_| Err(unavailable("timed out")))
+        match tokio::time::timeout(self.timeout, self.call_once(method, request)).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                // The endpoint's own timeout in `send` may not have run
+                // (a login or another endpoint came first): same remedies.
+                self.timed_out(
+                    &self.channel.load_full(),
+                    self.token.load_full().as_deref().map(|t| t.as_str()),
+                );
+                Err(unavailable("timed out"))
+            }
+        }
+    }
+
+    /// After a call that timed out: new connections, and, with auth, a new
+    /// token for the next call. etcd holds a call whose token names a raft
+    /// index it has not reached (a wiped or restored etcd) until its own
+    /// deadline, so a timeout may be that.
+    fn timed_out(&self, channel: &Arc<rpc::Channel>, token: Option<&str>) {
+        self.redial(channel);
+        if let Some(used) = token {
+            // Only the token that was used: a newer one is kept.
+            self.token.rcu(|t| match t {
+                Some(t) if t.as_str() == used => None,
+                other => other.clone(),
+            });
+        }
     }
 
     async fn call_once<Q: Message, A: Message + Default>(
@@ -362,13 +386,7 @@ impl EtcdBackend {
                 }
                 Ok(r) => r,
                 Err(_) => {
-                    self.redial(&channel);
-                    // etcd holds a call whose auth token names a raft index
-                    // it has not reached (a wiped or restored etcd) until
-                    // its own deadline: the next call gets a new token.
-                    if token.is_some() {
-                        self.token.store(None);
-                    }
+                    self.timed_out(&channel, token);
                     Err(CallError::Malformed("timed out".into()))
                 }
             }
@@ -866,7 +884,7 @@ impl Backend for EtcdBackend {
                     "id": id,
                     "token": token.to_string(),
                     "holder": holder,
-                    "exp": now.saturating_add(ttl_ms),
+                    "exp": super::lease_end(now, Duration::from_millis(ttl_ms)),
                 })
                 .to_string()
             };

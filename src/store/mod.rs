@@ -229,6 +229,14 @@ pub fn wall_ms() -> u64 {
         .map_or(0, millis)
 }
 
+/// When a lock-service lease taken or renewed at `now` (whole ms, rounded
+/// down, as clocks are read) for `ttl` ends: one ms late rather than early,
+/// so it lasts at least `ttl` from any moment before it was granted, which
+/// is what its holder counts from.
+pub fn lease_end(now: u64, ttl: std::time::Duration) -> u64 {
+    now.saturating_add(millis(ttl)).saturating_add(1)
+}
+
 fn no_locks(kind: &str) -> StoreError {
     StoreError::Unavailable(format!("the {kind} store keeps no leases"))
 }

@@ -202,8 +202,10 @@ if op == 'claim' then
   end
   redis.call('SET', KEYS[1], t)
   redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'id', id, 'token', t, 'holder', holder, 'exp', string.format('%d', now + ttl))
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  -- One ms more (TIME is read in whole ms, rounded down): the lease lasts
+  -- at least its TTL from any moment before it was granted.
+  redis.call('HSET', KEYS[2], 'id', id, 'token', t, 'holder', holder, 'exp', string.format('%d', now + ttl + 1))
+  redis.call('PEXPIRE', KEYS[2], ttl + 1)
   -- Every write lease is older than t: is any still held?
   return {'granted', t, older_exists(KEYS[3], KEYS[4], t, now) and '1' or '0'}
 end
@@ -213,9 +215,9 @@ if op == 'release' then
   return {'released'}
 end
 if op == 'renew' then
-  g[4] = string.format('%d', now + ttl)
+  g[4] = string.format('%d', now + ttl + 1)
   redis.call('HSET', KEYS[2], 'exp', g[4])
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl + 1)
 end
 return shown('lock')
 "#;

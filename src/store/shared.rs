@@ -358,7 +358,8 @@ impl<B: Backend> SharedStore<B> {
             return Err(StoreError::Amnesia(why.clone()));
         }
         Ok((
-            g.checked_session == Some(session),
+            // Sessions only go up: a check made on a later one covers it.
+            g.checked_session.is_some_and(|c| c >= session),
             g.checked_at.is_some_and(|t| t.elapsed() < MARKER_INTERVAL),
         ))
     }
@@ -392,7 +393,7 @@ impl<B: Backend> SharedStore<B> {
             // new one. `--accept-store-reset` is an operator's say-so.
             (None, None) if self.accept_reset.swap(false, Ordering::AcqRel) => {
                 tracing::warn!("--accept-store-reset: marking a store that has no marker");
-                self.confirm_reset().await?;
+                self.confirm_reset_checked().await?;
                 return Ok(());
             }
             (None, None) => return Err(StoreError::Uninitialised),
@@ -416,12 +417,22 @@ impl<B: Backend> SharedStore<B> {
             // Advanced at every check, periodic ones too (every replica
             // checks at least every MARKER_INTERVAL, idle or not: the
             // server's heartbeat): a store rolled back to a state older
-            // than that is behind what every running replica saw.
-            (Some(_), Some(_)) => self
-                .backend
-                .bump_marker()
-                .await?
-                .ok_or_else(|| "the marker vanished".to_string()),
+            // than that is behind what every running replica saw. The
+            // advanced marker must still follow the known one: the data
+            // may have changed between the read and the bump.
+            (Some(k), Some(_)) => match self.backend.bump_marker().await? {
+                None => Err("the marker vanished".to_string()),
+                Some(b) if b.epoch != k.epoch => Err(format!(
+                    "its marker changed from epoch {} to {}",
+                    k.epoch, b.epoch
+                )),
+                Some(b) if b.seq <= k.seq => Err(format!(
+                    "its marker went back from sequence {} to {} (restored backup or lagging failover)",
+                    k.seq,
+                    b.seq - 1
+                )),
+                Some(b) => Ok(b),
+            },
         };
         match verdict {
             Ok(m) => {
@@ -441,7 +452,7 @@ impl<B: Backend> SharedStore<B> {
                 let err = self.set_amnesia(why);
                 if self.accept_reset.swap(false, Ordering::AcqRel) {
                     tracing::warn!("--accept-store-reset: confirming the reset");
-                    self.confirm_reset().await?;
+                    self.confirm_reset_checked().await?;
                     return Ok(());
                 }
                 Err(err)
@@ -542,7 +553,7 @@ impl<B: Backend> SharedStore<B> {
     async fn recheck(&self) -> Result<(), StoreError> {
         let session = self.backend.session();
         let checked = self.guard.lock().expect("guard lock").checked_session;
-        if checked == Some(session) {
+        if checked.is_some_and(|c| c >= session) {
             return Ok(());
         }
         self.ensure().await
@@ -564,6 +575,54 @@ impl<B: Backend> SharedStore<B> {
             self.witness(key, sent, None, Some(*token))?;
         }
         Ok(reply)
+    }
+
+    /// [`FenceStore::confirm_reset`], with the marker-check lock held.
+    async fn confirm_reset_checked(&self) -> Result<(), StoreError> {
+        // Write back every fence this replica knows, then a new marker.
+        let known: Vec<(String, u64)> = self
+            .known_highest
+            .iter()
+            .map(|e| (e.key().clone(), e.value().0))
+            .collect();
+        for (key, token) in &known {
+            self.backend.advance(key, *token).await?;
+        }
+        // If another replica confirmed already, join its new marker instead
+        // of replacing it (which would put that replica in amnesia).
+        let known_marker = self.guard.lock().expect("guard lock").known.clone();
+        let old_epoch = known_marker.as_ref().map(|k| &k.epoch);
+        let mut recorded = None;
+        for _ in 0..20 {
+            let current = self.backend.read_marker().await?;
+            if let Some(m) = current.as_ref().filter(|m| Some(&m.epoch) != old_epoch) {
+                recorded = Some(m.clone());
+                break;
+            }
+            // Compare-and-set: if two replicas confirm at once, the second
+            // joins the first's marker instead of overwriting it; if another
+            // replica advanced the old marker meanwhile, read it again.
+            let m = self
+                .backend
+                .replace_marker(current.as_ref(), &crate::id::unique_id())
+                .await?;
+            if Some(&m.epoch) != old_epoch {
+                recorded = Some(m);
+                break;
+            }
+        }
+        let m = recorded.ok_or_else(|| {
+            StoreError::Unavailable(
+                "the marker kept changing while the reset was confirmed".to_string(),
+            )
+        })?;
+        tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
+        let mut g = self.guard.lock().expect("guard lock");
+        g.known = Some(m);
+        g.amnesia = None;
+        g.checked_session = Some(self.backend.session());
+        g.checked_at = Some(std::time::Instant::now());
+        Ok(())
     }
 
     /// A backend's own report of lost data latches amnesia like ours.
@@ -771,35 +830,9 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     }
 
     async fn confirm_reset(&self) -> Result<(), StoreError> {
-        // Write back every fence this replica knows, then a new marker.
-        let known: Vec<(String, u64)> = self
-            .known_highest
-            .iter()
-            .map(|e| (e.key().clone(), e.value().0))
-            .collect();
-        for (key, token) in &known {
-            self.backend.advance(key, *token).await?;
-        }
-        // If another replica confirmed already, join its new marker instead
-        // of replacing it (which would put that replica in amnesia).
-        let current = self.backend.read_marker().await?;
-        let known_marker = self.guard.lock().expect("guard lock").known.clone();
-        let m = match current {
-            Some(m) if Some(&m.epoch) != known_marker.as_ref().map(|k| &k.epoch) => m,
-            // Compare-and-set: if two replicas confirm at once, the second
-            // joins the first's marker instead of overwriting it.
-            current => {
-                self.backend
-                    .replace_marker(current.as_ref(), &crate::id::unique_id())
-                    .await?
-            }
-        };
-        tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
-        let mut g = self.guard.lock().expect("guard lock");
-        g.known = Some(m);
-        g.amnesia = None;
-        g.checked_session = Some(self.backend.session());
-        g.checked_at = Some(std::time::Instant::now());
-        Ok(())
+        // Not while a marker check runs: it would record the old marker
+        // after the new one.
+        let _one = self.check_lock.lock().await;
+        self.confirm_reset_checked().await
     }
 }

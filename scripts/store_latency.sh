@@ -77,7 +77,7 @@ local n = 0
 wrk.headers["Authorization"] = "Bearer $LEASE_BEARER"
 request = function()
   n = n + 1
-  local prefix = wrk.path:match("%?(.*)") or "k"
+  local prefix = wrk.path:match("%?(.*)") or "lat:k"
   return wrk.format("POST", "/v1/leases", nil, '{"key":"' .. prefix .. n .. '","ttl_ms":60000}')
 end
 LUA
@@ -132,11 +132,11 @@ TOML
   echo "| $name | $p50 | $p99 | $rps | $steady |"
   # The lock service on the same store.
   LEASE=$(sed -n 's/.*lease=\([^ ]*\).*/\1/p' "$WORK/$name.out")
-  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/grant.lua" "http://$LEASE/?$name-g1-" > "$WORK/$name.g1"
-  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/grant.lua" "http://$LEASE/?$name-g64-" > "$WORK/$name.g64"
+  wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/grant.lua" "http://$LEASE/?lat:$name-g1-" > "$WORK/$name.g1"
+  wrk -t1 -c64 -d"${SECS}s" -s "$WORK/grant.lua" "http://$LEASE/?lat:$name-g64-" > "$WORK/$name.g64"
   echo "ids = {" > "$WORK/ids.lua"
   for i in $(seq 256); do
-    curl -sf -H "Authorization: Bearer $LEASE_BEARER" -d "{\"key\":\"$name-renew-$i\",\"ttl_ms\":60000}" \
+    curl -sf -H "Authorization: Bearer $LEASE_BEARER" -d "{\"key\":\"lat:$name-renew-$i\",\"ttl_ms\":60000}" \
       "http://$LEASE/v1/leases" | python3 -c 'import json,sys; print(repr(json.load(sys.stdin)["lease"]) + ",")' >> "$WORK/ids.lua"
   done
   echo "}" >> "$WORK/ids.lua"

@@ -838,7 +838,7 @@ impl Writer {
                                         id: id.to_string(),
                                         token,
                                         holder: holder.to_string(),
-                                        expires_in: Duration::from_millis(exp.saturating_sub(now)),
+                                        expires_in: super::lease_left(exp, now),
                                     },
                                     exp,
                                 )

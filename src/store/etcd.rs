@@ -873,7 +873,7 @@ impl Backend for EtcdBackend {
                                 id: g["id"].as_str().unwrap_or("").to_string(),
                                 token: parse_token(g["token"].as_str().unwrap_or(""))?,
                                 holder: g["holder"].as_str().unwrap_or("").to_string(),
-                                expires_in: Duration::from_millis(exp - now),
+                                expires_in: super::lease_left(exp, now),
                             })
                         })
                         .transpose()?

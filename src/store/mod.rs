@@ -237,6 +237,12 @@ pub fn lease_end(now: u64, ttl: std::time::Duration) -> u64 {
     now.saturating_add(millis(ttl)).saturating_add(1)
 }
 
+/// What is left at `now` of a lease ending at `end` ([`lease_end`]), as
+/// told to clients: without the extra ms, so never more than its TTL.
+pub fn lease_left(end: u64, now: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(end.saturating_sub(now).saturating_sub(1))
+}
+
 fn no_locks(kind: &str) -> StoreError {
     StoreError::Unavailable(format!("the {kind} store keeps no leases"))
 }

@@ -182,7 +182,8 @@ local now = now_ms()
 local g = redis.call('HMGET', KEYS[2], 'id', 'token', 'holder', 'exp')
 local live = g[1] and tonumber(g[4]) > now
 local function shown(tag)
-  return {tag, g[1], g[2], g[3], string.format('%d', tonumber(g[4]) - now)}
+  -- Without the extra ms of the lease's end: never more than its TTL.
+  return {tag, g[1], g[2], g[3], string.format('%d', math.max(tonumber(g[4]) - now - 1, 0))}
 end
 if op == 'claim' then
   -- Sent again after a broken connection: the lease is already ours.

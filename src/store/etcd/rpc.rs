@@ -295,6 +295,9 @@ impl std::fmt::Display for CallError {
     }
 }
 
+/// An HTTP/2-only client to etcd's members: one connection per member
+/// carries every call (gRPC needs HTTP/2; etcd serves it on its client
+/// port, in cleartext with prior knowledge or over TLS with ALPN `h2`).
 pub type Channel = Client<HttpsConnector<super::Dialer>, Full<Bytes>>;
 
 /// One unary call: `method` is `/etcdserverpb.KV/Txn` and the like, `base`

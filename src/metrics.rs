@@ -585,6 +585,9 @@ impl crate::store::FenceStore for InstrumentedStore {
     async fn ping(&self) -> Result<(), crate::store::StoreError> {
         self.inner.ping().await
     }
+    async fn check_marker(&self) -> Result<(), crate::store::StoreError> {
+        self.inner.check_marker().await
+    }
     async fn forget(&self, key: &str) -> Result<Option<u64>, crate::store::StoreError> {
         self.inner.forget(key).await
     }

@@ -755,8 +755,8 @@ impl TlsSide {
 const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// Shared stores: checks and advances the store's marker every
-/// second even while no write comes (`ping` runs the check when it is
-/// due). Every running replica then knows a recent sequence number, so a
+/// second even while no write comes (`check_marker` runs the check when
+/// it is due, and nothing otherwise). Every running replica then knows a recent sequence number, so a
 /// store rolled back to an older state (a restored backup or snapshot) is
 /// caught at the first call after it, by replicas that never wrote the
 /// keys it lost too. Failures show in `/readyz`; nothing to do here.
@@ -772,7 +772,7 @@ async fn store_heartbeat(store: Arc<dyn crate::store::FenceStore>, stop: Cancell
             // The store's calls have their own timeouts.
             _ = async {
                 tick.tick().await;
-                let _ = store.ping().await;
+                let _ = store.check_marker().await;
             } => {}
         }
     }

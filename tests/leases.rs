@@ -121,6 +121,18 @@ async fn assert_gone(get_on: &Proxy, renew_on: &Proxy, id: &str, what: &str) {
     assert_eq!(r.status, 410, "{what} is never revived: {}", r.text());
 }
 
+/// Releases the lease `granted` answered, with the bearer that took it.
+async fn release(p: &Proxy, granted: &Answer) -> Answer {
+    call(
+        p,
+        "DELETE",
+        &format!("/v1/leases/{}", lease_of(granted)),
+        Some(BEARER),
+        "",
+    )
+    .await
+}
+
 fn token_of(a: &Answer) -> u64 {
     assert_eq!(a.status, 201, "{}", a.text());
     a.json()["token"].as_str().unwrap().parse().unwrap()
@@ -270,14 +282,7 @@ async fn api_answers(kind: StoreKind) {
     // An admitted write raises the key; the next grant is above it.
     let r = acquire(a, r#"{"key":"a:/w","ttl_ms":5000}"#).await;
     assert_eq!(token_of(&r), 1);
-    call(
-        a,
-        "DELETE",
-        &format!("/v1/leases/{}", lease_of(&r)),
-        Some(BEARER),
-        "",
-    )
-    .await;
+    release(a, &r).await;
     assert_eq!(put(&a.url("/w"), "40").await.status, 200);
     let r = acquire(b, r#"{"key":"a:/w","ttl_ms":5000}"#).await;
     assert_eq!(token_of(&r), 41);
@@ -349,14 +354,7 @@ async fn concurrent_claims_have_one_winner(kind: StoreKind) {
         let t = token_of(won[0]);
         assert!(t > last, "round {round}: token {t} after {last}");
         last = t;
-        let r = call(
-            s.at(round),
-            "DELETE",
-            &format!("/v1/leases/{}", lease_of(won[0])),
-            Some(BEARER),
-            "",
-        )
-        .await;
+        let r = release(s.at(round), won[0]).await;
         assert_eq!(r.status, 204);
     }
 }
@@ -434,14 +432,7 @@ async fn a_grant_cuts_off_registered_writes(kind: StoreKind) {
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
         // Taken over: released, and granted anew on the other replica.
-        call(
-            b,
-            "DELETE",
-            &format!("/v1/leases/{}", lease_of(&r)),
-            Some(BEARER),
-            "",
-        )
-        .await;
+        release(b, &r).await;
         let taken = acquire(b, r#"{"key":"g:/g/hot","ttl_ms":10000}"#).await;
         let next = token_of(&taken);
         let old = put(&url, &t.to_string()).await;
@@ -453,14 +444,7 @@ async fn a_grant_cuts_off_registered_writes(kind: StoreKind) {
         );
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         writer.await.unwrap();
-        let r = call(
-            b,
-            "DELETE",
-            &format!("/v1/leases/{}", lease_of(&taken)),
-            Some(BEARER),
-            "",
-        )
-        .await;
+        let r = release(b, &taken).await;
         assert_eq!(r.status, 204);
     }
     // No write of an older token reached the backend after a newer one.
@@ -487,14 +471,7 @@ async fn wait_and_expiry(kind: StoreKind) {
         (r, started.elapsed())
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let r = call(
-        a,
-        "DELETE",
-        &format!("/v1/leases/{}", lease_of(&first)),
-        Some(BEARER),
-        "",
-    )
-    .await;
+    let r = release(a, &first).await;
     assert_eq!(r.status, 204);
     let (r, took) = waiter.await.unwrap();
     let t2 = token_of(&r);

@@ -664,16 +664,7 @@ impl Backend for EtcdBackend {
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        let answer: rpc::RangeResponse = self
-            .call(
-                RANGE,
-                &rpc::RangeRequest {
-                    key: fence_key(key).into_bytes(),
-                    ..Default::default()
-                },
-            )
-            .await?;
-        match answer.kvs.first() {
+        match self.get(&fence_key(key)).await? {
             None => Ok(None),
             Some(kv) => decode_padded(&text(&kv.value)).map(Some),
         }
@@ -1048,17 +1039,22 @@ impl Backend for EtcdBackend {
 }
 
 impl EtcdBackend {
-    async fn read_marker_rev(&self) -> Result<Option<(Marker, i64)>, StoreError> {
+    /// One key's value and revision, if it exists.
+    async fn get(&self, key: &str) -> Result<Option<rpc::KeyValue>, StoreError> {
         let answer: rpc::RangeResponse = self
             .call(
                 RANGE,
                 &rpc::RangeRequest {
-                    key: MARKER.into(),
+                    key: key.into(),
                     ..Default::default()
                 },
             )
             .await?;
-        let Some(kv) = answer.kvs.first() else {
+        Ok(answer.kvs.into_iter().next())
+    }
+
+    async fn read_marker_rev(&self) -> Result<Option<(Marker, i64)>, StoreError> {
+        let Some(kv) = self.get(MARKER).await? else {
             return Ok(None);
         };
         let text = text(&kv.value);

@@ -452,6 +452,14 @@ pub trait FenceStore: Send + Sync + 'static {
     /// persisted now, as far as the store can tell.
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Runs the data-loss check (a shared store's marker) if it is due,
+    /// without a probe of its own: the server's heartbeat calls it often,
+    /// so that idle replicas check too. Stores without one have nothing
+    /// to do.
+    async fn check_marker(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Flushes and records a clean stop, so the next start needs no
     /// crash-recovery wait. Called once, after in-flight writes drained.
     async fn close_clean(&self) -> Result<(), StoreError>;

@@ -236,6 +236,24 @@ pub fn busy(lease: WriteLease) -> LeaseOutcome {
     }
 }
 
+/// Why the store's marker `m` cannot follow `known`, the one this replica
+/// saw last: another epoch (replaced), or a lower sequence (rolled back).
+fn behind(known: &Marker, m: &Marker) -> Option<String> {
+    if m.epoch != known.epoch {
+        Some(format!(
+            "its marker changed from epoch {} to {}",
+            known.epoch, m.epoch
+        ))
+    } else if m.seq < known.seq {
+        Some(format!(
+            "its marker went back from sequence {} to {} (restored backup or lagging failover)",
+            known.seq, m.seq
+        ))
+    } else {
+        None
+    }
+}
+
 #[derive(Default)]
 struct GuardState {
     /// The marker as this replica last saw it.
@@ -245,6 +263,14 @@ struct GuardState {
     checked_at: Option<std::time::Instant>,
     /// Why writes are refused, if they are.
     amnesia: Option<String>,
+}
+
+impl GuardState {
+    /// Whether the marker was checked on `session` or a later one (sessions
+    /// only go up, so a later check covers it).
+    fn checked_on(&self, session: u64) -> bool {
+        self.checked_session.is_some_and(|c| c >= session)
+    }
 }
 
 /// Acquire batches out at once: one, so that writes gather while it is out
@@ -358,8 +384,7 @@ impl<B: Backend> SharedStore<B> {
             return Err(StoreError::Amnesia(why.clone()));
         }
         Ok((
-            // Sessions only go up: a check made on a later one covers it.
-            g.checked_session.is_some_and(|c| c >= session),
+            g.checked_on(session),
             g.checked_at.is_some_and(|t| t.elapsed() < MARKER_INTERVAL),
         ))
     }
@@ -406,32 +431,24 @@ impl<B: Backend> SharedStore<B> {
                 "its marker (epoch {}) is missing: the data was wiped or replaced",
                 k.epoch
             )),
-            (Some(k), Some(m)) if m.epoch != k.epoch => Err(format!(
-                "its marker changed from epoch {} to {}",
-                k.epoch, m.epoch
-            )),
-            (Some(k), Some(m)) if m.seq < k.seq => Err(format!(
-                "its marker went back from sequence {} to {} (restored backup or lagging failover)",
-                k.seq, m.seq
-            )),
-            // Advanced at every check, periodic ones too (every replica
-            // checks at least every MARKER_INTERVAL, idle or not: the
-            // server's heartbeat): a store rolled back to a state older
-            // than that is behind what every running replica saw. The
-            // advanced marker must still follow the known one: the data
-            // may have changed between the read and the bump.
-            (Some(k), Some(_)) => match self.backend.bump_marker().await? {
-                None => Err("the marker vanished".to_string()),
-                Some(b) if b.epoch != k.epoch => Err(format!(
-                    "its marker changed from epoch {} to {}",
-                    k.epoch, b.epoch
-                )),
-                Some(b) if b.seq <= k.seq => Err(format!(
-                    "its marker went back from sequence {} to {} (restored backup or lagging failover)",
-                    k.seq,
-                    b.seq - 1
-                )),
-                Some(b) => Ok(b),
+            (Some(k), Some(m)) => match behind(&k, &m) {
+                Some(why) => Err(why),
+                // Advanced at every check, periodic ones too (every replica
+                // checks at least every MARKER_INTERVAL, idle or not: the
+                // server's heartbeat): a store rolled back to a state older
+                // than that is behind what every running replica saw. The
+                // marker as it was before the bump must still follow the
+                // known one: the data may have changed since the read.
+                None => match self.backend.bump_marker().await? {
+                    None => Err("the marker vanished".to_string()),
+                    Some(b) => {
+                        let before = Marker {
+                            epoch: b.epoch.clone(),
+                            seq: b.seq - 1,
+                        };
+                        behind(&k, &before).map_or(Ok(b), Err)
+                    }
+                },
             },
         };
         match verdict {
@@ -552,8 +569,7 @@ impl<B: Backend> SharedStore<B> {
     /// from a backup: its answer is from the rolled-back data.
     async fn recheck(&self) -> Result<(), StoreError> {
         let session = self.backend.session();
-        let checked = self.guard.lock().expect("guard lock").checked_session;
-        if checked.is_some_and(|c| c >= session) {
+        if self.guard.lock().expect("guard lock").checked_on(session) {
             return Ok(());
         }
         self.ensure().await
@@ -767,6 +783,10 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     async fn ping(&self) -> Result<(), StoreError> {
         self.backend.ping().await?;
+        self.ensure().await
+    }
+
+    async fn check_marker(&self) -> Result<(), StoreError> {
         self.ensure().await
     }
 

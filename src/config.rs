@@ -53,6 +53,8 @@ pub struct RawConfig {
     pub store_timeout: Option<String>,
     /// Accept a shared store that lost data (after checking why).
     pub accept_store_reset: Option<bool>,
+    /// Where a shared-store replica keeps the latest marker it saw.
+    pub store_state_file: Option<PathBuf>,
     /// PEM CA certificates for a shared store's TLS, instead of the
     /// system's.
     pub store_ca: Option<PathBuf>,
@@ -908,6 +910,7 @@ impl Config {
                 .and_then(|t| t.client_key.clone())
                 .filter(|_| !in_url("sslkey")),
             store_password_file: shared.and_then(|s| s.password_file.clone()),
+            store_state_file: shared.and_then(|s| s.state_file.clone()),
             store_password: None,
             highest_cache_entries: Some(self.highest_cache_entries as u64),
             workers: self.workers.map(|n| n as u64),

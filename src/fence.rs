@@ -269,9 +269,10 @@ pub struct Fence {
     /// upstream until the upstream timeout has passed. `None` when nothing
     /// is held.
     recovering_until: Option<Instant>,
-    /// The crashed run kept no in-flight marks (an older fencegate): every
-    /// key is held.
-    hold_all: bool,
+    /// The crashed run kept no in-flight marks (an older fencegate), or
+    /// its marks name keys under another key mapping than this run's
+    /// ([`Fence::adopt_key_mapping`]): every key is held.
+    hold_all: std::sync::atomic::AtomicBool,
     /// Keys with live marks at the crash, with their highest token and the
     /// lowest token their marks were for: their gates are made held until
     /// `recovering_until`. Emptied after that.
@@ -386,7 +387,7 @@ impl Fence {
             actives: DashMap::new(),
             idle: Mutex::new(None),
             releases: tokio_util::task::TaskTracker::new(),
-            hold_all,
+            hold_all: std::sync::atomic::AtomicBool::new(hold_all),
             held,
             watermark,
             cache: HighestCache {
@@ -415,6 +416,37 @@ impl Fence {
         &self.store
     }
 
+    /// Every key is held while the crash-recovery window lasts.
+    fn holds_all(&self) -> bool {
+        self.hold_all.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Called once at start with the fingerprint of the key mapping this run
+    /// admits writes under; returns the fingerprint to record in the store
+    /// ([`FenceStore::record_key_mapping`]). The crashed run's marks name
+    /// keys under the mapping it recorded: under another one (a reload or
+    /// a changed config before the restart) a resource that had a write in
+    /// flight has another key now, so every key is held until the window
+    /// ends, and the record says so ([`KEY_MAPPING_MIXED`]) until then, in
+    /// case this run crashes too.
+    ///
+    /// [`KEY_MAPPING_MIXED`]: crate::store::KEY_MAPPING_MIXED
+    pub fn adopt_key_mapping(&self, fingerprint: u64) -> u64 {
+        let recorded = self.store.key_mapping_at_open();
+        if self.recovering_until.is_none() || recorded == Some(fingerprint) {
+            return fingerprint;
+        }
+        if !self.holds_all() {
+            tracing::warn!(
+                held = self.held.len(),
+                "writes were in flight at the crash under another key mapping (a reload or a changed config): holding every key until the recovery window ends"
+            );
+            self.hold_all
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        crate::store::KEY_MAPPING_MIXED
+    }
+
     /// Time left in the crash-recovery window, if any key is held.
     pub fn recovering_for(&self) -> Option<Duration> {
         let until = self.recovering_until?;
@@ -426,7 +458,7 @@ impl Fence {
     /// has passed). `None`: every key is held (the crashed run kept no
     /// in-flight marks).
     pub fn held_keys(&self) -> Option<usize> {
-        match (self.recovering_for(), self.hold_all) {
+        match (self.recovering_for(), self.holds_all()) {
             (None, _) => Some(0),
             (Some(_), true) => None,
             (Some(_), false) => Some(self.held.len()),
@@ -435,7 +467,7 @@ impl Fence {
 
     /// Time left in the key's crash hold, if it is held.
     fn held_for(&self, st: &GateState, now: Instant) -> Option<Duration> {
-        let until = match (self.hold_all, st.held_until) {
+        let until = match (self.holds_all(), st.held_until) {
             (true, _) => self.recovering_until,
             (false, held) => held,
         }?;
@@ -478,7 +510,7 @@ impl Fence {
         if highest.is_some_and(|h| token < h) {
             return Ok(());
         }
-        if self.hold_all || token > lowest {
+        if self.holds_all() || token > lowest {
             return Err(FenceError::Recovering { retry_after: left });
         }
         Ok(())
@@ -1211,7 +1243,7 @@ impl Fence {
     /// may still be in flight, and the hold rests on the key's highest.
     pub async fn forget(&self, key: &str) -> Result<Option<u64>, FenceError> {
         if let Some(left) = self.recovering_for() {
-            if self.hold_all || self.held.contains_key(key) {
+            if self.holds_all() || self.held.contains_key(key) {
                 return Err(FenceError::Recovering { retry_after: left });
             }
         }

@@ -154,6 +154,11 @@ struct Opts {
     /// replica knows and record a new marker (see docs/stores.md).
     #[arg(long, env = "FENCEGATE_ACCEPT_STORE_RESET", global = true)]
     accept_store_reset: bool,
+    /// A file of this replica's own where it keeps the latest shared-store
+    /// marker it saw, so that after a restart it still refuses a store that
+    /// went back while it was down (see docs/stores.md).
+    #[arg(long, env = "FENCEGATE_STORE_STATE_FILE", global = true)]
+    store_state_file: Option<PathBuf>,
     /// The lease API's listen address (fencegate as the lock service).
     #[arg(long, env = "FENCEGATE_LEASE_LISTEN", global = true)]
     lease_listen: Option<String>,
@@ -275,6 +280,7 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.store_client_cert, &opts.store_client_cert);
     set(&mut raw.store_client_key, &opts.store_client_key);
     set(&mut raw.store_password_file, &opts.store_password_file);
+    set(&mut raw.store_state_file, &opts.store_state_file);
     // Only from the environment: a flag would show in `ps`.
     if let Ok(pw) = std::env::var("FENCEGATE_STORE_PASSWORD") {
         if !pw.is_empty() {

@@ -493,6 +493,12 @@ impl crate::store::FenceStore for InstrumentedStore {
     fn in_flight_at_crash(&self) -> Option<Vec<crate::store::CrashedKey>> {
         self.inner.in_flight_at_crash()
     }
+    fn key_mapping_at_open(&self) -> Option<u64> {
+        self.inner.key_mapping_at_open()
+    }
+    async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), crate::store::StoreError> {
+        self.inner.record_key_mapping(fingerprint).await
+    }
     fn in_flight_marks(&self) -> u64 {
         self.inner.in_flight_marks()
     }

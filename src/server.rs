@@ -44,7 +44,8 @@ pub enum ServerError {
     Store(#[from] OpenError),
     #[error(transparent)]
     Connect(#[from] crate::store::ConnectError),
-    /// The shared store answered, but cannot be used (it has no marker).
+    /// The store answered, but cannot be used (a shared store without a
+    /// marker, an embedded one that cannot record the key mapping).
     #[error("invalid `store`: {0}")]
     SharedStore(StoreError),
     #[error(transparent)]
@@ -64,6 +65,8 @@ pub enum ReloadError {
     Tls(#[from] TlsError),
     #[error("the reload task failed: {0}")]
     Task(String),
+    #[error("the key mapping could not be recorded in the store: {0}")]
+    Store(#[from] crate::store::StoreError),
     #[error("invalid `routes`: upstream_timeout {new:?} is longer than the {started:?} the server started with; the crash-recovery window and shared-store leases were sized from it, so a longer one needs a restart")]
     LongerUpstreamTimeout { new: Duration, started: Duration },
 }
@@ -238,6 +241,14 @@ impl Server {
             metrics.clone(),
             workers,
         )?);
+        // The crashed run's marks name keys under the mapping it recorded.
+        let mapping = proxy.key_mapping();
+        let record = fence.adopt_key_mapping(mapping);
+        fence
+            .store()
+            .record_key_mapping(record)
+            .await
+            .map_err(ServerError::SharedStore)?;
         let exchanges = proxy.exchanges();
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
@@ -446,7 +457,13 @@ impl Server {
             metrics,
             started: config,
             lock: tokio::sync::Mutex::new(()),
+            fence: fence.clone(),
+            settles: TaskTracker::new(),
+            draining: draining.clone(),
         }));
+        if record != mapping {
+            reloader.settle_key_mapping();
+        }
         Ok(Self {
             proxy_addr,
             admin_addr,
@@ -504,6 +521,8 @@ impl Server {
         let _ = self.sweeper.await;
         let _ = self.reaper.await;
         let _ = self.heartbeat.await;
+        self.reloader.0.settles.close();
+        self.reloader.0.settles.wait().await;
         if !connections_drained {
             tracing::warn!("grace period over: closing the connections still open");
         }
@@ -598,6 +617,11 @@ struct ReloadState {
     started: Config,
     /// One reload at a time.
     lock: tokio::sync::Mutex<()>,
+    fence: Arc<Fence>,
+    /// Tasks that record a key mapping once writes under older ones ended
+    /// ([`Reloader::settle_key_mapping`]); they stop at the drain.
+    settles: TaskTracker,
+    draining: CancellationToken,
 }
 
 impl Reloader {
@@ -608,11 +632,34 @@ impl Reloader {
     /// only a restart applies (they are logged and ignored).
     pub async fn reload(&self, new: &Config) -> Result<Vec<&'static str>, ReloadError> {
         let _one = self.0.lock.lock().await;
-        // Loading certificate and CA files blocks: off the runtime threads.
-        let (this, config) = (self.clone(), new.clone());
-        let result = tokio::task::spawn_blocking(move || this.apply(&config))
-            .await
-            .unwrap_or_else(|e| Err(ReloadError::Task(e.to_string())));
+        // A new key mapping: until writes under the old one have ended,
+        // a crash leaves marks under both, and the next start must hold
+        // every key (`Fence::adopt_key_mapping`). Recorded before any
+        // write is admitted under the new one.
+        let remap = Proxy::key_mapping_of(new) != self.0.proxy.key_mapping();
+        let result = if remap {
+            self.0
+                .fence
+                .store()
+                .record_key_mapping(crate::store::KEY_MAPPING_MIXED)
+                .await
+                .map_err(ReloadError::from)
+        } else {
+            Ok(())
+        };
+        let result = match result {
+            // Loading certificate and CA files blocks: off the runtime threads.
+            Ok(()) => {
+                let (this, config) = (self.clone(), new.clone());
+                tokio::task::spawn_blocking(move || this.apply(&config))
+                    .await
+                    .unwrap_or_else(|e| Err(ReloadError::Task(e.to_string())))
+            }
+            Err(e) => Err(e),
+        };
+        if remap {
+            self.settle_key_mapping();
+        }
         match &result {
             Ok(ignored) => tracing::info!(
                 routes = new.routes.len(),
@@ -625,6 +672,40 @@ impl Reloader {
         }
         self.0.metrics.reloaded("config", result.is_ok());
         result
+    }
+
+    /// Records the key mapping in force in the store once no write under
+    /// another one can be in flight (nor a crashed run's, the recovery
+    /// window over): a crash after that holds only the keys it marked.
+    fn settle_key_mapping(&self) {
+        let this = self.0.clone();
+        let settled = this.proxy.key_mapping_settled();
+        let mapping = this.proxy.key_mapping();
+        let stop = this.draining.clone();
+        self.0.settles.spawn(async move {
+            let wait = async {
+                if let Some(left) = this.fence.recovering_for() {
+                    tokio::time::sleep(left).await;
+                }
+                settled.await;
+            };
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = wait => {}
+            }
+            // Not past a newer reload (its own task records its mapping).
+            let _one = this.lock.lock().await;
+            if this.proxy.key_mapping() != mapping
+                || !this.proxy.key_mapping_is_settled()
+                || this.fence.recovering_for().is_some()
+            {
+                return;
+            }
+            match this.fence.store().record_key_mapping(mapping).await {
+                Ok(()) => tracing::info!("key mapping recorded: a crash from now on holds only the keys with writes in flight"),
+                Err(e) => tracing::warn!(error = %e, "key mapping not recorded; a crash now holds every key for the recovery window"),
+            }
+        });
     }
 
     /// Records a reload whose config did not even load.

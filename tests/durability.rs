@@ -912,6 +912,7 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--store-client-key", Some("/nonexistent/k.pem")),
         ("--store-password-file", Some("/nonexistent/pw")),
         ("--accept-store-reset", None),
+        ("--store-state-file", Some("/nonexistent/state")),
         ("--admin-token-file", Some("/nonexistent/token")),
         ("--lease-listen", Some("127.0.0.1:7009")),
         ("--lease-token-file", Some("/nonexistent/lease-tokens")),
@@ -974,7 +975,10 @@ async fn every_flag_works_as_a_fencegate_variable() {
         );
         // The shared-store settings only show with a shared store; --config
         // is read by the server, not by check-config (which names its file).
-        let shared = matches!(flag, "--store-timeout" | "--accept-store-reset");
+        let shared = matches!(
+            flag,
+            "--store-timeout" | "--accept-store-reset" | "--store-state-file"
+        );
         let run = |extra: &[&str], env: Option<(&str, &str)>| {
             let mut c = std::process::Command::new(bin());
             if flag != "--config" {

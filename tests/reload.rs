@@ -175,3 +175,96 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
     assert_eq!(slow.await.unwrap(), 200);
     assert!(record("8").arrived < record("7").completed);
 }
+
+/// A crash while a write admitted under an older key mapping is in flight:
+/// the restart, on the new mapping, holds the resource whatever key it has
+/// now. (The crashed run's marks name the old key; the store also records
+/// which mapping the marks were made under, and a start under another one
+/// holds every key until the crashed run's writes can no longer be in
+/// flight.) Once the old writes ended, a crash holds only the keys it
+/// marked again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_after_a_remapping_reload_still_holds_the_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let config = dir.path().join("fencegate.toml");
+    let with_namespace = |ns: &str| {
+        format!(
+            "[[routes]]\nupstream = \"{}\"\nnamespace = \"{ns}\"\nupstream_timeout = \"10s\"\n",
+            up.url()
+        )
+    };
+    write_config(&config, &with_namespace("one"));
+    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let url = p.url("/r/x");
+    let old = tokio::spawn(async move {
+        let headers = [("x-fence-token", "5"), ("x-test-delay-ms", "4000")];
+        send("PUT", &url, &headers, "slow").await.status
+    });
+    eventually("the slow write arrived", Duration::from_secs(10), || {
+        up.arrivals() == 1
+    })
+    .await;
+    write_config(&config, &with_namespace("two"));
+    signal(p.child.id(), "HUP");
+    eventually_async("the reload", || async {
+        metric(&p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(1.0)
+    })
+    .await;
+    // kill -9, and a start on the new config.
+    p.restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let a = put(&p.url("/r/x"), "6").await;
+        if a.status == 200 {
+            break;
+        }
+        assert_eq!(a.status, 503, "{}", a.text());
+        assert!(std::time::Instant::now() < deadline, "never admitted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = old.await;
+    eventually("token 5 applied", Duration::from_secs(10), || {
+        up.records().iter().any(|r| r.token.as_deref() == Some("5"))
+    })
+    .await;
+    let record = |token: &str| {
+        up.records()
+            .into_iter()
+            .find(|r| r.token.as_deref() == Some(token))
+            .unwrap_or_else(|| panic!("token {token} never reached the backend"))
+    };
+    assert!(
+        record("6").arrived >= record("5").completed,
+        "token 6 reached the backend before token 5, in flight at the crash, was applied"
+    );
+
+    // With nothing in flight under an older mapping (and the window over),
+    // the mapping is recorded again, and a crash holds only the keys it
+    // marked: a write to another key goes at once.
+    eventually("the key mapping recorded", Duration::from_secs(10), || {
+        p.stderr().contains("key mapping recorded")
+    })
+    .await;
+    let url = p.url("/r/y");
+    let slow = tokio::spawn(async move {
+        let headers = [("x-fence-token", "7"), ("x-test-delay-ms", "3000")];
+        send("PUT", &url, &headers, "slow").await.status
+    });
+    eventually("the slow write arrived", Duration::from_secs(10), || {
+        up.arrivals() >= 3
+    })
+    .await;
+    p.restart();
+    let a = put(&p.url("/r/z"), "1").await;
+    assert_eq!(
+        a.status,
+        200,
+        "an unmarked key was held: {}\n{}",
+        a.text(),
+        p.stderr()
+    );
+    let a = put(&p.url("/r/y"), "8").await;
+    assert_eq!(a.status, 503, "the marked key is held: {}", a.text());
+    let _ = slow.await;
+}

@@ -23,6 +23,9 @@ use std::time::Duration;
 use super::{duration, invalid, ConfigError, RawConfig};
 
 /// Where fences are kept.
+// Built once at start and read by reference: the size of the shared
+// variant costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
     /// The local redb file (one fencegate process).
@@ -43,6 +46,9 @@ pub struct SharedStoreConfig {
     pub timeout: Duration,
     /// Confirm a store reset (lost data) at start.
     pub accept_reset: bool,
+    /// This replica's record of the latest marker it saw
+    /// (`store_state_file`); its directory exists.
+    pub state_file: Option<PathBuf>,
     /// `None`: plain TCP.
     pub tls: Option<StoreTls>,
     /// From `store_password_file` or the environment; replaces a password
@@ -362,10 +368,37 @@ fn shared(
         url: text.to_string(),
         timeout: duration("store_timeout", &raw.store_timeout, Duration::from_secs(2))?,
         accept_reset: raw.accept_store_reset.unwrap_or(false),
+        state_file: raw
+            .store_state_file
+            .as_deref()
+            .map(state_file)
+            .transpose()?,
         tls,
         password,
         password_file: raw.store_password_file.clone(),
     })
+}
+
+/// `store_state_file`: a file in a directory that exists (the file itself
+/// is created at the first marker check).
+fn state_file(p: &Path) -> Result<PathBuf, ConfigError> {
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if p.file_name().is_none() || p.is_dir() {
+        return Err(invalid(
+            "store_state_file",
+            format!("{} is not a file name", p.display()),
+        ));
+    }
+    if !dir.is_dir() {
+        return Err(invalid(
+            "store_state_file",
+            format!("directory {} does not exist", dir.display()),
+        ));
+    }
+    Ok(p.to_path_buf())
 }
 
 fn readable(field: &str, p: &Path) -> Result<(), ConfigError> {
@@ -505,6 +538,23 @@ mod tests {
         match store(r) {
             Err(ConfigError::Invalid { field, .. }) => field,
             other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_state_file_needs_an_existing_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |p: PathBuf| RawConfig {
+            store_state_file: Some(p),
+            ..raw("redis://127.0.0.1:6379")
+        };
+        let ok = dir.path().join("marker");
+        assert_eq!(shared_of(&with(ok.clone())).state_file, Some(ok));
+        for bad in [
+            dir.path().join("missing/marker"),
+            dir.path().to_path_buf(),
+        ] {
+            assert_eq!(field_of(&with(bad)), "store_state_file");
         }
     }
 

@@ -84,7 +84,7 @@ struct RouteTable {
 }
 
 /// What decides a request's fence key, per route in match order.
-#[derive(PartialEq, Eq)]
+#[derive(PartialEq, Eq, Debug)]
 struct MappingEntry {
     host: Option<String>,
     path_prefix: String,
@@ -113,6 +113,8 @@ impl MappingEntry {
 /// in flight, which is what a restart's drain would have given them.
 struct Mapping {
     signature: Vec<MappingEntry>,
+    /// [`fingerprint`] of the signature, as recorded in the store.
+    fingerprint: u64,
     /// Every request under this mapping holds a token from the start until
     /// it is known to be a read, or, for a write, until it is no longer in
     /// flight. Closed when a reload replaces the mapping.
@@ -137,11 +139,31 @@ impl Mapping {
             behind.push(p.writes.clone());
         }
         Self {
+            fingerprint: fingerprint(&signature),
             signature,
             writes: TaskTracker::new(),
             behind,
         }
     }
+}
+
+/// A fingerprint of a key mapping that stays the same across restarts
+/// and releases of the same routes (FNV-1a over its printed form), never
+/// [`KEY_MAPPING_MIXED`](crate::store::KEY_MAPPING_MIXED).
+fn fingerprint(signature: &[MappingEntry]) -> u64 {
+    let text = format!("{signature:?}");
+    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    h.max(crate::store::KEY_MAPPING_MIXED + 1)
+}
+
+/// The signature of the key mapping `routes` give, in match order.
+fn signature<R: AsRef<Route>>(routes: &[R]) -> Vec<MappingEntry> {
+    routes
+        .iter()
+        .map(|r| MappingEntry::of(r.as_ref()))
+        .collect()
 }
 
 /// A write's permits, its key-mapping token, and its token in the drain's
@@ -259,7 +281,7 @@ impl RouteTable {
             });
         }
         routes.sort_by_key(|r| match_order(&r.route));
-        let signature: Vec<_> = routes.iter().map(|r| MappingEntry::of(&r.route)).collect();
+        let signature = signature(&routes);
         let mapping = match previous {
             Some(p) if p.mapping.signature == signature => p.mapping.clone(),
             _ => Arc::new(Mapping::new(signature, previous.map(|p| &*p.mapping))),
@@ -292,6 +314,40 @@ impl Proxy {
             request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
         })
+    }
+
+    /// The fingerprint of the key mapping now in force.
+    pub fn key_mapping(&self) -> u64 {
+        self.routes.load().mapping.fingerprint
+    }
+
+    /// The fingerprint of the key mapping `config`'s routes would give.
+    pub fn key_mapping_of(config: &Config) -> u64 {
+        let mut routes: Vec<&Route> = config.routes.iter().collect();
+        routes.sort_by_key(|r| match_order(r));
+        let entries: Vec<_> = routes.into_iter().map(MappingEntry::of).collect();
+        fingerprint(&entries)
+    }
+
+    /// Resolves once no write admitted under an older key mapping than
+    /// the one in force now can be in flight (each ends by its deadline).
+    pub fn key_mapping_settled(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let behind = self.routes.load().mapping.behind.clone();
+        async move {
+            for t in behind {
+                t.wait().await;
+            }
+        }
+    }
+
+    /// Whether writes under older key mappings are all done now.
+    pub fn key_mapping_is_settled(&self) -> bool {
+        let table = self.routes.load();
+        table
+            .mapping
+            .behind
+            .iter()
+            .all(|t| t.is_closed() && t.is_empty())
     }
 
     /// Where a write to `target` on `host` goes under the routes now in

@@ -40,6 +40,9 @@ const WATERMARK_KEY: &str = "in_flight_watermark";
 const MARKS_KEY: &str = "in_flight_marks";
 const FORMAT_VERSION_KEY: &str = "format_version";
 const CLEAN_KEY: &str = "clean_stop";
+/// The fingerprint of the key mapping that writes in flight were admitted
+/// under ([`FenceStore::record_key_mapping`]).
+const KEY_MAPPING_KEY: &str = "key_mapping";
 /// The crash-recovery window (ms) of the process that has the store open, so
 /// that a restart with a shorter upstream timeout still waits long enough.
 const WINDOW_KEY: &str = "recovery_window_ms";
@@ -111,6 +114,10 @@ enum Op {
     Ping {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+    KeyMapping {
+        fingerprint: u64,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
     CloseClean {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
@@ -157,6 +164,7 @@ pub struct EmbeddedStore {
     /// Keys marked in flight when the last run stopped uncleanly (`None`:
     /// that run kept no marks).
     in_flight_at_crash: Option<Vec<CrashedKey>>,
+    key_mapping_at_open: Option<u64>,
     healthy: Arc<AtomicBool>,
     /// Durable commits (fsyncs) so far: group commit makes this grow slower
     /// than the number of advances.
@@ -203,6 +211,8 @@ struct Found {
     /// Marks left in the log.
     marks: u64,
     next_mark: u64,
+    /// The key mapping recorded by the previous run.
+    key_mapping: Option<u64>,
 }
 
 /// Reads the format version and clean flag, then marks the store as in use
@@ -218,6 +228,7 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
     let txn = db.begin_write().map_err(|e| corrupt(&e))?;
     let start;
     let marked;
+    let key_mapping;
     {
         let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
         let version = meta
@@ -257,6 +268,10 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
         let ms = u64::try_from(window.max(previous).as_millis()).unwrap_or(u64::MAX);
         meta.insert(WINDOW_KEY, ms).map_err(|e| corrupt(&e))?;
         marked = meta.get(MARKS_KEY).map_err(|e| corrupt(&e))?.is_some();
+        key_mapping = meta
+            .get(KEY_MAPPING_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value());
         // After an unclean stop of a run that kept no marks, the flag stays
         // unset until a clean stop: a crash of this run must still hold
         // every key, as that run's writes may still be in flight.
@@ -319,6 +334,7 @@ fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, Open
         in_flight: kept.then_some(in_flight),
         marks: left,
         next_mark,
+        key_mapping,
     })
 }
 
@@ -362,6 +378,7 @@ impl EmbeddedStore {
             couriers: dashmap::DashMap::new(),
             start: found.start,
             in_flight_at_crash: found.in_flight,
+            key_mapping_at_open: found.key_mapping,
             healthy,
             commits,
             marks,
@@ -502,6 +519,15 @@ impl FenceStore for EmbeddedStore {
             reply,
         })
         .await
+    }
+
+    fn key_mapping_at_open(&self) -> Option<u64> {
+        self.key_mapping_at_open
+    }
+
+    async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), StoreError> {
+        self.call(|reply| Op::KeyMapping { fingerprint, reply })
+            .await
     }
 
     fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>> {
@@ -717,9 +743,12 @@ impl Writer {
     fn try_apply(&mut self, batch: &[Op]) -> Result<Vec<Answer>, StoreError> {
         let recovering = !self.healthy.load(Ordering::Acquire);
         let needs_write = recovering
-            || batch
-                .iter()
-                .any(|op| matches!(op, Op::Ping { .. } | Op::CloseClean { .. }));
+            || batch.iter().any(|op| {
+                matches!(
+                    op,
+                    Op::Ping { .. } | Op::CloseClean { .. } | Op::KeyMapping { .. }
+                )
+            });
         let closed = self.closed;
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
@@ -923,6 +952,11 @@ impl Writer {
                         )
                     }
                     Op::Ping { .. } => Answer::Done,
+                    Op::KeyMapping { fingerprint, .. } => {
+                        meta.insert(KEY_MAPPING_KEY, *fingerprint)
+                            .map_err(|e| self.fail(e))?;
+                        Answer::Done
+                    }
                     Op::CloseClean { .. } => {
                         meta.insert(CLEAN_KEY, 1).map_err(|e| self.fail(e))?;
                         closing = true;
@@ -1005,7 +1039,9 @@ impl Op {
                 Answer::Lock(l) => Ok(l),
                 _ => Err(StoreError::Closed),
             }))),
-            Op::Ping { reply } | Op::CloseClean { reply } => drop(reply.send(result.map(|_| ()))),
+            Op::Ping { reply } | Op::CloseClean { reply } | Op::KeyMapping { reply, .. } => {
+                drop(reply.send(result.map(|_| ())))
+            }
             Op::AdvanceMarked { reply, .. } => drop(reply.send(result.and_then(|a| match a {
                 Answer::Marked(a, seq) => Ok((a, seq)),
                 _ => Err(StoreError::Closed),

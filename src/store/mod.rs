@@ -33,6 +33,8 @@ pub fn connect_shared(
     batch_sizes: Option<&prometheus::HistogramVec>,
 ) -> Result<Arc<dyn FenceStore>, ConnectError> {
     let bad = ConnectError;
+    let state = || c.state_file.clone().map(shared::StateFile::new);
+    let opened = |e: StoreError| ConnectError(e.to_string());
     let tls = |e: crate::tls::TlsError| ConnectError(e.to_string());
     // PostgreSQL's and etcd's TLS: a rustls config from the settings.
     let client_config = || {
@@ -50,30 +52,38 @@ pub fn connect_shared(
                 .map(crate::tls::store_pem)
                 .transpose()
                 .map_err(tls)?;
-            Arc::new(shared::SharedStore::new(
-                redis::RedisBackend::new(&c.url, c.password.as_ref(), pem, c.timeout)
-                    .map_err(bad)?,
-                c.accept_reset,
-                batch_sizes,
-            ))
+            Arc::new(
+                shared::SharedStore::new(
+                    redis::RedisBackend::new(&c.url, c.password.as_ref(), pem, c.timeout)
+                        .map_err(bad)?,
+                    c.accept_reset,
+                    batch_sizes,
+                    state(),
+                )
+                .map_err(opened)?,
+            )
         }
         SharedEngine::Postgres { conn, prefer } => {
             let config = client_config()?;
-            Arc::new(shared::SharedStore::new(
-                postgres::PostgresBackend::new(
-                    conn,
-                    postgres::Connect {
-                        password: c.password.clone(),
-                        tls: config,
-                        prefer: *prefer,
-                    },
-                    c.timeout,
-                    8,
+            Arc::new(
+                shared::SharedStore::new(
+                    postgres::PostgresBackend::new(
+                        conn,
+                        postgres::Connect {
+                            password: c.password.clone(),
+                            tls: config,
+                            prefer: *prefer,
+                        },
+                        c.timeout,
+                        8,
+                    )
+                    .map_err(bad)?,
+                    c.accept_reset,
+                    batch_sizes,
+                    state(),
                 )
-                .map_err(bad)?,
-                c.accept_reset,
-                batch_sizes,
-            ))
+                .map_err(opened)?,
+            )
         }
         SharedEngine::Etcd { endpoints, user } => {
             let config = client_config()?;
@@ -87,14 +97,22 @@ pub fn connect_shared(
                     password.unwrap_or_else(|| crate::config::Secret::new("")),
                 )
             });
-            Arc::new(shared::SharedStore::new(
-                etcd::EtcdBackend::new(endpoints.clone(), config, auth, c.timeout),
-                c.accept_reset,
-                batch_sizes,
-            ))
+            Arc::new(
+                shared::SharedStore::new(
+                    etcd::EtcdBackend::new(endpoints.clone(), config, auth, c.timeout),
+                    c.accept_reset,
+                    batch_sizes,
+                    state(),
+                )
+                .map_err(opened)?,
+            )
         }
     })
 }
+
+/// A key-mapping fingerprint that no mapping has: writes under several
+/// mappings may be in flight ([`FenceStore::record_key_mapping`]).
+pub const KEY_MAPPING_MIXED: u64 = 0;
 
 /// What [`FenceStore::advance`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,6 +338,18 @@ pub trait FenceStore: Send + Sync + 'static {
     /// used by a fencegate from before marks): then any key may have had a
     /// write in flight.
     fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>>;
+
+    /// Exclusive stores, read at open: the key mapping the previous run
+    /// recorded last ([`record_key_mapping`](Self::record_key_mapping)).
+    /// The crashed run's marks name keys under that mapping; under another
+    /// one the same resource has another key. `None`: none recorded.
+    fn key_mapping_at_open(&self) -> Option<u64>;
+
+    /// Exclusive stores: records durably, before it returns, the
+    /// fingerprint of the key mapping that writes from now on are admitted
+    /// under ([`KEY_MAPPING_MIXED`]: more than one may have writes in
+    /// flight). Stores without in-flight marks ignore it.
+    async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), StoreError>;
 
     /// Exclusive stores: how many in-flight marks are durable now.
     fn in_flight_marks(&self) -> u64;

@@ -31,6 +31,90 @@ pub struct Marker {
     pub seq: u64,
 }
 
+/// The epoch prefix of a marker that a replica replaced after it saw the
+/// store go back ([`SharedStore::trip`]). Every replica reads the marker
+/// before it admits anything, so a replica that restarted (and forgot what
+/// it saw) or a new one is refused too, until an operator confirms, which
+/// records a fresh epoch.
+const TRIPPED: &str = "rolledback.";
+
+impl Marker {
+    /// The marker a replica records after it saw the store go back: the
+    /// sequence it had seen and the one it found.
+    fn tripped(seen: u64, found: u64) -> String {
+        format!("{TRIPPED}{seen}.{found}.{}", &crate::id::unique_id()[..16])
+    }
+
+    /// Why writes are refused, if another replica saw this store go back.
+    fn trip_reason(&self) -> Option<String> {
+        let rest = self.epoch.strip_prefix(TRIPPED)?;
+        let mut parts = rest.split('.');
+        let (seen, found) = (parts.next().unwrap_or("?"), parts.next().unwrap_or("?"));
+        Some(format!(
+            "a replica found its marker gone back from sequence {seen} to {found} (restored backup or lagging failover) and recorded it in the store"
+        ))
+    }
+
+    /// The local state file's form: `EPOCH SEQ`.
+    fn parse_state(text: &str) -> Option<Marker> {
+        let (epoch, seq) = text.trim().split_once(' ')?;
+        let seq = seq.parse().ok()?;
+        (!epoch.is_empty() && !epoch.contains(char::is_whitespace)).then(|| Marker {
+            epoch: epoch.to_string(),
+            seq,
+        })
+    }
+}
+
+/// A replica's own record, on its own disk, of the latest marker it saw
+/// (`store_state_file`): a restarted replica compares the store's marker
+/// with it, so a store rolled back while the replica was down is caught at
+/// its first check, even if no running replica saw the rollback.
+#[derive(Debug, Clone)]
+pub struct StateFile {
+    path: std::path::PathBuf,
+}
+
+impl StateFile {
+    pub fn new(path: std::path::PathBuf) -> Self {
+        Self { path }
+    }
+
+    /// The marker recorded last; `None` if the file does not exist yet.
+    pub fn load(&self) -> Result<Option<Marker>, StoreError> {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => Marker::parse_state(&text).map(Some).ok_or_else(|| {
+                StoreError::Unavailable(format!(
+                    "store_state_file {} is not a marker record (`EPOCH SEQ`); remove it only if this replica's store was knowingly reset",
+                    self.path.display()
+                ))
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::Unavailable(format!(
+                "store_state_file {}: {e}",
+                self.path.display()
+            ))),
+        }
+    }
+
+    /// Replaces the record (a new file renamed over the old one, so a crash
+    /// leaves the old record or the new one, never half of either).
+    async fn save(&self, m: &Marker) -> std::io::Result<()> {
+        let path = self.path.clone();
+        let text = format!("{} {}\n", m.epoch, m.seq);
+        tokio::task::spawn_blocking(move || {
+            use std::io::Write;
+            let tmp = path.with_extension("tmp");
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_data()?;
+            std::fs::rename(&tmp, &path)
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+}
+
 /// One server protocol. Every method is one atomic operation on the server.
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
@@ -263,6 +347,9 @@ struct GuardState {
     checked_at: Option<std::time::Instant>,
     /// Why writes are refused, if they are.
     amnesia: Option<String>,
+    /// The store's marker says a replica saw it go back (ours or another's
+    /// record): nothing more to record.
+    tripped: bool,
 }
 
 impl GuardState {
@@ -310,19 +397,31 @@ pub struct SharedStore<B: Backend> {
     /// TTL of the latest lease, to re-register one that expired while its
     /// writer was waiting.
     lease_ttl_ms: AtomicU64,
+    /// Where this replica keeps the latest marker it saw, if anywhere.
+    state_file: Option<StateFile>,
 }
 
 impl<B: Backend> SharedStore<B> {
     /// `batch_sizes`: observes each batch's size, by operation
-    /// (`fencegate_store_batch_size`).
+    /// (`fencegate_store_batch_size`). `state_file`: this replica's record
+    /// of the latest marker it saw; its marker, read here, is what the
+    /// store's is compared with at the first check.
     pub fn new(
         backend: B,
         accept_reset: bool,
         batch_sizes: Option<&prometheus::HistogramVec>,
-    ) -> Self {
+        state_file: Option<StateFile>,
+    ) -> Result<Self, StoreError> {
         let backend = Arc::new(backend);
         let sizes = |op: &str| batch_sizes.map(|h| h.with_label_values(&[op]));
-        let guard = Arc::new(Mutex::new(GuardState::default()));
+        let known = match &state_file {
+            Some(f) => f.load()?,
+            None => None,
+        };
+        let guard = Arc::new(Mutex::new(GuardState {
+            known,
+            ..GuardState::default()
+        }));
         let acquires = {
             let (b, guard) = (backend.clone(), guard.clone());
             let run: Run<Acquire, LeaseOutcome> = Arc::new(move |reqs: Vec<Acquire>| {
@@ -351,7 +450,7 @@ impl<B: Backend> SharedStore<B> {
                 });
             Batcher::new(RELEASE_PARALLEL, run, sizes("release_lease"))
         };
-        Self {
+        Ok(Self {
             backend,
             acquires,
             releases,
@@ -362,7 +461,8 @@ impl<B: Backend> SharedStore<B> {
             known_capacity: 1_000_000,
             accept_reset: std::sync::atomic::AtomicBool::new(accept_reset),
             lease_ttl_ms: AtomicU64::new(60_000),
-        }
+            state_file,
+        })
     }
 
     pub fn backend(&self) -> &B {
@@ -413,54 +513,77 @@ impl<B: Backend> SharedStore<B> {
             return Ok(());
         }
         let known = self.guard.lock().expect("guard lock").known.clone();
-        let verdict: Result<Marker, String> = match (known, self.backend.read_marker().await?) {
-            // Never initialised silently: a wiped store looks just like a
-            // new one. `--accept-store-reset` is an operator's say-so.
-            (None, None) if self.accept_reset.swap(false, Ordering::AcqRel) => {
-                tracing::warn!("--accept-store-reset: marking a store that has no marker");
-                self.confirm_reset_checked().await?;
-                return Ok(());
-            }
-            (None, None) => return Err(StoreError::Uninitialised),
-            (None, Some(_)) => self
-                .backend
-                .bump_marker()
-                .await?
-                .ok_or_else(|| "the marker vanished".to_string()),
-            (Some(k), None) => Err(format!(
-                "its marker (epoch {}) is missing: the data was wiped or replaced",
-                k.epoch
-            )),
-            (Some(k), Some(m)) => match behind(&k, &m) {
-                Some(why) => Err(why),
-                // Advanced at every check, periodic ones too (every replica
-                // checks at least every MARKER_INTERVAL, idle or not: the
-                // server's heartbeat): a store rolled back to a state older
-                // than that is behind what every running replica saw. The
-                // marker as it was before the bump must still follow the
-                // known one: the data may have changed since the read.
-                None => match self.backend.bump_marker().await? {
-                    None => Err("the marker vanished".to_string()),
-                    Some(b) => {
-                        let before = Marker {
-                            epoch: b.epoch.clone(),
-                            seq: b.seq - 1,
-                        };
-                        behind(&k, &before).map_or(Ok(b), Err)
+        // An error names why, and the marker to record the rollback on
+        // when the store went back (not when another replica recorded a
+        // new epoch: that may be an operator's confirmation).
+        let verdict: Result<Marker, (String, Option<(u64, Marker)>)> =
+            match (known, self.backend.read_marker().await?) {
+                // Never initialised silently: a wiped store looks just like a
+                // new one. `--accept-store-reset` is an operator's say-so.
+                (None, None) if self.accept_reset.swap(false, Ordering::AcqRel) => {
+                    tracing::warn!("--accept-store-reset: marking a store that has no marker");
+                    self.confirm_reset_checked().await?;
+                    return Ok(());
+                }
+                (None, None) => return Err(StoreError::Uninitialised),
+                // Another replica saw this store go back: so does this one,
+                // whatever it remembers.
+                (_, Some(m)) if m.trip_reason().is_some() => {
+                    self.guard.lock().expect("guard lock").tripped = true;
+                    Err((m.trip_reason().unwrap_or_default(), None))
+                }
+                (None, Some(_)) => self
+                    .backend
+                    .bump_marker()
+                    .await?
+                    .ok_or_else(|| ("the marker vanished".to_string(), None)),
+                (Some(k), None) => Err((
+                    format!(
+                        "its marker (epoch {}) is missing: the data was wiped or replaced",
+                        k.epoch
+                    ),
+                    None,
+                )),
+                (Some(k), Some(m)) => match behind(&k, &m) {
+                    Some(why) => {
+                        let trip = (m.epoch == k.epoch).then_some((k.seq, m));
+                        Err((why, trip))
                     }
+                    // Advanced at every check, periodic ones too (every replica
+                    // checks at least every MARKER_INTERVAL, idle or not: the
+                    // server's heartbeat): a store rolled back to a state older
+                    // than that is behind what every running replica saw. The
+                    // marker as it was before the bump must still follow the
+                    // known one: the data may have changed since the read.
+                    None => match self.backend.bump_marker().await? {
+                        None => Err(("the marker vanished".to_string(), None)),
+                        Some(b) => {
+                            let before = Marker {
+                                epoch: b.epoch.clone(),
+                                seq: b.seq - 1,
+                            };
+                            match behind(&k, &before) {
+                                None => Ok(b),
+                                Some(why) => {
+                                    let trip = (b.epoch == k.epoch).then_some((k.seq, b));
+                                    Err((why, trip))
+                                }
+                            }
+                        }
+                    },
                 },
-            },
-        };
+            };
         match verdict {
             Ok(m) => {
                 self.accept_reset.store(false, Ordering::Release);
+                self.save_state(&m).await;
                 let mut g = self.guard.lock().expect("guard lock");
                 g.known = Some(m);
                 g.checked_session = Some(session);
                 g.checked_at = Some(std::time::Instant::now());
                 Ok(())
             }
-            Err(why) => {
+            Err((why, trip)) => {
                 {
                     let mut g = self.guard.lock().expect("guard lock");
                     g.checked_session = Some(session);
@@ -472,8 +595,70 @@ impl<B: Backend> SharedStore<B> {
                     self.confirm_reset_checked().await?;
                     return Ok(());
                 }
+                if let Some((seen, found)) = trip {
+                    self.trip(seen, found).await;
+                }
                 Err(err)
             }
+        }
+    }
+
+    /// Records this replica's marker in its state file, if it keeps one. A
+    /// failure is logged, not fatal: the file only narrows what a restart
+    /// can miss.
+    async fn save_state(&self, m: &Marker) {
+        if let Some(f) = &self.state_file {
+            if let Err(e) = f.save(m).await {
+                tracing::warn!(path = %f.path.display(), error = %e, "store_state_file not written");
+            }
+        }
+    }
+
+    /// Records in the store that it went back: replaces its marker `found`
+    /// (which must still be the stored one, compare-and-set) with a tripped
+    /// one that every replica refuses, restarted or new, until an operator
+    /// confirms. `seen`: the sequence this replica saw before. Best effort:
+    /// this replica refuses writes whatever the outcome.
+    async fn trip(&self, seen: u64, mut found: Marker) {
+        for _ in 0..5 {
+            let tripped = Marker::tripped(seen, found.seq);
+            match self.backend.replace_marker(Some(&found), &tripped).await {
+                Ok(m) if m.epoch == tripped || m.trip_reason().is_some() => {
+                    tracing::error!(store = self.backend.kind(), seen, found = found.seq, "recorded in the store that it went back: every replica refuses writes until an operator confirms");
+                    self.guard.lock().expect("guard lock").tripped = true;
+                    return;
+                }
+                // Bumped meanwhile (a replica that has not seen it yet):
+                // the same epoch still behind is tripped on the next try.
+                Ok(m) if m.epoch == found.epoch && m.seq < seen => found = m,
+                // Another epoch: an operator's confirmation, not ours to undo.
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(store = self.backend.kind(), error = %e, "could not record the rollback in the store");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// With amnesia latched by a key's answer (a highest that went down)
+    /// rather than by the marker: records it in the store as [`trip`]
+    /// does, unless an operator confirmed a new epoch meanwhile.
+    async fn trip_latched(&self) {
+        let known = {
+            let g = self.guard.lock().expect("guard lock");
+            if g.tripped || g.amnesia.is_none() {
+                return;
+            }
+            g.known.clone()
+        };
+        let Some(k) = known else { return };
+        match self.backend.read_marker().await {
+            Ok(Some(m)) if m.trip_reason().is_some() => {
+                self.guard.lock().expect("guard lock").tripped = true;
+            }
+            Ok(Some(m)) if m.epoch == k.epoch => self.trip(k.seq.max(m.seq + 1), m).await,
+            _ => {}
         }
     }
 
@@ -485,7 +670,7 @@ impl<B: Backend> SharedStore<B> {
 
     /// Records an acknowledged token; a store answer that contradicts what
     /// it acknowledged before the request was sent means lost data.
-    fn witness(
+    fn witness_now(
         &self,
         key: &str,
         sent: u64,
@@ -532,16 +717,33 @@ impl<B: Backend> SharedStore<B> {
         Ok(())
     }
 
-    fn witness_lease(
+    /// [`witness_now`](Self::witness_now), and a loss it finds recorded in
+    /// the store's marker at once, so that a replica that starts next
+    /// refuses too.
+    async fn witness(
+        &self,
+        key: &str,
+        sent: u64,
+        outcome_highest: Option<u64>,
+        admitted: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let r = self.witness_now(key, sent, outcome_highest, admitted);
+        if r.is_err() {
+            self.trip_latched().await;
+        }
+        r
+    }
+
+    async fn witness_lease(
         &self,
         key: &str,
         sent: u64,
         outcome: &LeaseOutcome,
     ) -> Result<(), StoreError> {
         match outcome {
-            LeaseOutcome::Stale { highest } => self.witness(key, sent, Some(*highest), None),
+            LeaseOutcome::Stale { highest } => self.witness(key, sent, Some(*highest), None).await,
             LeaseOutcome::Granted(l) | LeaseOutcome::Busy { lease: l, .. } => {
-                self.witness(key, sent, None, Some(l.token))
+                self.witness(key, sent, None, Some(l.token)).await
             }
         }
     }
@@ -559,7 +761,7 @@ impl<B: Backend> SharedStore<B> {
         let sent = self.ticket();
         let outcome = call.await.map_err(|e| self.latch(e))?;
         self.recheck().await?;
-        self.witness_lease(key, sent, &outcome)?;
+        self.witness_lease(key, sent, &outcome).await?;
         Ok(outcome)
     }
 
@@ -588,7 +790,7 @@ impl<B: Backend> SharedStore<B> {
             .map_err(|e| self.latch(e))?;
         self.recheck().await?;
         if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
-            self.witness(key, sent, None, Some(*token))?;
+            self.witness(key, sent, None, Some(*token)).await?;
         }
         Ok(reply)
     }
@@ -611,7 +813,12 @@ impl<B: Backend> SharedStore<B> {
         let mut recorded = None;
         for _ in 0..20 {
             let current = self.backend.read_marker().await?;
-            if let Some(m) = current.as_ref().filter(|m| Some(&m.epoch) != old_epoch) {
+            // Join another replica's confirmation, never a record that the
+            // store went back.
+            if let Some(m) = current
+                .as_ref()
+                .filter(|m| Some(&m.epoch) != old_epoch && m.trip_reason().is_none())
+            {
                 recorded = Some(m.clone());
                 break;
             }
@@ -622,7 +829,7 @@ impl<B: Backend> SharedStore<B> {
                 .backend
                 .replace_marker(current.as_ref(), &crate::id::unique_id())
                 .await?;
-            if Some(&m.epoch) != old_epoch {
+            if Some(&m.epoch) != old_epoch && m.trip_reason().is_none() {
                 recorded = Some(m);
                 break;
             }
@@ -633,9 +840,11 @@ impl<B: Backend> SharedStore<B> {
             )
         })?;
         tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
+        self.save_state(&m).await;
         let mut g = self.guard.lock().expect("guard lock");
         g.known = Some(m);
         g.amnesia = None;
+        g.tripped = false;
         g.checked_session = Some(self.backend.session());
         g.checked_at = Some(std::time::Instant::now());
         Ok(())
@@ -684,7 +893,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
         self.recheck().await?;
         if let Some(h) = h {
-            self.witness(key, sent, Some(h), None)?;
+            self.witness(key, sent, Some(h), None).await?;
         }
         Ok(h)
     }
@@ -699,9 +908,9 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             .map_err(|e| self.latch(e))?;
         self.recheck().await?;
         match a {
-            Advance::Stale { highest } => self.witness(key, sent, Some(highest), None)?,
+            Advance::Stale { highest } => self.witness(key, sent, Some(highest), None).await?,
             Advance::Raised { .. } | Advance::Equal => {
-                self.witness(key, sent, None, Some(token))?
+                self.witness(key, sent, None, Some(token)).await?
             }
         }
         Ok(a)
@@ -734,6 +943,15 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     fn in_flight_at_crash(&self) -> Option<Vec<super::CrashedKey>> {
         Some(Vec::new())
+    }
+
+    fn key_mapping_at_open(&self) -> Option<u64> {
+        None
+    }
+
+    async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), StoreError> {
+        let _ = fingerprint;
+        Ok(())
     }
 
     fn in_flight_marks(&self) -> u64 {
@@ -787,7 +1005,11 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     }
 
     async fn check_marker(&self) -> Result<(), StoreError> {
-        self.ensure().await
+        let r = self.ensure().await;
+        if let Err(StoreError::Amnesia(_)) = &r {
+            self.trip_latched().await;
+        }
+        r
     }
 
     async fn claim_lock(

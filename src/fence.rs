@@ -116,6 +116,14 @@ pub const ROTATE_EVERY: Duration = Duration::from_secs(1);
 /// still be on their way.
 pub const CUT_GRACE: Duration = Duration::from_millis(250);
 
+/// Whether a shared-store lease whose clock started no earlier than `sent`
+/// and that lasts `ttl` covers a write that ends by `deadline`, its cut
+/// included ([`CUT_GRACE`]): the one rule every admission on a shared
+/// store follows (a registration's later writes too: `active.rs`).
+pub(crate) fn lease_covers(sent: Instant, ttl: Duration, deadline: Instant) -> bool {
+    deadline + CUT_GRACE <= sent + ttl
+}
+
 /// The pause between attempts at a lease release the store did not answer.
 const RELEASE_RETRY: Duration = Duration::from_millis(200);
 
@@ -1009,6 +1017,18 @@ impl Fence {
                     return Err(FenceError::Stale { token, highest });
                 }
                 LeaseOutcome::Granted(lease) => {
+                    // The lease counts from before the acquire (or poll)
+                    // was sent; a slow answer, or a marker check on a new
+                    // connection after it, may have used up the slack:
+                    // then it cannot cover the write, which is refused
+                    // (and the lease released, as `pending` is armed).
+                    let now = Instant::now();
+                    if !lease_covers(sent, self.lease_ttl, now + upstream_timeout) {
+                        return Err(FenceError::Store(StoreError::Unavailable(format!(
+                            "the store took {:?} to grant the write: its lease could end before the write's deadline",
+                            now - sent
+                        ))));
+                    }
                     pending.disarm();
                     // The key's registration here, if it has none (or a
                     // closed one): later writes of the token go on it.
@@ -1033,7 +1053,7 @@ impl Fence {
                         token,
                         lease: own,
                         active,
-                        deadline: Instant::now() + upstream_timeout,
+                        deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out: false,
                     });

@@ -1340,3 +1340,176 @@ suite!(
         wrong_ca_or_password_stops_the_start
     ]
 );
+
+/// A TCP relay in front of a store server for one replica: while `slow`,
+/// an answer to a call that named the marker is held back `delay` before
+/// it is passed on (each call still inside the store timeout); `sever`
+/// closes every connection, so the replica reconnects (a new session).
+struct SlowRelay {
+    addr: std::net::SocketAddr,
+    slow: Arc<std::sync::atomic::AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowRelay {
+    async fn start(to: std::net::SocketAddr, delay: Duration) -> SlowRelay {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let slow = Arc::new(AtomicBool::new(false));
+        let conns: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (s, c) = (slow.clone(), conns.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                    continue;
+                };
+                let slow = s.clone();
+                let relay = tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    // Answers still to hold back: one per chunk that named
+                    // the marker.
+                    let held = Arc::new(AtomicUsize::new(0));
+                    let h = held.clone();
+                    let up = async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match cr.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            let chunk = &buf[..n];
+                            if slow.load(Ordering::Acquire)
+                                && chunk.windows(16).any(|w| w == b"fencegate:marker")
+                            {
+                                h.fetch_add(1, Ordering::AcqRel);
+                            }
+                            if sw.write_all(chunk).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    let down = async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match sr.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            if held
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                                    v.checked_sub(1)
+                                })
+                                .is_ok()
+                            {
+                                tokio::time::sleep(delay).await;
+                            }
+                            if cw.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = up => {}
+                        _ = down => {}
+                    }
+                });
+                c.lock().unwrap().push(relay.abort_handle());
+            }
+        });
+        SlowRelay {
+            addr,
+            slow,
+            conns,
+            task,
+        }
+    }
+
+    fn sever(&self) {
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+}
+
+impl Drop for SlowRelay {
+    fn drop(&mut self) {
+        self.sever();
+        self.task.abort();
+    }
+}
+
+/// A write's first admission on a shared store, after a slow store and a
+/// new connection (whose marker check runs before the answer is used)
+/// took longer than the lease's slack: the lease, counted from before the
+/// acquire, could end before the write's deadline, and a newer token
+/// through another replica would then find no older lease and go ahead of
+/// it. The write must not be forwarded with a deadline its lease does not
+/// cover.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_write_never_outlives_its_lease_on_a_slow_store() {
+    let store = StoreServer::start(StoreKind::Redis);
+    let up = start_upstream().await;
+    let to: std::net::SocketAddr = format!("127.0.0.1:{}", store.port).parse().unwrap();
+    // Each marker call answers in 1.8 s, inside the 2 s store timeout; a
+    // marker check (a read and a bump) takes 3.6 s, more than the lease's
+    // slack (store timeout + 0.75 s).
+    let relay = SlowRelay::start(to, Duration::from_millis(1800)).await;
+    let replica = |url: &str| {
+        ProxyBuilder::new(&up.url(), store.dir.path())
+            .store_url(url)
+            .args(&["--upstream-timeout", "2s", "--store-timeout", "2s"])
+            .spawn()
+    };
+    let a = replica(&format!("redis://{}/0", relay.addr));
+    let b = replica(&store.url());
+    assert_eq!(put(&a.url("/warm"), "1").await.status, 200);
+    relay.slow.store(true, std::sync::atomic::Ordering::Release);
+    relay.sever();
+    // Token 2 through a, slow to apply (1.9 s of its 2 s limit); token 3
+    // through b, tried until it goes.
+    let url = a.url("/k");
+    let old = tokio::spawn(async move {
+        let headers = [("x-fence-token", "2"), ("x-test-delay-ms", "1900")];
+        send("PUT", &url, &headers, "old").await
+    });
+    // Token 2's lease is in the store before token 3 is tried.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.redis_leases().await == 0 {
+        assert!(Instant::now() < deadline, "token 2 never registered");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = put(&b.url("/k"), "3").await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "token 3 never went: {}",
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old = old.await.unwrap();
+    let records = up.records();
+    let at = |t: &str| records.iter().find(|r| r.token.as_deref() == Some(t));
+    let three = at("3").expect("token 3 applied");
+    if let Some(two) = at("2") {
+        assert!(
+            three.arrived >= two.completed,
+            "token 3 reached the backend while token 2 was still being applied (token 2 answered {})",
+            old.status
+        );
+    } else {
+        assert_eq!(old.status, 503, "{}", old.text());
+        assert!(old.text().contains("lease"), "{}", old.text());
+    }
+}

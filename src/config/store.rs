@@ -550,10 +550,7 @@ mod tests {
         };
         let ok = dir.path().join("marker");
         assert_eq!(shared_of(&with(ok.clone())).state_file, Some(ok));
-        for bad in [
-            dir.path().join("missing/marker"),
-            dir.path().to_path_buf(),
-        ] {
+        for bad in [dir.path().join("missing/marker"), dir.path().to_path_buf()] {
             assert_eq!(field_of(&with(bad)), "store_state_file");
         }
     }

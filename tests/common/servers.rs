@@ -25,7 +25,7 @@ pub enum StoreKind {
 pub struct StoreServer {
     pub kind: StoreKind,
     pub dir: tempfile::TempDir,
-    port: u16,
+    pub port: u16,
     child: Option<Child>,
     pub secure: Option<Secure>,
 }

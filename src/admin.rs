@@ -66,12 +66,7 @@ impl Admin {
         let Some(expected) = expected.as_deref() else {
             return false;
         };
-        let Some(got) = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-        else {
+        let Some(got) = crate::error::bearer_credential(req) else {
             return false;
         };
         same_secret(got, expected)

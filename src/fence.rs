@@ -455,6 +455,18 @@ impl Fence {
         crate::store::KEY_MAPPING_MIXED
     }
 
+    /// A reload remapped keys while the crash-recovery window lasts: the
+    /// held keys are named under the mapping the crashed run had, and a
+    /// resource that had a write in flight has another key now, so every
+    /// key is held for the rest of the window.
+    pub fn hold_every_key_while_recovering(&self) {
+        if self.recovering_for().is_some() && !self.holds_all() {
+            tracing::warn!("the key mapping changed during the crash-recovery window: holding every key until it ends");
+            self.hold_all
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
     /// Time left in the crash-recovery window, if any key is held.
     pub fn recovering_for(&self) -> Option<Duration> {
         let until = self.recovering_until?;
@@ -1769,6 +1781,70 @@ mod tests {
             f.admit("k", 1, w, T).await,
             Err(FenceError::Recovering { .. })
         ));
+    }
+
+    /// The crashed run's marks name keys under the key mapping it recorded:
+    /// a start under that mapping holds only the marked keys; under another
+    /// one (or a mixed record) every key, and it records itself as mixed
+    /// until the window ends. With nothing in flight the mapping does not
+    /// matter.
+    #[tokio::test]
+    async fn a_crash_under_another_key_mapping_holds_every_key() {
+        use crate::store::KEY_MAPPING_MIXED;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let open = |window| EmbeddedStore::open(&path, 1 << 20, window).unwrap();
+        let five = Duration::from_secs(5);
+        let w = || Instant::now() + T;
+        // Nothing in flight at the crash: whatever the mapping, no hold.
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.adopt_key_mapping(7), 7);
+        f.store().record_key_mapping(7).await.unwrap();
+        drop(f);
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.adopt_key_mapping(8), 8, "nothing was in flight");
+        assert_eq!(f.held_keys(), Some(0));
+        drop(f);
+        // A write in flight at the crash, under mapping 7.
+        let store = open(five);
+        store.record_key_mapping(7).await.unwrap();
+        store.advance_marked("k", 1).await.unwrap();
+        drop(store);
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.store().key_mapping_at_open(), Some(7));
+        assert_eq!(f.adopt_key_mapping(7), 7, "the same mapping");
+        assert_eq!(f.held_keys(), Some(1), "only the marked key");
+        assert!(f.admit("other", 1, w(), T).await.is_ok());
+        drop(f);
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.adopt_key_mapping(8), KEY_MAPPING_MIXED, "another mapping");
+        assert_eq!(f.held_keys(), None, "every key is held");
+        assert!(matches!(
+            f.admit("another", 1, w(), T).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        f.store()
+            .record_key_mapping(KEY_MAPPING_MIXED)
+            .await
+            .unwrap();
+        drop(f);
+        // A mixed record holds every key under any mapping.
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.adopt_key_mapping(7), KEY_MAPPING_MIXED);
+        assert_eq!(f.held_keys(), None);
+    }
+
+    /// The one rule for a lease and the write it admits: the write's
+    /// deadline plus the cut's grace ends by the lease's end, counted from
+    /// before its request was sent.
+    #[test]
+    fn a_lease_covers_a_write_that_ends_with_its_grace_inside_it() {
+        let sent = Instant::now();
+        let ttl = Duration::from_secs(4);
+        let end = sent + ttl - CUT_GRACE;
+        assert!(lease_covers(sent, ttl, end));
+        assert!(lease_covers(sent, ttl, end - Duration::from_millis(1)));
+        assert!(!lease_covers(sent, ttl, end + Duration::from_millis(1)));
     }
 
     /// Marks cost a store write only when a key has no live mark: writes

@@ -155,7 +155,16 @@ impl KeyTemplate {
                 if values.next().is_some() {
                     return Err(KeyError::KeyHeader(name.to_string()));
                 }
-                Ok(value.to_string())
+                // A backend that reads the value as a quoted-string (RFC
+                // 9110) sees `"acct1"` as `acct1`: one resource, one key.
+                // Escapes inside quotes could be read two ways: refused.
+                match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+                    Some(inner) if inner.is_empty() || inner.contains(['"', '\\']) => {
+                        Err(KeyError::KeyHeader(name.to_string()))
+                    }
+                    Some(inner) => Ok(inner.to_string()),
+                    None => Ok(value.to_string()),
+                }
             }
         }
     }
@@ -282,6 +291,8 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
     }
     let bytes = raw.as_bytes();
     let mut out = String::with_capacity(raw.len());
+    // An escape of a byte above 0x7F: the decoded segment must be UTF-8.
+    let mut high = false;
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
@@ -306,6 +317,7 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
                     }
                     v if decodes_in_path(v) => out.push(v as char),
                     v => {
+                        high |= v > 0x7F;
                         out.push('%');
                         out.push(char::from(b"0123456789ABCDEF"[usize::from(v >> 4)]));
                         out.push(char::from(b"0123456789ABCDEF"[usize::from(v & 15)]));
@@ -329,6 +341,12 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
     }
     if out == "." || out == ".." {
         return Err(KeyError::DotSegment);
+    }
+    // Escapes that decode to bytes no UTF-8 decoder accepts (`%C0%AE` is
+    // an overlong '.', which a lax decoder reads as one): refused, so the
+    // backend cannot read another name than the key's.
+    if high && std::str::from_utf8(&percent_decode(raw)?).is_err() {
+        return Err(KeyError::NotUtf8);
     }
     // Checked on the output too: `%25%32%46` becomes `%252F`, which a
     // backend that decodes twice reads as `/`.
@@ -578,6 +596,22 @@ mod tests {
     }
 
     #[test]
+    fn escapes_that_are_not_utf8_are_refused() {
+        for bad in [
+            "/s/%C0%AE%C0%AE/x",
+            "/s/%C0%AE",
+            "/s/%E0%80%AE",
+            "/s/%FF",
+            "/s/%C3",
+            "/s/%ED%A0%80",
+        ] {
+            assert_eq!(key(bad), Err(KeyError::NotUtf8), "{bad}");
+        }
+        assert_eq!(key("/s/%C3%A9").unwrap(), "/s/%C3%A9");
+        assert_eq!(key("/s/%e2%82%ac").unwrap(), "/s/%E2%82%AC");
+    }
+
+    #[test]
     fn trailing_slash_shares_the_key_but_is_forwarded() {
         let c = canonicalize("/dir/").unwrap();
         assert_eq!(c.key_path, "/dir");
@@ -687,7 +721,20 @@ mod tests {
         let mut h2 = http::HeaderMap::new();
         h2.insert("x-resource", " acct-9 ".parse().unwrap());
         assert_eq!(hdr.key_text(&c, &h2), Ok("acct-9".into()));
-        for bad in ["", "   ", "a,b", "a, b", ","] {
+        // Quoted or not, one key.
+        let mut q = http::HeaderMap::new();
+        q.insert("x-resource", "\"acct-9\"".parse().unwrap());
+        assert_eq!(hdr.key_text(&c, &q), Ok("acct-9".into()));
+        for bad in [
+            "",
+            "   ",
+            "a,b",
+            "a, b",
+            ",",
+            "\"\"",
+            "\"a\\\"b\"",
+            "\"a\\b\"",
+        ] {
             let mut h3 = http::HeaderMap::new();
             h3.insert("x-resource", bad.parse().unwrap());
             assert_eq!(

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use http::{header, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
@@ -106,6 +106,22 @@ pub fn parse_bearers(text: &str) -> Result<Vec<Bearer>, String> {
 
 /// Hex digits of the nonce ([`crate::id::unique_id`]) at the start of an id.
 const NONCE_HEX: usize = 32;
+
+/// Whether a key's resource, if it is a path (starts with `/`), has the
+/// form every path a write maps to has, in either key mode: no dot
+/// segments, no empty segments, no `\`, no trailing `/` (but `/` itself).
+/// A lease on another spelling would be a fence no write ever meets.
+fn path_key_is_canonical(key: &str) -> bool {
+    let resource = key.split_once(':').map_or(key, |(_, r)| r);
+    let Some(path) = resource.strip_prefix('/') else {
+        return true;
+    };
+    path.is_empty()
+        || (!path.contains('\\')
+            && path
+                .split('/')
+                .all(|seg| !seg.is_empty() && seg != "." && seg != ".."))
+}
 
 /// HMAC-SHA256 of `nonce.KEY64` under `bearer`'s token.
 fn tag(bearer: &Bearer, nonce: &str, key64: &str) -> ring::hmac::Tag {
@@ -290,18 +306,7 @@ impl Leases {
 
     /// The bearer token the request carries, if it is one of ours.
     fn bearer<B>(&self, req: &Request<B>) -> Option<Bearer> {
-        let mut values = req.headers().get_all(header::AUTHORIZATION).iter();
-        let value = values.next()?.to_str().ok()?;
-        if values.next().is_some() {
-            // Two credentials: which one counts is ambiguous.
-            return None;
-        }
-        // The scheme is case-insensitive (RFC 9110).
-        let (scheme, got) = value.split_once(' ')?;
-        if !scheme.eq_ignore_ascii_case("bearer") {
-            return None;
-        }
-        let got = got.trim();
+        let got = crate::error::bearer_credential(req)?;
         // Every token is compared in full, whatever matches: no timing leak
         // of how much of a token was right.
         let mut found = None;
@@ -397,6 +402,12 @@ impl Leases {
                     return Err(LeaseError::BadField(
                         "key",
                         "must not hold control characters".into(),
+                    ));
+                }
+                if !path_key_is_canonical(k) {
+                    return Err(LeaseError::BadField(
+                        "key",
+                        "is not in the canonical form writes take (no `.` or `..` segments, `//`, `\\` or trailing `/` in a path): GET /v1/fences?path= on the admin listener shows a path's key".into(),
                     ));
                 }
                 k.clone()
@@ -562,6 +573,29 @@ mod tests {
             .unwrap_err()
             .contains("twice"));
         assert!(!format!("{:?}", b[0]).contains("abcdefghijklmnop"));
+    }
+
+    #[test]
+    fn lease_keys_in_path_form_must_be_canonical() {
+        for ok in [
+            "default:/r/x",
+            "default:/",
+            "s3:/b/a b",
+            "jobs:nightly",
+            "h:a/../b",
+        ] {
+            assert!(path_key_is_canonical(ok), "{ok}");
+        }
+        for bad in [
+            "default:/r/../g/x",
+            "default:/r/./x",
+            "default:/r//x",
+            "default:/r/x/",
+            "default:/r\\x",
+            "default:/..",
+        ] {
+            assert!(!path_key_is_canonical(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -647,6 +647,9 @@ impl Reloader {
         } else {
             Ok(())
         };
+        if remap && result.is_ok() {
+            self.0.fence.hold_every_key_while_recovering();
+        }
         let result = match result {
             // Loading certificate and CA files blocks: off the runtime threads.
             Ok(()) => {
@@ -693,17 +696,31 @@ impl Reloader {
                 _ = stop.cancelled() => return,
                 _ = wait => {}
             }
-            // Not past a newer reload (its own task records its mapping).
-            let _one = this.lock.lock().await;
-            if this.proxy.key_mapping() != mapping
-                || !this.proxy.key_mapping_is_settled()
-                || this.fence.recovering_for().is_some()
-            {
-                return;
-            }
-            match this.fence.store().record_key_mapping(mapping).await {
-                Ok(()) => tracing::info!("key mapping recorded: a crash from now on holds only the keys with writes in flight"),
-                Err(e) => tracing::warn!(error = %e, "key mapping not recorded; a crash now holds every key for the recovery window"),
+            loop {
+                {
+                    // Not past a newer reload (its own task records its
+                    // mapping).
+                    let _one = this.lock.lock().await;
+                    if this.proxy.key_mapping() != mapping {
+                        return;
+                    }
+                    if this.proxy.key_mapping_is_settled() && this.fence.recovering_for().is_none()
+                    {
+                        match this.fence.store().record_key_mapping(mapping).await {
+                            Ok(()) => {
+                                tracing::info!("key mapping recorded: a crash from now on holds only the keys with writes in flight");
+                                return;
+                            }
+                            Err(e) => tracing::warn!(error = %e, "key mapping not recorded yet; a crash now holds every key for the recovery window"),
+                        }
+                    }
+                }
+                // Not yet (a write just entering under the old mapping, a
+                // window that ends this instant, a store error): again.
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
             }
         });
     }

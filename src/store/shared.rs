@@ -104,11 +104,17 @@ impl StateFile {
         let text = format!("{} {}\n", m.epoch, m.seq);
         tokio::task::spawn_blocking(move || {
             use std::io::Write;
-            let tmp = path.with_extension("tmp");
+            let mut tmp = path.clone().into_os_string();
+            tmp.push(".tmp");
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(text.as_bytes())?;
             f.sync_data()?;
-            std::fs::rename(&tmp, &path)
+            std::fs::rename(&tmp, &path)?;
+            // The rename itself reaches the disk with its directory.
+            match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                Some(dir) => std::fs::File::open(dir)?.sync_all(),
+                None => Ok(()),
+            }
         })
         .await
         .map_err(std::io::Error::other)?
@@ -347,9 +353,16 @@ struct GuardState {
     checked_at: Option<std::time::Instant>,
     /// Why writes are refused, if they are.
     amnesia: Option<String>,
-    /// The store's marker says a replica saw it go back (ours or another's
-    /// record): nothing more to record.
-    tripped: bool,
+    /// `known` came from the state file and no check ran yet.
+    from_file: bool,
+    /// The ticket counter at the last confirmation: an answer to a request
+    /// sent before it is not recorded in the store as a loss (the operator
+    /// accepted what the store held then).
+    confirmed_ticket: u64,
+    /// When the store's marker was last read to record a latched loss
+    /// ([`SharedStore::trip_latched`]), to do that at most once a
+    /// [`MARKER_INTERVAL`] from the heartbeat.
+    trip_checked_at: Option<std::time::Instant>,
 }
 
 impl GuardState {
@@ -399,6 +412,8 @@ pub struct SharedStore<B: Backend> {
     lease_ttl_ms: AtomicU64,
     /// Where this replica keeps the latest marker it saw, if anywhere.
     state_file: Option<StateFile>,
+    /// A state file write is under way (one at a time, off the checks).
+    saving: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<B: Backend> SharedStore<B> {
@@ -419,6 +434,7 @@ impl<B: Backend> SharedStore<B> {
             None => None,
         };
         let guard = Arc::new(Mutex::new(GuardState {
+            from_file: known.is_some(),
             known,
             ..GuardState::default()
         }));
@@ -462,6 +478,7 @@ impl<B: Backend> SharedStore<B> {
             accept_reset: std::sync::atomic::AtomicBool::new(accept_reset),
             lease_ttl_ms: AtomicU64::new(60_000),
             state_file,
+            saving: Arc::default(),
         })
     }
 
@@ -512,7 +529,10 @@ impl<B: Backend> SharedStore<B> {
         if same_session && fresh {
             return Ok(());
         }
-        let known = self.guard.lock().expect("guard lock").known.clone();
+        let (known, first_from_file) = {
+            let g = self.guard.lock().expect("guard lock");
+            (g.known.clone(), g.from_file && g.checked_session.is_none())
+        };
         // An error names why, and the marker to record the rollback on
         // when the store went back (not when another replica recorded a
         // new epoch: that may be an operator's confirmation).
@@ -529,14 +549,29 @@ impl<B: Backend> SharedStore<B> {
                 // Another replica saw this store go back: so does this one,
                 // whatever it remembers.
                 (_, Some(m)) if m.trip_reason().is_some() => {
-                    self.guard.lock().expect("guard lock").tripped = true;
                     Err((m.trip_reason().unwrap_or_default(), None))
                 }
-                (None, Some(_)) => self
-                    .backend
-                    .bump_marker()
-                    .await?
-                    .ok_or_else(|| ("the marker vanished".to_string(), None)),
+                // Adopted as bumped, unless it changed between the read and
+                // the bump (another replica recorded a loss meanwhile).
+                (None, Some(m)) => match self.backend.bump_marker().await? {
+                    None => Err(("the marker vanished".to_string(), None)),
+                    Some(b) if b.trip_reason().is_some() => {
+                        Err((b.trip_reason().unwrap_or_default(), None))
+                    }
+                    Some(b) if b.epoch != m.epoch => Err((
+                        format!(
+                            "its marker changed from epoch {} to {} while it was checked",
+                            m.epoch, b.epoch
+                        ),
+                        None,
+                    )),
+                    Some(b) => Ok(b),
+                },
+                // Remembered from the state file, the store has none: as
+                // for a store that was never marked, the start is refused
+                // and names `init-store` (which a replica with this file
+                // then refuses until confirmed: another epoch).
+                (Some(_), None) if first_from_file => return Err(StoreError::Uninitialised),
                 (Some(k), None) => Err((
                     format!(
                         "its marker (epoch {}) is missing: the data was wiped or replaced",
@@ -576,9 +611,10 @@ impl<B: Backend> SharedStore<B> {
         match verdict {
             Ok(m) => {
                 self.accept_reset.store(false, Ordering::Release);
-                self.save_state(&m).await;
+                self.save_state(&m);
                 let mut g = self.guard.lock().expect("guard lock");
                 g.known = Some(m);
+                g.from_file = false;
                 g.checked_session = Some(session);
                 g.checked_at = Some(std::time::Instant::now());
                 Ok(())
@@ -586,6 +622,7 @@ impl<B: Backend> SharedStore<B> {
             Err((why, trip)) => {
                 {
                     let mut g = self.guard.lock().expect("guard lock");
+                    g.from_file = false;
                     g.checked_session = Some(session);
                     g.checked_at = Some(std::time::Instant::now());
                 }
@@ -603,15 +640,24 @@ impl<B: Backend> SharedStore<B> {
         }
     }
 
-    /// Records this replica's marker in its state file, if it keeps one. A
-    /// failure is logged, not fatal: the file only narrows what a restart
-    /// can miss.
-    async fn save_state(&self, m: &Marker) {
-        if let Some(f) = &self.state_file {
-            if let Err(e) = f.save(m).await {
+    /// Records this replica's marker in its state file, if it keeps one,
+    /// in a task of its own: a slow disk must not hold the marker check
+    /// (or the requests waiting on it). One write at a time; a check while
+    /// one is under way skips its own (the next check, about a second
+    /// later, writes again). A failure is logged, not fatal: the file only
+    /// narrows what a restart can miss.
+    fn save_state(&self, m: &Marker) {
+        let Some(f) = &self.state_file else { return };
+        if self.saving.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (f, m, saving) = (f.clone(), m.clone(), self.saving.clone());
+        tokio::spawn(async move {
+            if let Err(e) = f.save(&m).await {
                 tracing::warn!(path = %f.path.display(), error = %e, "store_state_file not written");
             }
-        }
+            saving.store(false, Ordering::Release);
+        });
     }
 
     /// Records in the store that it went back: replaces its marker `found`
@@ -625,7 +671,6 @@ impl<B: Backend> SharedStore<B> {
             match self.backend.replace_marker(Some(&found), &tripped).await {
                 Ok(m) if m.epoch == tripped || m.trip_reason().is_some() => {
                     tracing::error!(store = self.backend.kind(), seen, found = found.seq, "recorded in the store that it went back: every replica refuses writes until an operator confirms");
-                    self.guard.lock().expect("guard lock").tripped = true;
                     return;
                 }
                 // Bumped meanwhile (a replica that has not seen it yet):
@@ -641,23 +686,29 @@ impl<B: Backend> SharedStore<B> {
         }
     }
 
-    /// With amnesia latched by a key's answer (a highest that went down)
-    /// rather than by the marker: records it in the store as [`trip`]
-    /// does, unless an operator confirmed a new epoch meanwhile.
-    async fn trip_latched(&self) {
+    /// With amnesia latched (by a key's answer, a highest that went down,
+    /// or a record that did not land): records it in the store as
+    /// [`trip`](Self::trip) does, unless the store says so already or an
+    /// operator confirmed a new epoch meanwhile. From the heartbeat at
+    /// most once a [`MARKER_INTERVAL`]; `now` for a loss just found.
+    async fn trip_latched(&self, now: bool) {
         let known = {
-            let g = self.guard.lock().expect("guard lock");
-            if g.tripped || g.amnesia.is_none() {
+            let mut g = self.guard.lock().expect("guard lock");
+            if g.amnesia.is_none()
+                || (!now
+                    && g.trip_checked_at
+                        .is_some_and(|t| t.elapsed() < MARKER_INTERVAL))
+            {
                 return;
             }
+            g.trip_checked_at = Some(std::time::Instant::now());
             g.known.clone()
         };
         let Some(k) = known else { return };
         match self.backend.read_marker().await {
-            Ok(Some(m)) if m.trip_reason().is_some() => {
-                self.guard.lock().expect("guard lock").tripped = true;
+            Ok(Some(m)) if m.trip_reason().is_none() && m.epoch == k.epoch => {
+                self.trip(k.seq.max(m.seq + 1), m).await
             }
-            Ok(Some(m)) if m.epoch == k.epoch => self.trip(k.seq.max(m.seq + 1), m).await,
             _ => {}
         }
     }
@@ -728,8 +779,11 @@ impl<B: Backend> SharedStore<B> {
         admitted: Option<u64>,
     ) -> Result<(), StoreError> {
         let r = self.witness_now(key, sent, outcome_highest, admitted);
-        if r.is_err() {
-            self.trip_latched().await;
+        // Not for an answer to a request sent before the last
+        // confirmation: the operator accepted what the store held then.
+        let before_confirm = sent < self.guard.lock().expect("guard lock").confirmed_ticket;
+        if r.is_err() && !before_confirm {
+            self.trip_latched(true).await;
         }
         r
     }
@@ -840,11 +894,12 @@ impl<B: Backend> SharedStore<B> {
             )
         })?;
         tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
-        self.save_state(&m).await;
+        self.save_state(&m);
         let mut g = self.guard.lock().expect("guard lock");
         g.known = Some(m);
         g.amnesia = None;
-        g.tripped = false;
+        g.from_file = false;
+        g.confirmed_ticket = self.tickets.load(Ordering::Acquire);
         g.checked_session = Some(self.backend.session());
         g.checked_at = Some(std::time::Instant::now());
         Ok(())
@@ -1007,7 +1062,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn check_marker(&self) -> Result<(), StoreError> {
         let r = self.ensure().await;
         if let Err(StoreError::Amnesia(_)) = &r {
-            self.trip_latched().await;
+            self.trip_latched(false).await;
         }
         r
     }

@@ -460,7 +460,7 @@ impl Fence {
     /// resource that had a write in flight has another key now, so every
     /// key is held for the rest of the window.
     pub fn hold_every_key_while_recovering(&self) {
-        if self.recovering_for().is_some() && !self.holds_all() {
+        if self.recovering_for().is_some() {
             tracing::warn!("the key mapping changed during the crash-recovery window: holding every key until it ends");
             self.hold_all
                 .store(true, std::sync::atomic::Ordering::Release);
@@ -1832,6 +1832,30 @@ mod tests {
         let f = Fence::new(Arc::new(open(five)), 10, five);
         assert_eq!(f.adopt_key_mapping(7), KEY_MAPPING_MIXED);
         assert_eq!(f.held_keys(), None);
+        drop(f);
+        // A remapping reload while only the marked keys are held holds
+        // every key from then on; with no window, it holds nothing.
+        let store = open(five);
+        store.record_key_mapping(7).await.unwrap();
+        drop(store);
+        let f = Fence::new(Arc::new(open(five)), 10, five);
+        assert_eq!(f.adopt_key_mapping(7), 7);
+        assert!(matches!(f.held_keys(), Some(n) if n > 0));
+        assert!(f.admit("fresh", 1, w(), T).await.is_ok());
+        f.hold_every_key_while_recovering();
+        assert_eq!(f.held_keys(), None, "every key is held");
+        assert!(matches!(
+            f.admit("fresh2", 1, w(), T).await,
+            Err(FenceError::Recovering { .. })
+        ));
+        let calm = Fence::new(
+            Arc::new(EmbeddedStore::open(&dir.path().join("g.redb"), 1 << 20, five).unwrap()),
+            10,
+            five,
+        );
+        calm.hold_every_key_while_recovering();
+        assert_eq!(calm.held_keys(), Some(0), "no window, nothing held");
+        assert!(calm.admit("k", 1, w(), T).await.is_ok());
     }
 
     /// The one rule for a lease and the write it admits: the write's

@@ -291,8 +291,6 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
     }
     let bytes = raw.as_bytes();
     let mut out = String::with_capacity(raw.len());
-    // An escape of a byte above 0x7F: the decoded segment must be UTF-8.
-    let mut high = false;
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
@@ -317,7 +315,6 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
                     }
                     v if decodes_in_path(v) => out.push(v as char),
                     v => {
-                        high |= v > 0x7F;
                         out.push('%');
                         out.push(char::from(b"0123456789ABCDEF"[usize::from(v >> 4)]));
                         out.push(char::from(b"0123456789ABCDEF"[usize::from(v & 15)]));
@@ -345,7 +342,7 @@ fn canonical_segment(raw: &str) -> Result<String, KeyError> {
     // Escapes that decode to bytes no UTF-8 decoder accepts (`%C0%AE` is
     // an overlong '.', which a lax decoder reads as one): refused, so the
     // backend cannot read another name than the key's.
-    if high && std::str::from_utf8(&percent_decode(raw)?).is_err() {
+    if raw.contains('%') && std::str::from_utf8(&percent_decode(raw)?).is_err() {
         return Err(KeyError::NotUtf8);
     }
     // Checked on the output too: `%25%32%46` becomes `%252F`, which a
@@ -604,6 +601,7 @@ mod tests {
             "/s/%FF",
             "/s/%C3",
             "/s/%ED%A0%80",
+            "/s/%80",
         ] {
             assert_eq!(key(bad), Err(KeyError::NotUtf8), "{bad}");
         }

@@ -8,6 +8,13 @@
 #                                   CORE_FILES="src/fence.rs" narrows it
 #   scripts/mutants.sh shared       the fence's shared-store admission
 #   scripts/mutants.sh proxy        the classification in src/proxy/ only
+#   scripts/mutants.sh config       config validation (unit tests)
+#   scripts/mutants.sh lease        the lock service's parsing, scopes
+#                                   and ids (unit tests)
+#   scripts/mutants.sh batch        the stores' group commit (unit tests)
+#   scripts/mutants.sh upstream     the upstream pool and the rule that a
+#                                   write is never sent twice
+#                                   (tests/upstream_pool.rs)
 #   scripts/mutants.sh --in-diff F  only mutants on lines a diff F changed
 #
 # Results land in target/mutants/<part>/mutants.out (missed.txt lists the
@@ -75,10 +82,34 @@ proxy() {
     --cargo-arg=--test=reload
 }
 
+config() {
+  run config --timeout 30 --file src/config.rs --file src/config/store.rs "$@" --cargo-arg=--lib
+}
+
+# The lease service's pure parts: bearer lines and scopes, lease ids, key
+# forms, request bodies. Its HTTP handling is covered by tests/leases.rs on
+# every store, too slow to mutate here.
+lease() {
+  run lease --timeout 30 --file src/lease.rs \
+    --re 'parse_bearers|Bearer::|tag|new_id|id_parts|path_key_is_canonical|millis|text' "$@" --cargo-arg=--lib
+}
+
+batch() {
+  run batch --timeout 60 --file src/store/batch.rs "$@" --cargo-arg=--lib
+}
+
+upstream() {
+  run upstream --timeout 300 --file src/upstream.rs "$@" --cargo-arg=--test=upstream_pool
+}
+
 case "${1:-all}" in
   core) shift; core "$@" ;;
   shared) shift; shared "$@" ;;
   proxy) shift; proxy "$@" ;;
+  config) shift; config "$@" ;;
+  lease) shift; lease "$@" ;;
+  batch) shift; batch "$@" ;;
+  upstream) shift; upstream "$@" ;;
   --in-diff)
     # Each part on its own files: a diff that touches neither has no
     # mutant to test, which is a success.
@@ -95,5 +126,5 @@ case "${1:-all}" in
     proxy || status=$?
     exit "$status"
     ;;
-  *) echo "usage: $0 [core|shared|proxy|--in-diff FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|--in-diff FILE]" >&2; exit 2 ;;
 esac

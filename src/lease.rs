@@ -576,6 +576,36 @@ mod tests {
     }
 
     #[test]
+    fn body_fields_are_typed_and_bounded() {
+        let obj = |v: Value| v.as_object().unwrap().clone();
+        let o = obj(serde_json::json!({
+            "s": "x", "n": null, "num": 5, "ttl": 1000, "zero": 0, "big": 1001, "neg": -1, "f": 1.5
+        }));
+        assert_eq!(text(&o, "s").unwrap(), Some("x".into()));
+        assert_eq!(text(&o, "n").unwrap(), None);
+        assert_eq!(text(&o, "absent").unwrap(), None);
+        assert!(text(&o, "num").is_err());
+        let max = Duration::from_millis(1000);
+        assert_eq!(millis(&o, "ttl", max, false).unwrap(), Some(max));
+        assert_eq!(millis(&o, "n", max, false).unwrap(), None);
+        assert_eq!(millis(&o, "absent", max, false).unwrap(), None);
+        assert_eq!(
+            millis(&o, "num", max, false).unwrap(),
+            Some(Duration::from_millis(5))
+        );
+        // 0 only where allowed; above the maximum never; not a whole count.
+        assert!(millis(&o, "zero", max, false).is_err());
+        assert_eq!(millis(&o, "zero", max, true).unwrap(), Some(Duration::ZERO));
+        for bad in ["big", "neg", "f", "s"] {
+            assert!(millis(&o, bad, max, true).is_err(), "{bad}");
+        }
+        let e = millis(&o, "ttl", Duration::from_millis(999), true).unwrap_err();
+        assert!(e.to_string().contains("from 0 to 999"), "{e}");
+        let e = millis(&o, "zero", max, false).unwrap_err();
+        assert!(e.to_string().contains("from 1 to 1000"), "{e}");
+    }
+
+    #[test]
     fn lease_keys_in_path_form_must_be_canonical() {
         for ok in [
             "default:/r/x",

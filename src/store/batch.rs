@@ -262,6 +262,13 @@ mod tests {
         }
         let seen = seen.lock().unwrap();
         assert!(seen.iter().all(|b| b.len() <= MAX_BATCH));
+        // A key met again is left for a later batch, and the batch still
+        // fills up with the other keys.
+        assert_eq!(
+            seen[1].len(),
+            MAX_BATCH,
+            "the batch after the blocker is full"
+        );
         for b in seen.iter() {
             let same = b.iter().filter(|r| (1..=3).contains(*r)).count();
             assert!(same <= 1, "a key twice in one batch: {b:?}");
@@ -274,6 +281,70 @@ mod tests {
             .filter(|r| (1..=3).contains(r))
             .collect();
         assert_eq!(order, vec![1, 2, 3]);
+    }
+
+    /// Closing waits for the batch that is out (within its bound).
+    #[tokio::test(start_paused = true)]
+    async fn settle_waits_for_the_batch_out() {
+        let done = Arc::new(AtomicUsize::new(0));
+        let run: Run<u32, u32> = {
+            let done = done.clone();
+            Arc::new(move |reqs: Vec<u32>| {
+                let done = done.clone();
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    done.fetch_add(1, Ordering::SeqCst);
+                    Ok(reqs.into_iter().map(Ok).collect())
+                })
+            })
+        };
+        let b = Batcher::new(1, run, None);
+        let out = tokio::spawn({
+            let b = b.clone();
+            async move { b.call("a", 1).await }
+        });
+        tokio::task::yield_now().await;
+        b.settle(Duration::from_secs(5)).await;
+        assert_eq!(
+            done.load(Ordering::SeqCst),
+            1,
+            "settled before the batch ended"
+        );
+        assert_eq!(out.await.unwrap().unwrap(), 1);
+    }
+
+    /// A batch that ended frees its slot, whether its round trip returned
+    /// or panicked: later calls, one at a time, each get a batch out.
+    #[tokio::test(start_paused = true)]
+    async fn the_slot_is_freed_after_every_batch_and_after_a_panic() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let run: Run<u32, u32> = {
+            let calls = calls.clone();
+            Arc::new(move |reqs: Vec<u32>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    assert_ne!(n, 2, "a backend that panics");
+                    Ok(reqs.into_iter().map(Ok).collect())
+                })
+            })
+        };
+        let b = Batcher::new(1, run, None);
+        for i in 0..2u32 {
+            let answer = tokio::time::timeout(Duration::from_secs(5), b.call("a", i)).await;
+            assert_eq!(answer.expect("a batch went out").unwrap(), i);
+        }
+        // The third round trip panics: its caller sees the store closed.
+        let answer = tokio::time::timeout(Duration::from_secs(5), b.call("a", 2)).await;
+        assert!(matches!(answer.expect("answered"), Err(StoreError::Closed)));
+        for i in 3..5u32 {
+            let answer = tokio::time::timeout(Duration::from_secs(5), b.call("a", i)).await;
+            assert_eq!(
+                answer.expect("a batch went out after the panic").unwrap(),
+                i
+            );
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 5);
     }
 
     #[tokio::test(start_paused = true)]

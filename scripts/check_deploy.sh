@@ -449,4 +449,40 @@ fi
 "${ck[@]}" -f Dockerfile --framework dockerfile || fail "checkov on the Dockerfile"
 "$VENV/bin/hadolint" Dockerfile || fail "hadolint on the Dockerfile"
 echo "hadolint: Dockerfile clean"
+
+# 6. The image's build context: what the build stage COPYs (and nothing
+#    else) must be a package cargo can build. `cargo fetch --locked` parses
+#    the manifest with its targets (a declared bench or example whose file
+#    the stage does not copy fails here, as it would in `docker build`)
+#    and checks the lock file, without compiling.
+ctx=$OUT/build-context
+mkdir -p "$ctx"
+"$PY" - "$ctx" <<'PY' || fail "the Dockerfile's build stage"
+import os, shutil, sys
+ctx = sys.argv[1]
+stage, copied = 0, []
+for line in open("Dockerfile"):
+    words = line.split()
+    if not words or words[0].startswith("#"):
+        continue
+    if words[0].upper() == "FROM":
+        stage += 1
+        continue
+    if stage == 1 and words[0].upper() == "COPY" and not any(w.startswith("--from") for w in words):
+        *srcs, dest = words[1:]
+        into_dir = dest.endswith("/") or dest == "." or len(srcs) > 1
+        dst = os.path.join(ctx, os.path.normpath(dest))
+        for src in srcs:
+            if os.path.isdir(src):
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+            else:
+                os.makedirs(dst if into_dir else os.path.dirname(dst), exist_ok=True)
+                shutil.copy(src, dst)
+            copied.append(src)
+if not copied:
+    raise SystemExit("Dockerfile: no COPY in the build stage")
+print("build context:", " ".join(copied))
+PY
+(cd "$ctx" && cargo fetch --locked -q) || fail "the Dockerfile's build stage copies $(ls "$ctx" | tr '\n' ' '): cargo cannot read that package (a file Cargo.toml names is not copied?)"
+echo "build context: the build stage's files make a package cargo reads"
 echo "check_deploy: OK"

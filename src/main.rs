@@ -58,7 +58,7 @@ enum Command {
         json: bool,
     },
     /// GET a URL and exit 0 on a 2xx answer (container health checks, where
-    /// the image has no curl): `fencegate probe http://127.0.0.1:9090/readyz`.
+    /// the image has no curl): `fencegate probe http://127.0.0.1:9090/healthz`.
     Probe {
         /// The URL to GET (http only).
         url: String,

@@ -176,6 +176,106 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
     assert!(record("8").arrived < record("7").completed);
 }
 
+/// One route with a namespace, from a config file a test rewrites and
+/// reloads: the fixture of the crash-after-remap cases.
+struct Remapped {
+    dir: tempfile::TempDir,
+    up: Upstream,
+    config: std::path::PathBuf,
+    p: Proxy,
+    reloads: f64,
+}
+
+impl Remapped {
+    async fn start(namespace: &str) -> Remapped {
+        let dir = tempfile::tempdir().unwrap();
+        let up = start_upstream().await;
+        let config = dir.path().join("fencegate.toml");
+        write_config(&config, &Self::routes(&up, namespace));
+        let p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+        Remapped {
+            dir,
+            up,
+            config,
+            p,
+            reloads: 0.0,
+        }
+    }
+
+    fn routes(up: &Upstream, namespace: &str) -> String {
+        format!(
+            "[[routes]]\nupstream = \"{}\"\nnamespace = \"{namespace}\"\nupstream_timeout = \"10s\"\n",
+            up.url()
+        )
+    }
+
+    /// Rewrites the config with another namespace and reloads it.
+    async fn remap(&mut self, namespace: &str) {
+        write_config(&self.config, &Self::routes(&self.up, namespace));
+        signal(self.p.child.id(), "HUP");
+        self.reloads += 1.0;
+        let (p, n) = (&self.p, self.reloads);
+        eventually_async("the reload", || async move {
+            metric(p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(n)
+        })
+        .await;
+    }
+
+    /// A write of `token` that the backend takes `ms` to apply, in flight
+    /// once this returns (its head arrived, `arrivals` in all).
+    async fn slow_write(
+        &self,
+        path: &str,
+        token: &'static str,
+        ms: &'static str,
+        arrivals: usize,
+    ) -> tokio::task::JoinHandle<hyper::StatusCode> {
+        let url = self.p.url(path);
+        let write = tokio::spawn(async move {
+            let headers = [("x-fence-token", token), ("x-test-delay-ms", ms)];
+            send("PUT", &url, &headers, "slow").await.status
+        });
+        eventually("the slow write arrived", Duration::from_secs(10), || {
+            self.up.arrivals() >= arrivals
+        })
+        .await;
+        write
+    }
+
+    /// Retries `token` on `path` while it is held (503), then asserts that
+    /// it reached the backend only after `older` was applied.
+    async fn admitted_after(&self, path: &str, token: &str, older: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let a = put(&self.p.url(path), token).await;
+            if a.status == 200 {
+                break;
+            }
+            assert_eq!(a.status, 503, "{}", a.text());
+            assert!(std::time::Instant::now() < deadline, "never admitted");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eventually("the older write applied", Duration::from_secs(10), || {
+            self.up
+                .records()
+                .iter()
+                .any(|r| r.token.as_deref() == Some(older))
+        })
+        .await;
+        let records = self.up.records();
+        let at = |t: &str| {
+            records
+                .iter()
+                .find(|r| r.token.as_deref() == Some(t))
+                .unwrap()
+        };
+        assert!(
+            at(token).arrived >= at(older).completed,
+            "token {token} reached the backend before token {older}, in flight at the crash, was applied"
+        );
+    }
+}
+
 /// A crash while a write admitted under an older key mapping is in flight:
 /// the restart, on the new mapping, holds the resource whatever key it has
 /// now. (The crashed run's marks name the old key; the store also records
@@ -185,88 +285,35 @@ async fn a_reload_that_remaps_keys_holds_new_writes_until_old_ones_finish() {
 /// marked again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_crash_after_a_remapping_reload_still_holds_the_resource() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = start_upstream().await;
-    let config = dir.path().join("fencegate.toml");
-    let with_namespace = |ns: &str| {
-        format!(
-            "[[routes]]\nupstream = \"{}\"\nnamespace = \"{ns}\"\nupstream_timeout = \"10s\"\n",
-            up.url()
-        )
-    };
-    write_config(&config, &with_namespace("one"));
-    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
-    let url = p.url("/r/x");
-    let old = tokio::spawn(async move {
-        let headers = [("x-fence-token", "5"), ("x-test-delay-ms", "4000")];
-        send("PUT", &url, &headers, "slow").await.status
-    });
-    eventually("the slow write arrived", Duration::from_secs(10), || {
-        up.arrivals() == 1
-    })
-    .await;
-    write_config(&config, &with_namespace("two"));
-    signal(p.child.id(), "HUP");
-    eventually_async("the reload", || async {
-        metric(&p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(1.0)
-    })
-    .await;
+    let mut r = Remapped::start("one").await;
+    let old = r.slow_write("/r/x", "5", "4000", 1).await;
+    r.remap("two").await;
     // kill -9, and a start on the new config.
-    p.restart();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let a = put(&p.url("/r/x"), "6").await;
-        if a.status == 200 {
-            break;
-        }
-        assert_eq!(a.status, 503, "{}", a.text());
-        assert!(std::time::Instant::now() < deadline, "never admitted");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    r.p.restart();
+    r.admitted_after("/r/x", "6", "5").await;
     let _ = old.await;
-    eventually("token 5 applied", Duration::from_secs(10), || {
-        up.records().iter().any(|r| r.token.as_deref() == Some("5"))
-    })
-    .await;
-    let record = |token: &str| {
-        up.records()
-            .into_iter()
-            .find(|r| r.token.as_deref() == Some(token))
-            .unwrap_or_else(|| panic!("token {token} never reached the backend"))
-    };
-    assert!(
-        record("6").arrived >= record("5").completed,
-        "token 6 reached the backend before token 5, in flight at the crash, was applied"
-    );
 
     // With nothing in flight under an older mapping (and the window over),
     // the mapping is recorded again, and a crash holds only the keys it
     // marked: a write to another key goes at once.
     eventually("the key mapping recorded", Duration::from_secs(10), || {
-        p.stderr().contains("key mapping recorded")
+        r.p.stderr().contains("key mapping recorded")
     })
     .await;
-    let url = p.url("/r/y");
-    let slow = tokio::spawn(async move {
-        let headers = [("x-fence-token", "7"), ("x-test-delay-ms", "3000")];
-        send("PUT", &url, &headers, "slow").await.status
-    });
-    eventually("the slow write arrived", Duration::from_secs(10), || {
-        up.arrivals() >= 3
-    })
-    .await;
-    p.restart();
-    let a = put(&p.url("/r/z"), "1").await;
+    let slow = r.slow_write("/r/y", "7", "3000", 3).await;
+    r.p.restart();
+    let a = put(&r.p.url("/r/z"), "1").await;
     assert_eq!(
         a.status,
         200,
         "an unmarked key was held: {}\n{}",
         a.text(),
-        p.stderr()
+        r.p.stderr()
     );
-    let a = put(&p.url("/r/y"), "8").await;
+    let a = put(&r.p.url("/r/y"), "8").await;
     assert_eq!(a.status, 503, "the marked key is held: {}", a.text());
     let _ = slow.await;
+    drop(r.dir);
 }
 
 /// A restart on the crashed run's own mapping holds only the keys it
@@ -274,61 +321,14 @@ async fn a_crash_after_a_remapping_reload_still_holds_the_resource() {
 /// resource that had a write in flight escape under its new key.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_remapping_reload_during_crash_recovery_still_holds_the_resource() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = start_upstream().await;
-    let config = dir.path().join("fencegate.toml");
-    let with_namespace = |ns: &str| {
-        format!(
-            "[[routes]]\nupstream = \"{}\"\nnamespace = \"{ns}\"\nupstream_timeout = \"10s\"\n",
-            up.url()
-        )
-    };
-    write_config(&config, &with_namespace("one"));
-    let mut p = ProxyBuilder::with_config(&config, dir.path()).spawn();
-    let url = p.url("/r/x");
-    let old = tokio::spawn(async move {
-        let headers = [("x-fence-token", "5"), ("x-test-delay-ms", "4000")];
-        send("PUT", &url, &headers, "slow").await.status
-    });
-    eventually("the slow write arrived", Duration::from_secs(10), || {
-        up.arrivals() == 1
-    })
-    .await;
+    let mut r = Remapped::start("one").await;
+    let old = r.slow_write("/r/x", "5", "4000", 1).await;
     // kill -9, a start on the same config: only one:/r/x is held...
-    p.restart();
-    let a = put(&p.url("/r/other"), "1").await;
+    r.p.restart();
+    let a = put(&r.p.url("/r/other"), "1").await;
     assert_eq!(a.status, 200, "an unmarked key was held: {}", a.text());
     // ...then a reload that gives /r/x another key.
-    write_config(&config, &with_namespace("two"));
-    signal(p.child.id(), "HUP");
-    eventually_async("the reload", || async {
-        metric(&p, "fencegate_reloads_total{result=\"ok\",what=\"config\"}").await == Some(1.0)
-    })
-    .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let a = put(&p.url("/r/x"), "6").await;
-        if a.status == 200 {
-            break;
-        }
-        assert_eq!(a.status, 503, "{}", a.text());
-        assert!(std::time::Instant::now() < deadline, "never admitted");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    r.remap("two").await;
+    r.admitted_after("/r/x", "6", "5").await;
     let _ = old.await;
-    eventually("token 5 applied", Duration::from_secs(10), || {
-        up.records().iter().any(|r| r.token.as_deref() == Some("5"))
-    })
-    .await;
-    let records = up.records();
-    let at = |t: &str| {
-        records
-            .iter()
-            .find(|r| r.token.as_deref() == Some(t))
-            .unwrap()
-    };
-    assert!(
-        at("6").arrived >= at("5").completed,
-        "token 6 reached the backend before token 5, in flight at the crash, was applied"
-    );
 }

@@ -628,6 +628,22 @@ async fn a_store_restart_fails_no_write(kind: Spec) {
     }
 }
 
+/// Retries a stale write on a store that was just rolled back: 503 while
+/// the store is down, until the answer is the 503 for lost data; never 200.
+async fn refused_until_lost_data(p: &Proxy, path: &str, token: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = put(&p.url(path), token).await;
+        assert_ne!(a.status, 200, "a stale write passed a rolled-back store");
+        assert_eq!(a.status, 503, "{}", a.text());
+        if a.text().contains("lost data") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never caught: {}", a.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A store restored from a backup while the replicas run: its data rolls
 /// back past a raise acknowledged by one replica. The other replica, which
 /// never wrote that key, refuses the stale token too: every running replica
@@ -646,17 +662,7 @@ async fn a_restored_backup_is_caught_by_every_replica(kind: Spec) {
     c.store.restore(&backup);
     // Until the store answers, 503 for being down; then 503 for lost data.
     // Token 1500 passes the restored fence (1000): it must not pass.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let a = put(&c.a.url("/rb"), "1500").await;
-        assert_ne!(a.status, 200, "a stale write passed a rolled-back store");
-        assert_eq!(a.status, 503, "{}", a.text());
-        if a.text().contains("lost data") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "never caught: {}", a.text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    refused_until_lost_data(&c.a, "/rb", "1500").await;
     assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
 }
 
@@ -685,16 +691,7 @@ async fn a_rollback_seen_once_survives_restarts(kind: Spec) {
     let applied = c.up.arrivals();
     c.store.restore(&backup);
     // Replica a, which kept running, sees the rollback.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let a = put(&c.a.url("/r/k"), "15").await;
-        assert_eq!(a.status, 503, "{}", a.text());
-        if a.text().contains("lost data") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "never caught: {}", a.text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    refused_until_lost_data(&c.a, "/r/k", "15").await;
     assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
     // b, started again normally, refuses too, now and a while later.
     c.b.as_mut().unwrap().restart();
@@ -741,16 +738,7 @@ async fn a_rollback_while_every_replica_was_down_is_caught_by_state_files(kind: 
     c.a.restart();
     c.b.as_mut().unwrap().restart();
     for p in [&c.a, c.b()] {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let a = put(&p.url("/r/k"), "15").await;
-            assert_eq!(a.status, 503, "{}", a.text());
-            if a.text().contains("lost data") {
-                break;
-            }
-            assert!(Instant::now() < deadline, "never caught: {}", a.text());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        refused_until_lost_data(p, "/r/k", "15").await;
     }
     assert_eq!(c.up.arrivals(), applied, "nothing reached the backend");
 }

@@ -1003,6 +1003,149 @@ mod tests {
         Config::try_from(raw).unwrap_err().to_string()
     }
 
+    /// The base config with `extra` lines added to its route, and `top`
+    /// lines before it.
+    fn with(top: &str, extra: &str) -> RawConfig {
+        RawConfig::from_toml(&format!(
+            "store = \"/tmp/fencegate-config-test.redb\"\n{top}\n[[routes]]\nupstream = \"http://127.0.0.1:9000\"\n{extra}\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_admin_token_has_at_least_16_characters() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("admin-token");
+        let top = format!("admin_token_file = \"{}\"", file.display());
+        for (token, ok) in [
+            ("0123456789abcde", false),
+            ("0123456789abcdef", true),
+            (" 0123456789abcdef0 \n", true),
+        ] {
+            std::fs::write(&file, token).unwrap();
+            let c = Config::try_from(with(&top, ""));
+            assert_eq!(c.is_ok(), ok, "{token:?}");
+            if ok {
+                assert_eq!(c.unwrap().admin_token.as_deref(), Some(token.trim()));
+            } else {
+                assert!(err(with(&top, "")).contains("admin_token_file"));
+            }
+        }
+    }
+
+    #[test]
+    fn listeners_files_and_the_longest_timeout() {
+        assert!(err(with(
+            "listen = \"127.0.0.1:7200\"\nadmin_listen = \"127.0.0.1:7200\"",
+            ""
+        ))
+        .contains("admin_listen"));
+        // Port 0 on both: two ephemeral ports, no clash.
+        assert!(Config::try_from(with(
+            "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"",
+            ""
+        ))
+        .is_ok());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f.toml");
+        std::fs::write(
+            &file,
+            "store = \"/tmp/x.redb\"\n[[routes]]\nupstream = \"http://127.0.0.1:1\"\nupstream_timeout = \"7s\"\n[[routes]]\npath_prefix = \"/b\"\nupstream = \"http://127.0.0.1:2\"\nupstream_timeout = \"9s\"\n",
+        )
+        .unwrap();
+        let raw = RawConfig::from_file(&file).unwrap();
+        assert_eq!(raw.store.as_deref(), Some("/tmp/x.redb"));
+        let c = Config::try_from(raw).unwrap();
+        assert_eq!(c.max_upstream_timeout(), Duration::from_secs(9));
+        assert!(RawConfig::from_file(&dir.path().join("missing.toml")).is_err());
+    }
+
+    /// Store TLS files given in the URL are printed there only; given as
+    /// settings, as settings: the printed config reads back the same.
+    #[test]
+    fn store_tls_files_print_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = |n: &str| {
+            let p = dir.path().join(n);
+            std::fs::write(&p, "x").unwrap();
+            p.display().to_string()
+        };
+        let (ca, cert, key) = (f("ca.pem"), f("c.pem"), f("k.pem"));
+        let in_url = format!(
+            "store = \"postgres://fg@db/fg?sslmode=verify-full&sslrootcert={ca}&sslcert={cert}&sslkey={key}\""
+        );
+        let as_settings = format!(
+            "store = \"postgres://fg@db/fg?sslmode=verify-full\"\nstore_ca = \"{ca}\"\nstore_client_cert = \"{cert}\"\nstore_client_key = \"{key}\""
+        );
+        for (top, settings) in [(in_url, false), (as_settings, true)] {
+            let raw = RawConfig::from_toml(&format!(
+                "{top}\n[[routes]]\nupstream = \"http://127.0.0.1:9000\"\n"
+            ))
+            .unwrap();
+            let printed = Config::try_from(raw).unwrap().to_toml();
+            for field in ["store_ca", "store_client_cert", "store_client_key"] {
+                assert_eq!(printed.contains(field), settings, "{field}: {printed}");
+            }
+        }
+    }
+
+    #[test]
+    fn durations_print_in_the_unit_they_read_back_in() {
+        assert_eq!(format_duration(Duration::from_secs(2)), "2s");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(format_duration(Duration::ZERO), "0ms");
+    }
+
+    #[test]
+    fn route_names_prefixes_and_client_certificates_are_checked() {
+        assert!(Config::try_from(with("", "name = \"ok-1.x_y\"")).is_ok());
+        for bad in ["\"\"", "\"a b\"", "\"a/b\""] {
+            assert!(
+                err(with("", &format!("name = {bad}"))).contains("routes[0].name"),
+                "{bad}"
+            );
+        }
+        assert!(Config::try_from(with("", "path_prefix = \"/\"")).is_ok());
+        assert!(Config::try_from(with("", "path_prefix = \"/a+b\"")).is_ok());
+        assert!(err(with("", "path_prefix = \"/a+b\"\nliteral_keys = true"))
+            .contains("routes[0].path_prefix"));
+        let https = |line: &str| {
+            RawConfig::from_toml(&format!(
+                "store = \"/tmp/fencegate-config-test.redb\"\n[[routes]]\nupstream = \"https://127.0.0.1:9443\"\n{line}\n"
+            ))
+            .unwrap()
+        };
+        assert!(err(https("upstream_client_key = \"/nonexistent/k.pem\""))
+            .contains("routes[0].upstream_client_cert"));
+        assert!(err(https("upstream_client_cert = \"/nonexistent/c.pem\""))
+            .contains("routes[0].upstream_client_key"));
+    }
+
+    #[test]
+    fn the_lease_listener_needs_an_address_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokens = dir.path().join("lease-tokens");
+        std::fs::write(&tokens, "abcdefghijklmnopqrstuvwx\n").unwrap();
+        let top = |lease: &str| {
+            format!(
+                "listen = \"127.0.0.1:7100\"\nadmin_listen = \"127.0.0.1:7101\"\nlease_listen = \"{lease}\"\nlease_token_file = \"{}\"",
+                tokens.display()
+            )
+        };
+        let ok = Config::try_from(with(&top("127.0.0.1:7102"), "")).unwrap();
+        assert_eq!(
+            ok.lease.map(|l| l.listen.to_string()),
+            Some("127.0.0.1:7102".to_string())
+        );
+        for clash in ["127.0.0.1:7100", "127.0.0.1:7101"] {
+            assert!(
+                err(with(&top(clash), "")).contains("lease_listen"),
+                "{clash}"
+            );
+        }
+    }
+
     #[test]
     fn tls_listener_files_are_checked() {
         let dir = tempfile::tempdir().unwrap();

@@ -542,6 +542,40 @@ mod tests {
     }
 
     #[test]
+    fn embedded_paths_and_printed_urls() {
+        let dir = tempfile::tempdir().unwrap();
+        // A bare file name is in the working directory, which exists.
+        assert!(matches!(
+            store(&raw("fences.redb")),
+            Ok(StoreConfig::Embedded { .. })
+        ));
+        assert_eq!(
+            field_of(&raw(&dir
+                .path()
+                .join("missing/f.redb")
+                .display()
+                .to_string())),
+            "store"
+        );
+        assert_eq!(field_of(&raw(&dir.path().display().to_string())), "store");
+        // A key=value connection string, not a file name with a space or
+        // an `=` alone.
+        assert_eq!(field_of(&raw("host=db user=fg")), "store");
+        let spaced = dir.path().join("a b.redb").display().to_string();
+        assert!(matches!(
+            store(&raw(&spaced)),
+            Ok(StoreConfig::Embedded { .. })
+        ));
+        let eq = dir.path().join("a=b.redb").display().to_string();
+        assert!(matches!(store(&raw(&eq)), Ok(StoreConfig::Embedded { .. })));
+        let s = shared_of(&raw("redis://fg:s3cret@127.0.0.1:6379/0"));
+        assert_eq!(s.redacted_url(), "redis://fg:****@127.0.0.1:6379/0");
+        let shown = format!("{s:?}");
+        assert!(shown.contains("fg:****@127.0.0.1"), "{shown}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+    }
+
+    #[test]
     fn a_state_file_needs_an_existing_directory() {
         let dir = tempfile::tempdir().unwrap();
         let with = |p: PathBuf| RawConfig {
@@ -550,6 +584,9 @@ mod tests {
         };
         let ok = dir.path().join("marker");
         assert_eq!(shared_of(&with(ok.clone())).state_file, Some(ok));
+        // A bare name is in the working directory.
+        let bare = PathBuf::from("marker");
+        assert_eq!(shared_of(&with(bare.clone())).state_file, Some(bare));
         for bad in [dir.path().join("missing/marker"), dir.path().to_path_buf()] {
             assert_eq!(field_of(&with(bad)), "store_state_file");
         }

@@ -456,8 +456,10 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             format!("`{path_prefix}` has a path parameter (`;`): no request could match it"),
         ));
     }
+    // Without its trailing slashes: "" for "/", else "/" and one segment
+    // or more (two bytes at least).
     let inner = path_prefix.trim_end_matches('/');
-    if inner.len() > 1
+    if inner.len() >= 2
         && inner[1..]
             .split('/')
             .any(|seg| seg.is_empty() || seg == "." || seg == "..")
@@ -1107,6 +1109,14 @@ mod tests {
             );
         }
         assert!(Config::try_from(with("", "path_prefix = \"/\"")).is_ok());
+        assert!(Config::try_from(with("", "path_prefix = \"/a/\"")).is_ok());
+        for bad in ["/.", "/./", "/a//b", "/a/.."] {
+            assert!(
+                err(with("", &format!("path_prefix = \"{bad}\"")))
+                    .contains("routes[0].path_prefix"),
+                "{bad}"
+            );
+        }
         assert!(Config::try_from(with("", "path_prefix = \"/a+b\"")).is_ok());
         assert!(err(with("", "path_prefix = \"/a+b\"\nliteral_keys = true"))
             .contains("routes[0].path_prefix"));

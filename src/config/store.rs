@@ -542,6 +542,52 @@ mod tests {
     }
 
     #[test]
+    fn client_certificates_in_a_postgres_url_and_bad_etcd_endpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = |n: &str| {
+            let p = dir.path().join(n);
+            std::fs::write(&p, "x").unwrap();
+            p
+        };
+        let (ca, cert, key) = (f("ca.pem"), f("c.pem"), f("k.pem"));
+        let s = shared_of(&raw(&format!(
+            "postgres://fg@db/fg?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
+            ca.display(),
+            cert.display(),
+            key.display()
+        )));
+        let tls = s.tls.expect("TLS");
+        assert_eq!(tls.ca, Some(ca));
+        assert_eq!(tls.client_cert, Some(cert));
+        assert_eq!(tls.client_key, Some(key));
+        for bad in [
+            "etcd://127.0.0.1:2379,",
+            "etcd://127.0.0.1",
+            "etcd://127.0.0.1:2379/x,127.0.0.1:2380",
+        ] {
+            assert_eq!(field_of(&raw(bad)), "store", "{bad}");
+        }
+        assert!(matches!(
+            store(&raw("etcd://127.0.0.1:2379,127.0.0.1:2380")),
+            Ok(StoreConfig::Shared(_))
+        ));
+    }
+
+    #[test]
+    fn the_page_cache_is_bounded() {
+        let with = |mib: u64| RawConfig {
+            store_cache_mib: Some(mib),
+            ..raw("fences.redb")
+        };
+        for ok in [1, 64, 1 << 20] {
+            assert!(store(&with(ok)).is_ok(), "{ok}");
+        }
+        for bad in [0, (1 << 20) + 1] {
+            assert_eq!(field_of(&with(bad)), "store_cache_mib", "{bad}");
+        }
+    }
+
+    #[test]
     fn embedded_paths_and_printed_urls() {
         let dir = tempfile::tempdir().unwrap();
         // A bare file name is in the working directory, which exists.

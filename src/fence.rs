@@ -444,14 +444,7 @@ impl Fence {
         if self.recovering_until.is_none() || recorded == Some(fingerprint) {
             return fingerprint;
         }
-        if !self.holds_all() {
-            tracing::warn!(
-                held = self.held.len(),
-                "writes were in flight at the crash under another key mapping (a reload or a changed config): holding every key until the recovery window ends"
-            );
-            self.hold_all
-                .store(true, std::sync::atomic::Ordering::Release);
-        }
+        self.hold_every_key("writes were in flight at the crash under another key mapping (a reload or a changed config)");
         crate::store::KEY_MAPPING_MIXED
     }
 
@@ -461,10 +454,18 @@ impl Fence {
     /// key is held for the rest of the window.
     pub fn hold_every_key_while_recovering(&self) {
         if self.recovering_for().is_some() {
-            tracing::warn!("the key mapping changed during the crash-recovery window: holding every key until it ends");
-            self.hold_all
-                .store(true, std::sync::atomic::Ordering::Release);
+            self.hold_every_key("the key mapping changed during the crash-recovery window");
         }
+    }
+
+    /// From now until the crash-recovery window ends, every key is held.
+    fn hold_every_key(&self, why: &str) {
+        tracing::warn!(
+            held = self.held.len(),
+            "{why}: holding every key until the recovery window ends"
+        );
+        self.hold_all
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Time left in the crash-recovery window, if any key is held.

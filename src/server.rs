@@ -637,20 +637,7 @@ impl Reloader {
         // every key (`Fence::adopt_key_mapping`). Recorded before any
         // write is admitted under the new one.
         let remap = Proxy::key_mapping_of(new) != self.0.proxy.key_mapping();
-        let result = if remap {
-            self.0
-                .fence
-                .store()
-                .record_key_mapping(crate::store::KEY_MAPPING_MIXED)
-                .await
-                .map_err(ReloadError::from)
-        } else {
-            Ok(())
-        };
-        if remap && result.is_ok() {
-            self.0.fence.hold_every_key_while_recovering();
-        }
-        let result = match result {
+        let result = match self.record_remap(remap).await {
             // Loading certificate and CA files blocks: off the runtime threads.
             Ok(()) => {
                 let (this, config) = (self.clone(), new.clone());
@@ -675,6 +662,20 @@ impl Reloader {
         }
         self.0.metrics.reloaded("config", result.is_ok());
         result
+    }
+
+    /// Before a reload that remaps keys: records the mapping as mixed, and
+    /// holds every key if a crash-recovery window is running.
+    async fn record_remap(&self, remap: bool) -> Result<(), ReloadError> {
+        if remap {
+            let fence = &self.0.fence;
+            fence
+                .store()
+                .record_key_mapping(crate::store::KEY_MAPPING_MIXED)
+                .await?;
+            fence.hold_every_key_while_recovering();
+        }
+        Ok(())
     }
 
     /// Records the key mapping in force in the store once no write under

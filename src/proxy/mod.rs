@@ -158,12 +158,12 @@ fn fingerprint(signature: &[MappingEntry]) -> u64 {
     h.max(crate::store::KEY_MAPPING_MIXED + 1)
 }
 
-/// The signature of the key mapping `routes` give, in match order.
-fn signature<R: AsRef<Route>>(routes: &[R]) -> Vec<MappingEntry> {
-    routes
-        .iter()
-        .map(|r| MappingEntry::of(r.as_ref()))
-        .collect()
+/// The signature of the key mapping `routes` give, in match order (the
+/// order the route table matches in, whatever the config's).
+fn signature<'a>(routes: impl IntoIterator<Item = &'a Route>) -> Vec<MappingEntry> {
+    let mut routes: Vec<&Route> = routes.into_iter().collect();
+    routes.sort_by_key(|r| match_order(r));
+    routes.into_iter().map(MappingEntry::of).collect()
 }
 
 /// A write's permits, its key-mapping token, and its token in the drain's
@@ -281,7 +281,7 @@ impl RouteTable {
             });
         }
         routes.sort_by_key(|r| match_order(&r.route));
-        let signature = signature(&routes);
+        let signature = signature(routes.iter().map(|r| &r.route));
         let mapping = match previous {
             Some(p) if p.mapping.signature == signature => p.mapping.clone(),
             _ => Arc::new(Mapping::new(signature, previous.map(|p| &*p.mapping))),
@@ -323,10 +323,7 @@ impl Proxy {
 
     /// The fingerprint of the key mapping `config`'s routes would give.
     pub fn key_mapping_of(config: &Config) -> u64 {
-        let mut routes: Vec<&Route> = config.routes.iter().collect();
-        routes.sort_by_key(|r| match_order(r));
-        let entries: Vec<_> = routes.into_iter().map(MappingEntry::of).collect();
-        fingerprint(&entries)
+        fingerprint(&signature(&config.routes))
     }
 
     /// Resolves once no write admitted under an older key mapping than

@@ -98,10 +98,11 @@ batch() {
   run batch --timeout 60 --file src/store/batch.rs "$@" --cargo-arg=--lib
 }
 
-# The pool alone (tests/upstream_pool.rs) leaves the request forms, TLS
-# and HTTP/2 connections and the idle reaper to the suites that use them.
+# The pool's unit tests (src/upstream.rs: idle expiry, the reaper, each
+# worker's pool, request forms, body hints) with the suites that use the
+# pool through the binary: keep-alive limits and closes, TLS and HTTP/2.
 upstream() {
-  run upstream --timeout 300 --file src/upstream.rs "$@" --cargo-arg=--test=upstream_pool \
+  run upstream --timeout 300 --file src/upstream.rs "$@" --cargo-arg=--lib --cargo-arg=--test=upstream_pool \
     --cargo-arg=--test=contract --cargo-arg=--test=h2c --cargo-arg=--test=tls \
     --cargo-arg=--test=streaming
 }

@@ -198,7 +198,9 @@ pub struct UpstreamTls {
     pub ca: Option<PathBuf>,
     pub client_cert: Option<PathBuf>,
     pub client_key: Option<PathBuf>,
-    /// Offer h2 in ALPN.
+    /// HTTP/2 to the upstream: offered in ALPN to an https upstream, spoken
+    /// from the first byte (h2c, prior knowledge) to an http one, as gRPC
+    /// servers expect.
     pub http2: bool,
 }
 
@@ -568,7 +570,6 @@ fn upstream_tls(i: usize, r: &RawRoute, upstream: &Upstream) -> Result<UpstreamT
             ("upstream_ca", tls.ca.is_some()),
             ("upstream_client_cert", tls.client_cert.is_some()),
             ("upstream_client_key", tls.client_key.is_some()),
-            ("upstream_http2", r.upstream_http2.is_some()),
         ];
         if let Some((name, _)) = set.iter().find(|(_, s)| *s) {
             return Err(invalid(f(name), "only applies to an https:// upstream"));
@@ -967,8 +968,7 @@ impl Config {
                     upstream_ca: r.upstream_tls.ca.clone(),
                     upstream_client_cert: r.upstream_tls.client_cert.clone(),
                     upstream_client_key: r.upstream_tls.client_key.clone(),
-                    upstream_http2: (r.upstream.scheme == http::uri::Scheme::HTTPS)
-                        .then_some(r.upstream_tls.http2),
+                    upstream_http2: Some(r.upstream_tls.http2),
                 })
                 .collect(),
         };

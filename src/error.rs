@@ -43,8 +43,6 @@ pub enum ProxyError {
     NoRoute,
     #[error("method {0} is not supported by this proxy")]
     MethodNotAllowed(String),
-    #[error("an HTTP/2 write needs a content-length: a stream the client resets is otherwise indistinguishable from a complete body")]
-    LengthRequired,
     #[error("token {token} was never granted for this key; this route admits only tokens granted by fencegate's lease API")]
     NotGranted { token: u64 },
     #[error("the fence key is {len} bytes, over the limit of {limit}")]
@@ -84,7 +82,6 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
-            Self::LengthRequired => StatusCode::LENGTH_REQUIRED,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable(_)
             | Self::Recovering { .. }
@@ -110,7 +107,6 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::KeyTooLong { .. } => "key-too-long",
-            Self::LengthRequired => "length-required",
             Self::BodyTimeout => "body-timeout",
             Self::StoreUnavailable(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
@@ -152,7 +148,6 @@ impl ProxyError {
             Self::MethodNotAllowed(_) => "Method not allowed",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::KeyTooLong { .. } => "Fence key too long",
-            Self::LengthRequired => "Content-Length required",
             Self::BodyTimeout => "Request body timeout",
             Self::StoreUnavailable(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",
@@ -179,33 +174,23 @@ impl ProxyError {
         if let Some(k) = key {
             body.insert("key".into(), json!(k));
         }
-        let mut extra = Vec::new();
         match &self {
             Self::Stale { token, highest } => {
                 // As strings: JSON numbers above 2^53 lose precision in
                 // many parsers, and tokens use the full u64 range.
                 body.insert("token".into(), json!(token.to_string()));
                 body.insert("highest".into(), json!(highest.to_string()));
-                extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
             }
             Self::TokenTooFarAhead {
                 highest, max_step, ..
             } => {
                 body.insert("highest".into(), json!(highest.to_string()));
                 body.insert("max_step".into(), json!(max_step.to_string()));
-                extra.push((FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest)));
-            }
-            Self::StoreUnavailable(_) | Self::ShuttingDown => {
-                extra.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
-            }
-            Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
-                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-                extra.push((header::RETRY_AFTER, HeaderValue::from(secs.max(1))));
             }
             _ => {}
         }
         let mut resp = problem_response(status, Value::Object(body));
-        for (name, value) in extra {
+        for (name, value) in self.extra_headers() {
             resp.headers_mut().insert(name, value);
         }
         if matches!(
@@ -224,6 +209,118 @@ impl ProxyError {
         }
         resp
     }
+}
+
+impl ProxyError {
+    /// Headers every form of the answer carries: the key's highest token
+    /// for a token refused against it, when to retry for a refusal that
+    /// passes.
+    fn extra_headers(&self) -> Vec<(header::HeaderName, HeaderValue)> {
+        match self {
+            Self::Stale { highest, .. } | Self::TokenTooFarAhead { highest, .. } => {
+                vec![(FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest))]
+            }
+            Self::StoreUnavailable(_) | Self::ShuttingDown => {
+                vec![(header::RETRY_AFTER, HeaderValue::from_static("1"))]
+            }
+            Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
+                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                vec![(header::RETRY_AFTER, HeaderValue::from(secs.max(1)))]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The gRPC status code (gRPC's `doc/statuscodes.md`) of this refusal.
+    /// gRPC clients read `grpc-status`, not the HTTP status: any status but
+    /// 200 reaches them as UNKNOWN, the reason lost.
+    pub fn grpc_status(&self) -> u8 {
+        const DEADLINE_EXCEEDED: u8 = 4;
+        const INVALID_ARGUMENT: u8 = 3;
+        const PERMISSION_DENIED: u8 = 7;
+        const RESOURCE_EXHAUSTED: u8 = 8;
+        const FAILED_PRECONDITION: u8 = 9;
+        const ABORTED: u8 = 10;
+        const OUT_OF_RANGE: u8 = 11;
+        const UNIMPLEMENTED: u8 = 12;
+        const UNAVAILABLE: u8 = 14;
+        match self {
+            // The lock was lost: the caller retries from a new lease.
+            Self::Stale { .. } => ABORTED,
+            Self::Token(_) => FAILED_PRECONDITION,
+            Self::TokenTooFarAhead { .. } => OUT_OF_RANGE,
+            Self::NotGranted { .. } => PERMISSION_DENIED,
+            Self::BadTarget(_)
+            | Self::BadRequest(_)
+            | Self::BadFraming(_)
+            | Self::KeyTooLong { .. } => INVALID_ARGUMENT,
+            Self::NoRoute | Self::MethodNotAllowed(_) => UNIMPLEMENTED,
+            Self::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
+            Self::BodyTimeout | Self::UpstreamTimeout(_) => DEADLINE_EXCEEDED,
+            // gRPC's own mapping of 502, 503 and 504: retry.
+            Self::StoreUnavailable(_)
+            | Self::Recovering { .. }
+            | Self::OlderInFlight { .. }
+            | Self::ShuttingDown
+            | Self::UpstreamConnect(_)
+            | Self::Upstream(_) => UNAVAILABLE,
+        }
+    }
+
+    /// The answer to a gRPC call (`content-type: application/grpc...`): a
+    /// "trailers-only" response, HTTP 200 with `grpc-status`,
+    /// `grpc-message` (the same reason a problem's `detail` gives) and the
+    /// other headers as metadata, so that the client's status carries the
+    /// code and the reason and its trailing metadata the highest token.
+    pub fn into_grpc_response(self) -> Response<ProxyBody> {
+        let mut resp = Response::new(full(Bytes::new()));
+        let headers = resp.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(
+            "grpc-status",
+            HeaderValue::from(u16::from(self.grpc_status())),
+        );
+        if let Ok(message) = HeaderValue::from_str(&grpc_message(&self.client_detail())) {
+            headers.insert("grpc-message", message);
+        }
+        for (name, value) in self.extra_headers() {
+            headers.insert(name, value);
+        }
+        resp
+    }
+}
+
+/// Whether a request is a gRPC call, whose refusals must be gRPC statuses.
+pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            let v = v.trim_start();
+            // `application/grpc`, `application/grpc+proto`, `;` parameters;
+            // not `application/grpc-web`, which carries its status in the
+            // body.
+            v.get(..16)
+                .is_some_and(|p| p.eq_ignore_ascii_case("application/grpc"))
+                && matches!(v.as_bytes().get(16), None | Some(b'+' | b';' | b' '))
+        })
+}
+
+/// `grpc-message` as gRPC's HTTP/2 mapping writes it: bytes outside
+/// printable ASCII, and `%` itself, percent-encoded.
+fn grpc_message(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for &b in text.as_bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// A `problem+json` response with the given body.
@@ -412,6 +509,86 @@ impl LeaseError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_calls_are_told_by_their_content_type() {
+        let with = |ct: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+            is_grpc(&h)
+        };
+        for yes in [
+            "application/grpc",
+            "application/grpc+proto",
+            "Application/GRPC;charset=x",
+            "application/grpc ",
+        ] {
+            assert!(with(yes), "{yes}");
+        }
+        for no in [
+            "application/grpc-web",
+            "application/grpcx",
+            "application/json",
+            "application/grp",
+        ] {
+            assert!(!with(no), "{no}");
+        }
+        assert!(!is_grpc(&http::HeaderMap::new()));
+    }
+
+    #[test]
+    fn grpc_refusals_carry_the_code_the_reason_and_the_highest_token() {
+        let resp = ProxyError::Stale {
+            token: 33,
+            highest: 34,
+        }
+        .into_grpc_response();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let h = resp.headers();
+        assert_eq!(h["content-type"], "application/grpc");
+        assert_eq!(h["grpc-status"], "10");
+        assert_eq!(
+            h["grpc-message"],
+            "token 33 is lower than the highest token 34 for this key"
+        );
+        assert_eq!(h[&FENCE_TOKEN_HIGHEST], "34");
+        assert!(
+            http_body::Body::is_end_stream(resp.body()),
+            "trailers-only: no body"
+        );
+        let code = |e: ProxyError| e.into_grpc_response().headers()["grpc-status"].clone();
+        assert_eq!(code(ProxyError::Token(TokenError::Missing)), "9");
+        assert_eq!(code(ProxyError::StoreUnavailable("x".into())), "14");
+        assert_eq!(code(ProxyError::Upstream("x".into())), "14");
+        assert_eq!(
+            code(ProxyError::UpstreamTimeout(Duration::from_secs(1))),
+            "4"
+        );
+        assert_eq!(code(ProxyError::NotGranted { token: 1 }), "7");
+        assert_eq!(code(ProxyError::NoRoute), "12");
+        assert_eq!(code(ProxyError::BodyTooLarge { limit: 1 }), "8");
+        assert_eq!(
+            code(ProxyError::TokenTooFarAhead {
+                token: 9,
+                highest: 1,
+                max_step: 2
+            }),
+            "11"
+        );
+        assert_eq!(code(ProxyError::BadRequest("x".into())), "3");
+        let retry = ProxyError::Recovering {
+            retry_after: Duration::from_millis(1500),
+        }
+        .into_grpc_response();
+        assert_eq!(retry.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(grpc_message("a b~"), "a b~");
+        assert_eq!(grpc_message("100% é\n"), "100%25 %C3%A9%0A");
+        assert_eq!(grpc_message("tab\there"), "tab%09here");
+    }
 
     #[test]
     fn secrets_compare_whole_and_of_any_length() {

@@ -34,6 +34,20 @@ pub fn current() -> usize {
     WORKER.with(Cell::get).saturating_sub(1)
 }
 
+/// Makes this thread worker `i` until the guard drops (tests of
+/// per-worker state; the test harness reuses its threads).
+#[cfg(test)]
+pub(crate) fn become_worker(i: usize) -> impl Drop {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            WORKER.with(|w| w.set(0));
+        }
+    }
+    WORKER.with(|w| w.set(i + 1));
+    Reset
+}
+
 /// This thread's slot for per-runtime state such as store connections: 0
 /// off the worker threads (the main runtime), 1 + the index on a worker.
 /// A connection is best used from the runtime that drives it: no hop

@@ -61,3 +61,117 @@ async fn h2c_fences_like_http1() {
     // HTTP/1.1 on the same port still works.
     assert_eq!(put(&p.url("/a/obj"), "5").await.status, 200);
 }
+
+/// A request body of the frames given, with no length announced (as gRPC
+/// and other streaming clients send): an error among them makes the
+/// client reset its stream there (hyper resets with INTERNAL_ERROR).
+struct Frames(std::collections::VecDeque<Result<&'static str, &'static str>>);
+
+impl http_body::Body for Frames {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(|f| match f {
+            Ok(data) => Ok(http_body::Frame::data(Bytes::from_static(data.as_bytes()))),
+            Err(e) => Err(e.into()),
+        }))
+    }
+}
+
+async fn h2_sender(p: &Proxy) -> hyper::client::conn::http2::SendRequest<Frames> {
+    let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(p.addr).await.unwrap());
+    let (sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+fn put_frames(
+    p: &Proxy,
+    path: &str,
+    token: &str,
+    frames: &[Result<&'static str, &'static str>],
+) -> http::Request<Frames> {
+    http::Request::put(p.url(path))
+        .header("x-fence-token", token)
+        .header("te", "trailers")
+        .body(Frames(frames.iter().copied().collect()))
+        .unwrap()
+}
+
+/// HTTP/2 writes need no content-length (gRPC never sends one): a body
+/// that ends with the stream is forwarded whole; one the client cuts with
+/// a reset is a cut-off body, never applied. `te: trailers` goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn undeclared_lengths_are_admitted_and_cut_bodies_never_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    let mut sender = h2_sender(&p).await;
+    let resp = sender
+        .send_request(put_frames(&p, "/u/whole", "1", &[Ok("abc"), Ok("def")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let records = up.records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].target, "/u/whole");
+    assert_eq!(records[0].body_len, 6);
+    assert_eq!(records[0].headers["te"], "trailers");
+    assert!(!records[0].headers.contains_key("content-length"));
+
+    // Cut after its first frame: the client never sees an answer, and the
+    // backend never applies the part it got.
+    let cut = sender
+        .send_request(put_frames(&p, "/u/cut", "2", &[Ok("abc"), Err("cut")]))
+        .await;
+    assert!(cut.is_err(), "{cut:?}");
+    // A later write on the same connection, and time for the cut one's
+    // head to reach the backend, which then sees its body fail.
+    let resp = sender
+        .send_request(put_frames(&p, "/u/after", "3", &[Ok("x")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    for _ in 0..50 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let applied: Vec<String> = up.records().into_iter().map(|r| r.target).collect();
+    assert_eq!(applied, ["/u/whole", "/u/after"]);
+}
+
+/// `upstream_http2 = true` on an http:// upstream speaks HTTP/2 from the
+/// first byte (h2c with prior knowledge), as gRPC servers expect.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_upstream_can_be_spoken_to_in_h2c() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream_with(|stream, service| {
+        Box::pin(async move {
+            // HTTP/2 only: an HTTP/1.1 request fails here.
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        })
+    })
+    .await;
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[routes]]\nupstream = \"{}\"\nupstream_http2 = true\n",
+            up.url()
+        ),
+    )
+    .unwrap();
+    let p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let a = put(&p.url("/h/obj"), "1").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let (s, _, body) = h2("GET", &p.url("/h/obj"), None).await;
+    assert_eq!(s, 200);
+    assert!(String::from_utf8_lossy(&body).starts_with("applied GET"));
+    assert_eq!(up.records().len(), 2);
+}

@@ -313,15 +313,6 @@ impl Proxy {
                 return Err(ProxyError::BodyTooLarge { limit });
             }
         }
-        // hyper ends an HTTP/2 request body cleanly when the client resets
-        // the stream with NO_ERROR or CANCEL: without a declared length a
-        // truncated body would reach the backend as a complete one.
-        if req.version() == http::Version::HTTP_2
-            && !req.body().is_end_stream()
-            && !req.headers().contains_key(header::CONTENT_LENGTH)
-        {
-            return Err(ProxyError::LengthRequired);
-        }
         let token = token_from_headers(req.headers()).map_err(ProxyError::Token)?;
         ctx.token = Some(token);
         Ok(Classified {

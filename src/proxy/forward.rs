@@ -189,7 +189,20 @@ pub(super) fn forwarded_values(
 
 /// Removes hop-by-hop headers, including those named in `Connection`
 /// (except the fence token and `keep`, which are end to end here).
+///
+/// `TE: trailers` is the exception RFC 9113 section 8.2.2 makes: the one
+/// `TE` an HTTP/2 hop may carry, saying the client reads trailers. gRPC
+/// servers require it, so it goes on as `te: trailers` (other `TE` codings
+/// do not).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
+    let trailers = headers.get_all(header::TE).iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',').any(|coding| {
+                let name = coding.split(';').next().unwrap_or_default();
+                name.trim().eq_ignore_ascii_case("trailers")
+            })
+        })
+    });
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -202,6 +215,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
         if *name != FENCE_TOKEN && Some(name) != keep {
             headers.remove(name);
         }
+    }
+    if trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
 }
 

@@ -276,7 +276,13 @@ impl RouteTable {
                 })?;
             routes.push(RouteRuntime {
                 route: route.clone(),
-                upstream: Arc::new(Upstream::new(dial, connector, workers, POOL_IDLE_TIMEOUT)),
+                upstream: Arc::new(Upstream::new(
+                    dial,
+                    connector,
+                    workers,
+                    POOL_IDLE_TIMEOUT,
+                    route.upstream_tls.http2 && route.upstream.scheme != http::uri::Scheme::HTTPS,
+                )),
                 metrics: metrics.route(&route.name),
             });
         }
@@ -456,22 +462,29 @@ impl Proxy {
                 // Held until the request is known to be a read, or by a
                 // write until it is no longer in flight.
                 mapping: Some(mapping),
+                grpc: crate::error::is_grpc(req.headers()),
                 ..RequestContext::default()
             },
             done: false,
         };
-        let mut resp = match self.serve(&table, req, &mut record.ctx).await {
-            Ok(resp) => resp,
+        let (mut resp, status) = match self.serve(&table, req, &mut record.ctx).await {
+            Ok(resp) => {
+                let status = resp.status();
+                (resp, status)
+            }
             Err(err) => {
                 if record.ctx.write {
                     record.ctx.decision = refusal_decision(&err);
                 }
-                self.refuse(err, &record.ctx)
+                // Logged and counted as the HTTP status it stands for,
+                // whatever form it takes (a gRPC refusal is an HTTP 200).
+                let status = err.status();
+                (self.refuse(err, &record.ctx), status)
             }
         };
         resp.headers_mut()
             .insert(&X_REQUEST_ID, record.request_id.clone());
-        record.finish(resp.status());
+        record.finish(status);
         Ok(resp)
     }
 
@@ -501,7 +514,11 @@ impl Proxy {
             ),
             e => tracing::debug!(route, status = e.status().as_u16(), reason = %e, "refused"),
         }
-        err.into_response(key)
+        if ctx.grpc {
+            err.into_grpc_response()
+        } else {
+            err.into_response(key)
+        }
     }
 
     async fn serve(
@@ -762,6 +779,8 @@ struct RequestContext {
     /// This request's place under its key mapping (see [`Mapping`]):
     /// released once it is known to be a read, kept by a write in flight.
     mapping: Option<TaskTrackerToken>,
+    /// A gRPC call: refused with a gRPC status, not problem+json.
+    grpc: bool,
 }
 
 /// The `decision` label of a refused write, if the refusal is a fencing

@@ -45,6 +45,7 @@ use crate::upstream::Upstream;
 mod classify;
 pub mod explain;
 mod forward;
+mod linger;
 
 use classify::*;
 pub(crate) use forward::error_chain;
@@ -479,7 +480,18 @@ impl Proxy {
                 // Logged and counted as the HTTP status it stands for,
                 // whatever form it takes (a gRPC refusal is an HTTP 200).
                 let status = err.status();
-                (self.refuse(err, &record.ctx), status)
+                let mut resp = self.refuse(err, &record.ctx);
+                match record.ctx.unread.take() {
+                    None | Some(linger::Unread::None) => {}
+                    Some(linger::Unread::Close) => close_after(&mut resp),
+                    Some(linger::Unread::Linger { body, close }) => {
+                        if close {
+                            close_after(&mut resp);
+                        }
+                        linger::spawn_drain(body);
+                    }
+                }
+                (resp, status)
             }
         };
         resp.headers_mut()
@@ -527,7 +539,10 @@ impl Proxy {
         mut req: Request<Incoming>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let Classified { rt, path, write } = self.classify(table, &mut req, ctx)?;
+        let Classified { rt, path, write } = match self.classify(table, &mut req, ctx) {
+            Ok(classified) => classified,
+            Err(e) => return Err(ctx.refused_unread(req, e)),
+        };
         let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
         let Some(intent) = write else {
             ctx.mapping = None;
@@ -536,7 +551,10 @@ impl Proxy {
             }
             return self.forward(rt, req, &path, None, ctx).await;
         };
-        let hold = self.fence_write(table, rt, intent, ctx).await?;
+        let hold = match self.fence_write(table, rt, intent, ctx).await {
+            Ok(hold) => hold,
+            Err(e) => return Err(ctx.refused_unread(req, e)),
+        };
         self.forward(rt, req, &path, Some(hold), ctx).await
     }
 
@@ -781,6 +799,36 @@ struct RequestContext {
     mapping: Option<TaskTrackerToken>,
     /// A gRPC call: refused with a gRPC status, not problem+json.
     grpc: bool,
+    /// The body of a request refused before it was read.
+    unread: Option<linger::Unread>,
+}
+
+impl RequestContext {
+    /// Keeps what the refusal of `req` needs of its unread body: the
+    /// client must be able to read the answer (see [`linger`]).
+    fn refused_unread(&mut self, req: Request<Incoming>, err: ProxyError) -> ProxyError {
+        // A gRPC refusal is one HEADERS frame that ends the stream; gRPC
+        // clients read it whatever happens to their request stream.
+        if !self.grpc {
+            let (parts, body) = req.into_parts();
+            let framing = matches!(err, ProxyError::BadFraming(_));
+            self.unread = Some(linger::Unread::of(
+                &parts.method,
+                parts.version,
+                &parts.headers,
+                body,
+                framing,
+            ));
+        }
+        err
+    }
+}
+
+/// Tells an HTTP/1.1 client that the connection ends after this answer
+/// (HTTP/2 has no such header; hyper leaves it out there).
+fn close_after<B>(resp: &mut Response<B>) {
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
 /// The `decision` label of a refused write, if the refusal is a fencing

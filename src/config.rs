@@ -82,6 +82,12 @@ pub struct RawConfig {
     pub shutdown_grace: Option<String>,
     /// One log line per request.
     pub access_log: Option<bool>,
+    /// The plain listener reads a PROXY protocol header (v1 or v2) first
+    /// on every connection.
+    pub proxy_protocol: Option<bool>,
+    /// Addresses (CIDR ranges) allowed to send PROXY headers and whose
+    /// `X-Forwarded-For`/`Forwarded` items are believed.
+    pub trusted_proxies: Option<Vec<String>>,
     #[serde(default)]
     pub limits: RawLimits,
     /// A TLS listener (`[tls]`), beside the plain one.
@@ -102,6 +108,8 @@ pub struct RawTls {
     pub client_ca: Option<PathBuf>,
     /// How often the files are checked for changes.
     pub watch_interval: Option<String>,
+    /// Every connection starts with a PROXY protocol header (before TLS).
+    pub proxy_protocol: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -189,6 +197,8 @@ pub struct TlsConfig {
     /// Certificate files are re-read when they change, checked this often
     /// (and on SIGHUP).
     pub watch_interval: Duration,
+    /// Connections start with a PROXY protocol header, read before TLS.
+    pub proxy_protocol: bool,
 }
 
 /// TLS towards an https upstream (all unset for http ones).
@@ -313,6 +323,12 @@ pub struct Config {
     pub lease: Option<LeaseConfig>,
     pub shutdown_grace: Duration,
     pub access_log: bool,
+    /// The plain listener reads a PROXY protocol header first.
+    pub proxy_protocol: bool,
+    /// Who may speak for clients; `None` when `trusted_proxies` is unset,
+    /// and forwarded headers are then appended to as they come, with the
+    /// socket's peer as the client.
+    pub trusted_proxies: Option<crate::proxy_protocol::TrustedProxies>,
     pub limits: Limits,
     pub tls: Option<TlsConfig>,
     pub routes: Vec<Route>,
@@ -615,9 +631,38 @@ fn tls_listener(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> 
             &t.watch_interval,
             Duration::from_secs(5),
         )?,
+        proxy_protocol: t.proxy_protocol.unwrap_or(false),
     };
     crate::tls::server_config(&tls)?;
     Ok(Some(tls))
+}
+
+/// `proxy_protocol` on the plain listener, and `trusted_proxies`: a
+/// listener that reads PROXY headers needs someone trusted to send them.
+fn proxies(
+    raw: &RawConfig,
+    tls: Option<&TlsConfig>,
+) -> Result<(bool, Option<crate::proxy_protocol::TrustedProxies>), ConfigError> {
+    let trusted = raw
+        .trusted_proxies
+        .as_deref()
+        .map(crate::proxy_protocol::TrustedProxies::parse)
+        .transpose()
+        .map_err(|e| invalid("trusted_proxies", e))?;
+    let plain = raw.proxy_protocol.unwrap_or(false);
+    let untrusted = trusted.as_ref().is_none_or(|t| t.is_empty());
+    for (field, on) in [
+        ("proxy_protocol", plain),
+        ("tls.proxy_protocol", tls.is_some_and(|t| t.proxy_protocol)),
+    ] {
+        if on && untrusted {
+            return Err(invalid(
+                field,
+                "needs `trusted_proxies`: the addresses of the load balancers that send PROXY headers",
+            ));
+        }
+    }
+    Ok((plain, trusted))
 }
 
 /// The lease API's settings: all three or none but the TTL bound.
@@ -693,6 +738,7 @@ impl TryFrom<RawConfig> for Config {
         }
         let store = store(&raw)?;
         let tls = tls_listener(&raw.tls)?;
+        let (proxy_protocol, trusted_proxies) = proxies(&raw, tls.as_ref())?;
         if listen.is_none() && tls.is_none() {
             return Err(invalid(
                 "listen",
@@ -834,6 +880,8 @@ impl TryFrom<RawConfig> for Config {
                 Duration::from_secs(30),
             )?,
             access_log: raw.access_log.unwrap_or(false),
+            proxy_protocol,
+            trusted_proxies,
             limits: Limits {
                 max_connections: max_connections as usize,
                 max_header_bytes: max_header_bytes as usize,
@@ -923,6 +971,8 @@ impl Config {
             max_lease_ttl: self.lease.as_ref().map(|l| format_duration(l.max_ttl)),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
+            proxy_protocol: Some(self.proxy_protocol),
+            trusted_proxies: self.trusted_proxies.as_ref().map(|t| t.to_strings()),
             limits: RawLimits {
                 max_connections: Some(self.limits.max_connections as u64),
                 max_header_bytes: Some(self.limits.max_header_bytes as u64),
@@ -937,6 +987,7 @@ impl Config {
                 key: Some(t.key.clone()),
                 client_ca: t.client_ca.clone(),
                 watch_interval: Some(format_duration(t.watch_interval)),
+                proxy_protocol: Some(t.proxy_protocol),
             }),
             routes: self
                 .routes
@@ -1177,6 +1228,7 @@ mod tests {
                 key: Some(key.clone()),
                 client_ca: Some(cert.clone()),
                 watch_interval: None,
+                proxy_protocol: None,
             });
             raw
         };
@@ -1217,6 +1269,37 @@ mod tests {
     }
 
     #[test]
+    fn proxy_protocol_needs_trusted_proxies_on_each_listener() {
+        let mut raw = base();
+        raw.proxy_protocol = Some(true);
+        raw.trusted_proxies = Some(vec!["10.0.0.0/8".into(), "192.0.2.7".into()]);
+        let c = Config::try_from(raw.clone()).unwrap();
+        assert!(c.proxy_protocol);
+        let trusted = c.trusted_proxies.clone().unwrap();
+        assert!(trusted.contains("10.9.9.9".parse().unwrap()));
+        assert!(!trusted.contains("192.0.2.8".parse().unwrap()));
+        // Written back as it reads.
+        let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+        assert_eq!(again.trusted_proxies, c.trusted_proxies);
+        assert!(again.proxy_protocol);
+        // The TLS listener's own switch needs the same trust.
+        raw.proxy_protocol = None;
+        raw.trusted_proxies = None;
+        let tls = TlsConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            cert: "c".into(),
+            key: "k".into(),
+            client_ca: None,
+            watch_interval: Duration::from_secs(5),
+            proxy_protocol: true,
+        };
+        let e = proxies(&raw, Some(&tls)).unwrap_err().to_string();
+        assert!(e.contains("tls.proxy_protocol"), "{e}");
+        raw.trusted_proxies = Some(vec!["10.0.0.0/8".into()]);
+        assert!(proxies(&raw, Some(&tls)).is_ok());
+    }
+
+    #[test]
     fn unknown_fields_are_refused() {
         let e = RawConfig::from_toml("stor = \"x\"").unwrap_err();
         assert!(e.contains("stor"), "{e}");
@@ -1230,6 +1313,18 @@ mod tests {
         let cases: Vec<(Mutation, &str)> = vec![
             (|r| r.workers = Some(0), "workers"),
             (|r| r.workers = Some(1025), "workers"),
+            (|r| r.proxy_protocol = Some(true), "proxy_protocol"),
+            (
+                |r| {
+                    r.proxy_protocol = Some(true);
+                    r.trusted_proxies = Some(vec![]);
+                },
+                "proxy_protocol",
+            ),
+            (
+                |r| r.trusted_proxies = Some(vec!["10.0.0.0/8".into(), "10.0.0.0/40".into()]),
+                "trusted_proxies",
+            ),
             (
                 |r| r.routes[0].upstream = Some("127.0.0.1:9000".into()),
                 "routes[0].upstream",

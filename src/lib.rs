@@ -33,6 +33,8 @@
 //! - [`metrics`]: the Prometheus registry and metric handles.
 //! - [`server`]: listeners (plain and TLS), connection serving, reload,
 //!   graceful shutdown.
+//! - [`proxy_protocol`]: the PROXY protocol header a load balancer puts in
+//!   front of a connection, and the addresses trusted to speak for clients.
 //! - [`workers`]: the worker threads (one runtime, listener and upstream
 //!   pool each) and the CPU count they default to.
 //! - [`tls`]: rustls configs for the TLS listener (reloadable) and for
@@ -52,6 +54,7 @@ pub mod key;
 pub mod lease;
 pub mod metrics;
 pub mod proxy;
+pub mod proxy_protocol;
 pub mod server;
 pub mod store;
 pub mod tls;

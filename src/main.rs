@@ -248,6 +248,19 @@ struct Opts {
     /// Log one line per request (target fencegate::access).
     #[arg(long, env = "FENCEGATE_ACCESS_LOG", global = true)]
     access_log: bool,
+    /// Every connection to the plain listener starts with a PROXY protocol
+    /// header (v1 or v2) from a load balancer in --trusted-proxies.
+    #[arg(long, env = "FENCEGATE_PROXY_PROTOCOL", global = true)]
+    proxy_protocol: bool,
+    /// Load balancers and proxies trusted to name the client (PROXY
+    /// headers, X-Forwarded-For): addresses or CIDR ranges, comma-separated.
+    #[arg(
+        long,
+        env = "FENCEGATE_TRUSTED_PROXIES",
+        value_delimiter = ',',
+        global = true
+    )]
+    trusted_proxies: Option<Vec<String>>,
     /// Log format.
     #[arg(long, env = "FENCEGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -290,6 +303,10 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     if opts.access_log {
         raw.access_log = Some(true);
     }
+    if opts.proxy_protocol {
+        raw.proxy_protocol = Some(true);
+    }
+    set(&mut raw.trusted_proxies, &opts.trusted_proxies);
     if opts.accept_store_reset {
         raw.accept_store_reset = Some(true);
     }

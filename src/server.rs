@@ -329,6 +329,7 @@ impl Server {
             idle: config.limits.header_read_timeout,
             metrics: metrics.clone(),
             accepted: None,
+            proxy_protocol: None,
         };
         let mut listeners: Vec<std::pin::Pin<Box<dyn Future<Output = bool> + Send>>> = Vec::new();
         let mut jobs: Vec<Vec<Job>> = (0..workers).map(|_| Vec::new()).collect();
@@ -346,8 +347,17 @@ impl Server {
                 });
             }
         };
+        let trusted = config.trusted_proxies.clone().map(Arc::new);
+        let with_proxy_protocol = |mut slots: Slots, on: bool| {
+            slots.proxy_protocol = trusted.clone().filter(|_| on);
+            slots
+        };
         if let Some(sockets) = proxy_listeners {
-            assign(sockets, None, slots("proxy"));
+            assign(
+                sockets,
+                None,
+                with_proxy_protocol(slots("proxy"), config.proxy_protocol),
+            );
         }
         if let (Some(sockets), Some(terminator)) = (tls_listeners, &tls) {
             let side = TlsSide {
@@ -355,7 +365,8 @@ impl Server {
                 timeout: config.limits.header_read_timeout,
                 failures: metrics.tls_handshake_failures.clone(),
             };
-            assign(sockets, Some(side), slots("tls"));
+            let on = config.tls.as_ref().is_some_and(|t| t.proxy_protocol);
+            assign(sockets, Some(side), with_proxy_protocol(slots("tls"), on));
         }
         let jobs = Arc::new(std::sync::Mutex::new(
             jobs.into_iter().map(Some).collect::<Vec<_>>(),
@@ -919,9 +930,39 @@ struct Slots {
     metrics: Arc<Metrics>,
     /// Counts this accept loop's connections (a worker's share).
     accepted: Option<prometheus::IntCounter>,
+    /// Connections start with a PROXY protocol header, from these peers
+    /// only (see [`crate::proxy_protocol`]).
+    proxy_protocol: Option<Arc<crate::proxy_protocol::TrustedProxies>>,
 }
 
 impl Slots {
+    /// Who the connection is for: the socket's peer, or on a listener
+    /// with `proxy_protocol` the client its PROXY header names. `None`
+    /// (the connection is to be closed, and is counted) if the peer is not
+    /// a trusted proxy or its header does not parse in time.
+    async fn client(
+        &self,
+        stream: &mut tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Option<SocketAddr> {
+        let Some(trusted) = &self.proxy_protocol else {
+            return Some(peer);
+        };
+        if !trusted.contains(peer.ip()) {
+            tracing::debug!(%peer, "closed: not in trusted_proxies, so it may not send a PROXY header");
+            self.closed("untrusted_proxy");
+            return None;
+        }
+        match crate::proxy_protocol::read_header(stream, self.idle).await {
+            Ok(client) => Some(client.unwrap_or(peer)),
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "closed: bad PROXY protocol header");
+                self.closed("proxy_protocol");
+                None
+            }
+        }
+    }
+
     fn closed(&self, reason: &str) {
         self.metrics
             .connections_closed
@@ -1132,19 +1173,11 @@ where
                 }
                 let _ = stream.set_nodelay(true);
                 let activity = Arc::new(Activity::default());
-                let stream = Tracked { inner: stream, activity: activity.clone() };
+                let mut stream = Tracked { inner: stream, activity: activity.clone() };
                 let handler = handler.clone();
                 let busy = activity.clone();
-                let service = service_fn(move |req| {
-                    let guard = Busy::new(&busy);
-                    let answer = handler(req, peer);
-                    async move {
-                        let answer = answer.await;
-                        drop(guard);
-                        answer
-                    }
-                });
                 let open = slots.open();
+                let behind = slots.clone();
                 let watchdog = activity.watch(slots.idle);
                 let idle_closed = slots.clone();
                 // Watched from accept on, so the drain also waits for a
@@ -1155,6 +1188,18 @@ where
                 let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
                 let mut connection = gate.connections.spawn(async move {
                     let _held = (open, slot);
+                    let Some(peer) = behind.client(&mut stream.inner, peer).await else {
+                        return;
+                    };
+                    let service = service_fn(move |req| {
+                        let guard = Busy::new(&busy);
+                        let answer = handler(req, peer);
+                        async move {
+                            let answer = answer.await;
+                            drop(guard);
+                            answer
+                        }
+                    });
                     match tls {
                         None => serve_connection(builder, stream, service, watcher).await,
                         Some(tls) => {

@@ -1207,7 +1207,8 @@ async fn request_ids_forwarded_for_and_the_access_log() {
     assert_eq!(v["fields"]["token"], 2);
     assert_eq!(v["fields"]["method"], "PUT");
     assert_eq!(v["fields"]["route"], "default");
-    assert!(v["fields"]["client"]
+    assert_eq!(v["fields"]["client"], "127.0.0.1");
+    assert!(v["fields"]["peer"]
         .as_str()
         .is_some_and(|c| c.starts_with("127.0.0.1:")));
     assert_eq!(v["fields"]["decision"], "stale");

@@ -404,6 +404,12 @@ impl Proxy {
             headers.remove(&FENCE_TOKEN);
         }
         if route.forwarded_headers {
+            if ctx.forwarded_untrusted {
+                // Anyone not in `trusted_proxies` could name any client.
+                for name in [&X_FORWARDED_FOR, &header::FORWARDED, &X_FORWARDED_PROTO] {
+                    headers.remove(name);
+                }
+            }
             if let Some(peer) = peer {
                 add_forwarded(&mut headers, peer);
             }

@@ -82,6 +82,9 @@ struct RouteTable {
     host_routes: bool,
     /// One log line per request (target `fencegate::access`).
     access_log: bool,
+    /// Who may speak for clients in forwarded headers; `None`: not set,
+    /// and those headers are appended to as they come.
+    trusted: Option<Arc<crate::proxy_protocol::TrustedProxies>>,
 }
 
 /// What decides a request's fence key, per route in match order.
@@ -298,6 +301,7 @@ impl RouteTable {
             routes,
             mapping,
             access_log: config.access_log,
+            trusted: config.trusted_proxies.clone().map(Arc::new),
         })
     }
 }
@@ -451,9 +455,12 @@ impl Proxy {
             .cloned()
             .unwrap_or_else(|| self.next_request_id());
         req.headers_mut().insert(&X_REQUEST_ID, request_id.clone());
+        let (client, forwarded_untrusted) =
+            client_of(table.trusted.as_deref(), peer, req.headers());
         let mut record = Record {
             proxy: &self,
             peer,
+            client,
             access_log: table.access_log,
             started: Instant::now(),
             request_id,
@@ -464,6 +471,7 @@ impl Proxy {
                 // write until it is no longer in flight.
                 mapping: Some(mapping),
                 grpc: crate::error::is_grpc(req.headers()),
+                forwarded_untrusted,
                 ..RequestContext::default()
             },
             done: false,
@@ -711,6 +719,8 @@ impl Proxy {
 struct Record<'a> {
     proxy: &'a Proxy,
     peer: Peer,
+    /// The client: the peer, or the one trusted proxies name.
+    client: std::net::IpAddr,
     access_log: bool,
     started: Instant,
     request_id: HeaderValue,
@@ -728,7 +738,8 @@ impl Record<'_> {
             tracing::info!(
                 target: "fencegate::access",
                 request_id = self.request_id.to_str().unwrap_or("-"),
-                client = %peer.addr,
+                client = %self.client,
+                peer = %peer.addr,
                 method = %ctx.method,
                 route = ctx.route.as_deref().unwrap_or("-"),
                 key = ctx.key.as_deref().unwrap_or("-"),
@@ -801,6 +812,9 @@ struct RequestContext {
     grpc: bool,
     /// The body of a request refused before it was read.
     unread: Option<linger::Unread>,
+    /// `trusted_proxies` is set and the peer is not in it: the forwarded
+    /// headers it sent are replaced, not appended to.
+    forwarded_untrusted: bool,
 }
 
 impl RequestContext {
@@ -822,6 +836,35 @@ impl RequestContext {
         }
         err
     }
+}
+
+/// The client of a request, and whether the forwarded headers it came
+/// with are to be dropped. Without `trusted_proxies`: the peer (the PROXY
+/// header's client on such a listener), headers kept. With it: from a
+/// trusted peer, the first untrusted address of `X-Forwarded-For` read
+/// from the right; from anyone else, the peer, its headers dropped.
+fn client_of(
+    trusted: Option<&crate::proxy_protocol::TrustedProxies>,
+    peer: Peer,
+    headers: &HeaderMap,
+) -> (std::net::IpAddr, bool) {
+    let ip = peer.addr.ip();
+    let Some(trusted) = trusted else {
+        return (ip, false);
+    };
+    if !trusted.contains(ip) {
+        return (ip, true);
+    }
+    let items = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .collect::<Vec<_>>();
+    (
+        trusted.client_in_chain(items.into_iter()).unwrap_or(ip),
+        false,
+    )
 }
 
 /// Tells an HTTP/1.1 client that the connection ends after this answer

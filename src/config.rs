@@ -142,6 +142,8 @@ pub struct RawRoute {
     pub tokens: Option<String>,
     /// Add X-Forwarded-For / X-Forwarded-Proto upstream (default true).
     pub forwarded_headers: Option<bool>,
+    /// Pass WebSocket upgrades through (default false: refused, 501).
+    pub websocket: Option<bool>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
     /// PEM CA certificates for an https upstream, instead of the system's.
@@ -238,6 +240,10 @@ pub struct Route {
     /// Append the client address to X-Forwarded-For and set
     /// X-Forwarded-Proto on requests sent upstream.
     pub forwarded_headers: bool,
+    /// WebSocket upgrades are passed through: the upgrade request is
+    /// fenced by its method, the messages after it are not. Off, they are
+    /// refused (501) rather than sent on as plain requests.
+    pub websocket: bool,
     pub connect_timeout: Duration,
     /// From the first byte sent upstream to the response head. Also bounds
     /// how long a newer write waits behind an older one, and the
@@ -556,6 +562,7 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             }
         },
         forwarded_headers: r.forwarded_headers.unwrap_or(true),
+        websocket: r.websocket.unwrap_or(false),
         connect_timeout: duration(
             &f("connect_timeout"),
             &r.connect_timeout,
@@ -1014,6 +1021,7 @@ impl Config {
                         .into(),
                     ),
                     forwarded_headers: Some(r.forwarded_headers),
+                    websocket: Some(r.websocket),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
                     upstream_ca: r.upstream_tls.ca.clone(),

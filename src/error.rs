@@ -43,6 +43,8 @@ pub enum ProxyError {
     NoRoute,
     #[error("method {0} is not supported by this proxy")]
     MethodNotAllowed(String),
+    #[error("this route does not pass WebSocket upgrades (its messages would not be fenced); set `websocket = true` on the route to pass them")]
+    UpgradeNotEnabled,
     #[error("token {token} was never granted for this key; this route admits only tokens granted by fencegate's lease API")]
     NotGranted { token: u64 },
     #[error("the fence key is {len} bytes, over the limit of {limit}")]
@@ -80,6 +82,7 @@ impl ProxyError {
             Self::NotGranted { .. } => StatusCode::FORBIDDEN,
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::UpgradeNotEnabled => StatusCode::NOT_IMPLEMENTED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -105,6 +108,7 @@ impl ProxyError {
             Self::BadFraming(_) => "bad-framing",
             Self::NoRoute => "no-route",
             Self::MethodNotAllowed(_) => "method-not-allowed",
+            Self::UpgradeNotEnabled => "upgrade-not-enabled",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::KeyTooLong { .. } => "key-too-long",
             Self::BodyTimeout => "body-timeout",
@@ -146,6 +150,7 @@ impl ProxyError {
             Self::BadFraming(_) => "Ambiguous message framing",
             Self::NoRoute => "No route",
             Self::MethodNotAllowed(_) => "Method not allowed",
+            Self::UpgradeNotEnabled => "Protocol upgrade not enabled",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::KeyTooLong { .. } => "Fence key too long",
             Self::BodyTimeout => "Request body timeout",
@@ -254,7 +259,7 @@ impl ProxyError {
             | Self::BadRequest(_)
             | Self::BadFraming(_)
             | Self::KeyTooLong { .. } => INVALID_ARGUMENT,
-            Self::NoRoute | Self::MethodNotAllowed(_) => UNIMPLEMENTED,
+            Self::NoRoute | Self::MethodNotAllowed(_) | Self::UpgradeNotEnabled => UNIMPLEMENTED,
             Self::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
             Self::BodyTimeout | Self::UpstreamTimeout(_) => DEADLINE_EXCEEDED,
             // gRPC's own mapping of 502, 503 and 504: retry.

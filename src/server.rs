@@ -1122,7 +1122,8 @@ async fn serve_connection<I, S>(
         + 'static,
     S::Future: Send + 'static,
 {
-    let conn = builder.serve_connection(TokioIo::new(io), service);
+    // With upgrades: a WebSocket route hands its connections to a tunnel.
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     if let Err(e) = watcher.watch(conn.into_owned()).await {
         tracing::debug!(error = %e, "connection ended with an error");
     }

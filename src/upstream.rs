@@ -137,8 +137,10 @@ impl Upstream {
             let sent = match conn {
                 Conn::H1(mut sender) => match sender.try_send_request(req).await {
                     Ok(resp) => {
-                        let back = (!retires_connection(resp.status()))
-                            .then(|| (self.clone(), worker, sender));
+                        // An upgraded connection (101) is the tunnel's now.
+                        let reusable = !retires_connection(resp.status())
+                            && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS;
+                        let back = reusable.then(|| (self.clone(), worker, sender));
                         return Ok(resp.map(|body| {
                             PooledBody {
                                 body,
@@ -251,7 +253,8 @@ impl Upstream {
             Ok(Conn::H2(sender))
         } else {
             let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
-            tokio::spawn(conn);
+            // Upgrades: a WebSocket route's 101 hands the connection over.
+            tokio::spawn(conn.with_upgrades());
             Ok(Conn::H1(sender))
         }
     }

@@ -108,6 +108,24 @@ pub(super) fn is_form(headers: &HeaderMap) -> bool {
         })
 }
 
+/// An HTTP/1.1 WebSocket opening handshake (RFC 6455 section 4.1):
+/// `Upgrade: websocket` with `upgrade` among the `Connection` options.
+/// Other upgrades (`h2c`) are ignored as RFC 9110 allows: the request goes
+/// on as a plain one.
+pub(super) fn is_websocket_upgrade(version: http::Version, headers: &HeaderMap) -> bool {
+    let listed = |name: header::HeaderName, token: &str| {
+        headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    };
+    version == http::Version::HTTP_11
+        && listed(header::UPGRADE, "websocket")
+        && listed(header::CONNECTION, "upgrade")
+}
+
 pub(super) fn is_copy_or_move(method: &Method, headers: &HeaderMap, query: Option<&str>) -> bool {
     let named = |m: &str| m.eq_ignore_ascii_case("COPY") || m.eq_ignore_ascii_case("MOVE");
     named(method.as_str())
@@ -283,6 +301,12 @@ impl Proxy {
             return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
         }
         ctx.route = Some(route.name.clone());
+        if is_websocket_upgrade(req.version(), req.headers()) {
+            if !route.websocket {
+                return Err(ProxyError::UpgradeNotEnabled);
+            }
+            ctx.websocket = true;
+        }
         ctx.requests = Some(rt.metrics.requests.clone());
         ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;
         if !ctx.write {
@@ -395,5 +419,50 @@ impl Proxy {
         };
         let rewritten = HeaderValue::from_str(&rewritten).map_err(|_| bad("not ASCII"))?;
         Ok((self.fence_key(&rt.route, &path, headers)?, rewritten))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn websocket_handshakes_are_told_apart() {
+        let with = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(*k, HeaderValue::from_static(v));
+            }
+            h
+        };
+        let h11 = http::Version::HTTP_11;
+        let ws = with(&[("upgrade", "websocket"), ("connection", "Upgrade")]);
+        assert!(is_websocket_upgrade(h11, &ws));
+        assert!(is_websocket_upgrade(
+            h11,
+            &with(&[
+                ("upgrade", "WebSocket"),
+                ("connection", "keep-alive, upgrade")
+            ])
+        ));
+        assert!(is_websocket_upgrade(
+            h11,
+            &with(&[
+                ("upgrade", "websocket"),
+                ("connection", "keep-alive"),
+                ("connection", "upgrade")
+            ])
+        ));
+        // Not one: no Connection option, another protocol, HTTP/1.0 or 2.
+        assert!(!is_websocket_upgrade(
+            h11,
+            &with(&[("upgrade", "websocket")])
+        ));
+        assert!(!is_websocket_upgrade(
+            h11,
+            &with(&[("upgrade", "h2c"), ("connection", "upgrade")])
+        ));
+        assert!(!is_websocket_upgrade(http::Version::HTTP_10, &ws));
+        assert!(!is_websocket_upgrade(http::Version::HTTP_2, &ws));
     }
 }

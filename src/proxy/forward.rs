@@ -221,6 +221,27 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
     }
 }
 
+/// Joins the two upgraded connections of a WebSocket handshake and copies
+/// bytes both ways until either side closes. Nothing in it is fenced: the
+/// messages are the backend's to check. Owned by nothing but its two
+/// connections, which it closes when either ends.
+fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade, route: String) {
+    tokio::spawn(async move {
+        let (client, upstream) = match tokio::try_join!(client, upstream) {
+            Ok(both) => both,
+            Err(e) => {
+                tracing::debug!(route, error = %e, "WebSocket upgrade failed");
+                return;
+            }
+        };
+        let mut client = hyper_util::rt::TokioIo::new(client);
+        let mut upstream = hyper_util::rt::TokioIo::new(upstream);
+        if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+            tracing::debug!(route, error = %e, "WebSocket tunnel ended");
+        }
+    });
+}
+
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut src = e.source();
@@ -385,7 +406,12 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let peer = ctx.peer;
         let route = &rt.route;
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        // The client's side of a WebSocket tunnel, if the upstream agrees.
+        let client_upgrade = ctx
+            .websocket
+            .then(|| parts.extensions.remove::<hyper::upgrade::OnUpgrade>())
+            .flatten();
         // Origin form: the pool dials the route's address, and the Host
         // header (or HTTP/2's :authority) carries the name.
         let uri = Uri::builder()
@@ -399,7 +425,14 @@ impl Proxy {
             crate::key::KeyTemplate::Header(name) => Some(name),
             _ => None,
         };
+        let upgrade = headers.get(header::UPGRADE).cloned();
         strip_hop_by_hop(&mut headers, key_header);
+        if let (Some(upgrade), Some(_)) = (upgrade, &client_upgrade) {
+            // The handshake's own hop-by-hop headers go on: the upstream
+            // must see the request it is asked to upgrade.
+            headers.insert(header::UPGRADE, upgrade);
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
         if route.strip_token {
             headers.remove(&FENCE_TOKEN);
         }
@@ -515,7 +548,16 @@ impl Proxy {
             Ok(Ok(resp)) => resp,
         };
         let mut resp = resp;
+        let upgrade = resp.headers().get(header::UPGRADE).cloned();
         strip_hop_by_hop(resp.headers_mut(), None);
+        if let (Some(client), Some(upgrade), http::StatusCode::SWITCHING_PROTOCOLS) =
+            (client_upgrade, upgrade, resp.status())
+        {
+            resp.headers_mut().insert(header::UPGRADE, upgrade);
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            tunnel(client, hyper::upgrade::on(&mut resp), route.name.clone());
+        }
         Ok(resp)
     }
 }

@@ -815,6 +815,8 @@ struct RequestContext {
     /// `trusted_proxies` is set and the peer is not in it: the forwarded
     /// headers it sent are replaced, not appended to.
     forwarded_untrusted: bool,
+    /// A WebSocket handshake on a route that passes them.
+    websocket: bool,
 }
 
 impl RequestContext {

@@ -217,3 +217,48 @@ async fn forwarded_headers_are_believed_only_from_trusted_proxies() {
         "an untrusted peer named the client"
     );
 }
+
+/// On the TLS listener the header comes first, in clear, then TLS.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_tls_listener_reads_the_header_before_the_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let ca = common::tls::TestCa::new(dir.path(), "ca");
+    let leaf = ca.server("server");
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "trusted_proxies = [\"{BALANCER}\"]\n[tls]\nlisten = \"127.0.0.1:0\"\ncert = \"{}\"\nkey = \"{}\"\nproxy_protocol = true\n[[routes]]\nupstream = \"{}\"\n",
+            leaf.cert.display(),
+            leaf.key.display(),
+            up.url()
+        ),
+    )
+    .unwrap();
+    let p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    let tls_addr = p.tls.expect("a TLS listener");
+    let connector = tokio_rustls::TlsConnector::from(common::tls::client_config(&ca.pem));
+    let over_tls = |prefix: Vec<u8>, path: &'static str| {
+        let connector = connector.clone();
+        async move {
+            let mut s = connect_from(BALANCER, tls_addr).await;
+            s.write_all(&prefix).await.unwrap();
+            let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+            let Ok(mut tls) = connector.connect(name, s).await else {
+                return String::new();
+            };
+            let req = format!("PUT {path} HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx");
+            tls.write_all(req.as_bytes()).await.unwrap();
+            let mut answer = Vec::new();
+            let _ = tls.read_to_end(&mut answer).await;
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    let a = over_tls(v2_header("198.51.100.20:6000"), "/tls/v2").await;
+    assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+    assert_eq!(forwarded_for(&up, "/tls/v2"), "198.51.100.20");
+    // TLS straight away, without the header: closed.
+    assert_eq!(over_tls(Vec::new(), "/tls/none").await, "");
+    assert!(up.records().iter().all(|r| r.target != "/tls/none"));
+}

@@ -159,6 +159,21 @@ fn key(path: &Path) -> PrivateKeyDer<'static> {
     PrivateKeyDer::from_pem_file(path).unwrap()
 }
 
+/// A TLS client config trusting `ca` (for raw TLS streams).
+pub fn client_config(ca: &Path) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs(ca) {
+        roots.add(c).unwrap();
+    }
+    Arc::new(
+        rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
 /// Which HTTP versions a client offers in ALPN.
 #[derive(Clone, Copy, PartialEq)]
 pub enum Alpn {

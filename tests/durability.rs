@@ -941,6 +941,8 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--upstream-client-cert", Some("/nonexistent/c.pem")),
         ("--upstream-client-key", Some("/nonexistent/k.pem")),
         ("--access-log", None),
+        ("--proxy-protocol", None),
+        ("--trusted-proxies", Some("10.0.0.0/8,192.0.2.7")),
         ("--log-format", Some("xml")),
     ];
     let dir = tempfile::tempdir().unwrap();

@@ -522,6 +522,14 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             WriteMethods::Only(set)
         }
     };
+    if r.websocket == Some(true) && upstream_tls.http2 {
+        // HTTP/2 has no Upgrade: the handshake would reach the backend as
+        // a plain GET.
+        return Err(invalid(
+            f("websocket"),
+            "cannot go with upstream_http2 (WebSocket handshakes are HTTP/1.1 upgrades)",
+        ));
+    }
     let literal_keys = r.literal_keys.unwrap_or(false);
     // Literal keys read `+` as a space; routes are matched on the path as
     // sent, so a `+` in a literal route's prefix would put `a+b` and `a%20b`
@@ -1322,6 +1330,13 @@ mod tests {
             (|r| r.workers = Some(0), "workers"),
             (|r| r.workers = Some(1025), "workers"),
             (|r| r.proxy_protocol = Some(true), "proxy_protocol"),
+            (
+                |r| {
+                    r.routes[0].websocket = Some(true);
+                    r.routes[0].upstream_http2 = Some(true);
+                },
+                "routes[0].websocket",
+            ),
             (
                 |r| {
                     r.proxy_protocol = Some(true);

@@ -61,6 +61,8 @@ pub enum ProxyError {
     OlderInFlight { retry_after: Duration },
     #[error("fencegate is shutting down and forwards no new write; retry (on another replica)")]
     ShuttingDown,
+    #[error("too many WebSocket tunnels are open; retry later")]
+    TooManyTunnels,
     #[error("cannot connect to the upstream: {0}")]
     UpstreamConnect(String),
     #[error("the upstream did not answer within {0:?}")]
@@ -89,7 +91,8 @@ impl ProxyError {
             Self::StoreUnavailable(_)
             | Self::Recovering { .. }
             | Self::OlderInFlight { .. }
-            | Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            | Self::ShuttingDown
+            | Self::TooManyTunnels => StatusCode::SERVICE_UNAVAILABLE,
             Self::UpstreamConnect(_) | Self::Upstream(_) => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -116,6 +119,7 @@ impl ProxyError {
             Self::Recovering { .. } => "recovering",
             Self::OlderInFlight { .. } => "older-write-in-flight",
             Self::ShuttingDown => "shutting-down",
+            Self::TooManyTunnels => "too-many-tunnels",
             Self::UpstreamConnect(_) => "upstream-unreachable",
             Self::UpstreamTimeout(_) => "upstream-timeout",
             Self::Upstream(_) => "upstream-failed",
@@ -158,6 +162,7 @@ impl ProxyError {
             Self::Recovering { .. } => "Recovering from an unclean stop",
             Self::OlderInFlight { .. } => "Older write still in flight",
             Self::ShuttingDown => "Shutting down",
+            Self::TooManyTunnels => "Too many WebSocket tunnels",
             Self::UpstreamConnect(_) => "Upstream unreachable",
             Self::UpstreamTimeout(_) => "Upstream timeout",
             Self::Upstream(_) => "Upstream failed",
@@ -225,7 +230,7 @@ impl ProxyError {
             Self::Stale { highest, .. } | Self::TokenTooFarAhead { highest, .. } => {
                 vec![(FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest))]
             }
-            Self::StoreUnavailable(_) | Self::ShuttingDown => {
+            Self::StoreUnavailable(_) | Self::ShuttingDown | Self::TooManyTunnels => {
                 vec![(header::RETRY_AFTER, HeaderValue::from_static("1"))]
             }
             Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
@@ -240,6 +245,7 @@ impl ProxyError {
     /// gRPC clients read `grpc-status`, not the HTTP status: any status but
     /// 200 reaches them as UNKNOWN, the reason lost.
     pub fn grpc_status(&self) -> u8 {
+        const UNKNOWN: u8 = 2;
         const DEADLINE_EXCEEDED: u8 = 4;
         const INVALID_ARGUMENT: u8 = 3;
         const PERMISSION_DENIED: u8 = 7;
@@ -262,13 +268,17 @@ impl ProxyError {
             Self::NoRoute | Self::MethodNotAllowed(_) | Self::UpgradeNotEnabled => UNIMPLEMENTED,
             Self::BodyTooLarge { .. } => RESOURCE_EXHAUSTED,
             Self::BodyTimeout | Self::UpstreamTimeout(_) => DEADLINE_EXCEEDED,
-            // gRPC's own mapping of 502, 503 and 504: retry.
+            // Nothing was sent: safe to retry, which gRPC clients may do
+            // on their own for UNAVAILABLE.
             Self::StoreUnavailable(_)
             | Self::Recovering { .. }
             | Self::OlderInFlight { .. }
             | Self::ShuttingDown
-            | Self::UpstreamConnect(_)
-            | Self::Upstream(_) => UNAVAILABLE,
+            | Self::TooManyTunnels
+            | Self::UpstreamConnect(_) => UNAVAILABLE,
+            // The call may have been applied: not a status clients retry
+            // by themselves (a retry with the same token is admitted).
+            Self::Upstream(_) => UNKNOWN,
         }
     }
 
@@ -564,7 +574,8 @@ mod tests {
         let code = |e: ProxyError| e.into_grpc_response().headers()["grpc-status"].clone();
         assert_eq!(code(ProxyError::Token(TokenError::Missing)), "9");
         assert_eq!(code(ProxyError::StoreUnavailable("x".into())), "14");
-        assert_eq!(code(ProxyError::Upstream("x".into())), "14");
+        assert_eq!(code(ProxyError::UpstreamConnect("x".into())), "14");
+        assert_eq!(code(ProxyError::Upstream("x".into())), "2");
         assert_eq!(
             code(ProxyError::UpstreamTimeout(Duration::from_secs(1))),
             "4"

@@ -66,7 +66,7 @@ impl TrustedProxies {
         items: impl DoubleEndedIterator<Item = &'a str>,
     ) -> Option<IpAddr> {
         for item in items.rev() {
-            let ip = parse_item(item)?;
+            let ip = canonical(parse_item(item)?);
             if !self.contains(ip) {
                 return Some(ip);
             }
@@ -155,6 +155,10 @@ async fn read_header_bytes(stream: &mut TcpStream) -> Result<Option<SocketAddr>,
 
 /// The client a complete header names.
 pub fn client_of(header: &[u8]) -> Result<Option<SocketAddr>, HeaderError> {
+    client_named(header).map(|c| c.map(|a| SocketAddr::new(canonical(a.ip()), a.port())))
+}
+
+fn client_named(header: &[u8]) -> Result<Option<SocketAddr>, HeaderError> {
     let parsed = HeaderResult::parse(header);
     if parsed.is_incomplete() {
         return Err(HeaderError::Invalid("incomplete".into()));
@@ -226,6 +230,10 @@ mod tests {
             Some("198.51.100.1".parse().unwrap())
         );
         assert_eq!(chain("garbage, 10.0.0.2"), None);
+        assert_eq!(
+            chain("::ffff:198.51.100.1"),
+            Some("198.51.100.1".parse().unwrap())
+        );
     }
 
     #[test]
@@ -241,6 +249,12 @@ mod tests {
             Some("[2001:db8::5]:51000".parse().unwrap())
         );
         assert_eq!(client_of(b"PROXY UNKNOWN\r\n").unwrap(), None);
+        // A v4 client of a dual-stack balancer, as the IPv4 address.
+        let mapped = b"PROXY TCP6 ::ffff:203.0.113.9 2001:db8::1 51000 8080\r\n";
+        assert_eq!(
+            client_of(mapped).unwrap(),
+            Some("203.0.113.9:51000".parse().unwrap())
+        );
         let v2 = v2::Builder::with_addresses(
             v2::Version::Two | v2::Command::Proxy,
             v2::Protocol::Stream,

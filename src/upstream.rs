@@ -346,10 +346,13 @@ fn closed_at_once(e: hyper::Error) -> UpstreamError {
     ))
 }
 
-/// Undoes [`h2_form`] for a request that goes out over HTTP/1.1 after all
-/// (a retry on another connection): origin form, the authority back in
-/// Host.
+/// The request as it goes out over HTTP/1.1: no `te: trailers` (an
+/// HTTP/2 hop's header; over HTTP/1.1 it would need `Connection: TE`, and
+/// only gRPC asks for it), and [`h2_form`] undone for a request that goes
+/// out over HTTP/1.1 after all (a retry on another connection): origin
+/// form, the authority back in Host.
 fn h1_form(req: &mut Request<ProxyBody>) {
+    req.headers_mut().remove(header::TE);
     let Some(authority) = req.uri().authority().cloned() else {
         return;
     };
@@ -725,8 +728,12 @@ mod tests {
         let mut req = get("/a?b=1");
         req.headers_mut()
             .insert(header::HOST, HeaderValue::from_static("name.example:81"));
+        req.headers_mut()
+            .insert(header::TE, HeaderValue::from_static("trailers"));
         h2_form(&mut req, &dial);
+        assert_eq!(req.headers()[header::TE], "trailers");
         h1_form(&mut req);
+        assert!(!req.headers().contains_key(header::TE));
         assert_eq!(req.uri(), "/a?b=1");
         assert_eq!(req.headers()[header::HOST], "name.example:81");
         // A Host already there stays.

@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::future::Future;
+
 use bytes::Bytes;
 use common::*;
 use http_body_util::BodyExt;
@@ -63,21 +65,40 @@ async fn h2c_fences_like_http1() {
 }
 
 /// A request body of the frames given, with no length announced (as gRPC
-/// and other streaming clients send): an error among them makes the
-/// client reset its stream there (hyper resets with INTERNAL_ERROR).
-struct Frames(std::collections::VecDeque<Result<&'static str, &'static str>>);
+/// and other streaming clients send): `Err` makes the client reset its
+/// stream there (hyper resets with INTERNAL_ERROR); an `Ok("")` waits
+/// 300 ms first, so that what came before is surely out.
+struct Frames {
+    steps: std::collections::VecDeque<Result<&'static str, &'static str>>,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
 
 impl http_body::Body for Frames {
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
+        cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        std::task::Poll::Ready(self.0.pop_front().map(|f| match f {
-            Ok(data) => Ok(http_body::Frame::data(Bytes::from_static(data.as_bytes()))),
-            Err(e) => Err(e.into()),
-        }))
+        loop {
+            if let Some(pause) = &mut self.pause {
+                std::task::ready!(pause.as_mut().poll(cx));
+                self.pause = None;
+            }
+            return std::task::Poll::Ready(match self.steps.pop_front() {
+                Some(Ok("")) => {
+                    self.pause = Some(Box::pin(tokio::time::sleep(
+                        std::time::Duration::from_millis(300),
+                    )));
+                    continue;
+                }
+                Some(Ok(data)) => Some(Ok(http_body::Frame::data(Bytes::from_static(
+                    data.as_bytes(),
+                )))),
+                Some(Err(e)) => Some(Err(e.into())),
+                None => None,
+            });
+        }
     }
 }
 
@@ -99,7 +120,10 @@ fn put_frames(
     http::Request::put(p.url(path))
         .header("x-fence-token", token)
         .header("te", "trailers")
-        .body(Frames(frames.iter().copied().collect()))
+        .body(Frames {
+            steps: frames.iter().copied().collect(),
+            pause: None,
+        })
         .unwrap()
 }
 
@@ -121,7 +145,6 @@ async fn undeclared_lengths_are_admitted_and_cut_bodies_never_applied() {
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].target, "/u/whole");
     assert_eq!(records[0].body_len, 6);
-    assert_eq!(records[0].headers["te"], "trailers");
     assert!(!records[0].headers.contains_key("content-length"));
 
     // Cut after its first frame: the client never sees an answer, and the
@@ -142,6 +165,30 @@ async fn undeclared_lengths_are_admitted_and_cut_bodies_never_applied() {
     }
     let applied: Vec<String> = up.records().into_iter().map(|r| r.target).collect();
     assert_eq!(applied, ["/u/whole", "/u/after"]);
+
+    // Every declared byte sent, then a reset: the backend (framed by the
+    // length) must not get the bytes as a complete request, so the last
+    // one waits for the stream's end.
+    let mut declared = put_frames(
+        &p,
+        "/u/declared",
+        "4",
+        &[Ok("abc"), Ok("def"), Ok(""), Err("cut")],
+    );
+    declared
+        .headers_mut()
+        .insert("content-length", http::HeaderValue::from_static("6"));
+    assert!(sender.send_request(declared).await.is_err());
+    let resp = sender
+        .send_request(put_frames(&p, "/u/last", "5", &[Ok("x")]))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    for _ in 0..50 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let applied: Vec<String> = up.records().into_iter().map(|r| r.target).collect();
+    assert_eq!(applied, ["/u/whole", "/u/after", "/u/last"]);
 }
 
 /// `upstream_http2 = true` on an http:// upstream speaks HTTP/2 from the
@@ -168,8 +215,26 @@ async fn an_http_upstream_can_be_spoken_to_in_h2c() {
     )
     .unwrap();
     let p = ProxyBuilder::with_config(&config, dir.path()).spawn();
-    let a = put(&p.url("/h/obj"), "1").await;
+    let a = send(
+        "PUT",
+        &p.url("/h/obj"),
+        &[
+            ("x-fence-token", "1"),
+            ("connection", "te"),
+            ("te", "gzip, trailers"),
+        ],
+        "x",
+    )
+    .await;
     assert_eq!(a.status, 200, "{}", a.text());
+    // `te: trailers`, alone, goes on to an HTTP/2 upstream (gRPC needs it).
+    let te: Vec<_> = up.records()[0]
+        .headers
+        .get_all("te")
+        .iter()
+        .cloned()
+        .collect();
+    assert_eq!(te, ["trailers"]);
     let (s, _, body) = h2("GET", &p.url("/h/obj"), None).await;
     assert_eq!(s, 200);
     assert!(String::from_utf8_lossy(&body).starts_with("applied GET"));

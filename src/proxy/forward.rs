@@ -189,20 +189,7 @@ pub(super) fn forwarded_values(
 
 /// Removes hop-by-hop headers, including those named in `Connection`
 /// (except the fence token and `keep`, which are end to end here).
-///
-/// `TE: trailers` is the exception RFC 9113 section 8.2.2 makes: the one
-/// `TE` an HTTP/2 hop may carry, saying the client reads trailers. gRPC
-/// servers require it, so it goes on as `te: trailers` (other `TE` codings
-/// do not).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
-    let trailers = headers.get_all(header::TE).iter().any(|v| {
-        v.to_str().is_ok_and(|v| {
-            v.split(',').any(|coding| {
-                let name = coding.split(';').next().unwrap_or_default();
-                name.trim().eq_ignore_ascii_case("trailers")
-            })
-        })
-    });
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -216,17 +203,41 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
             headers.remove(name);
         }
     }
-    if trailers {
-        headers.insert(header::TE, HeaderValue::from_static("trailers"));
-    }
 }
 
+/// Whether a request's `TE` names `trailers`: the one `TE` an HTTP/2 hop
+/// may carry (RFC 9113 section 8.2.2), saying the client reads trailers.
+/// gRPC servers require it.
+fn wants_trailers(headers: &HeaderMap) -> bool {
+    headers.get_all(header::TE).iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',').any(|coding| {
+                let name = coding.split(';').next().unwrap_or_default();
+                name.trim().eq_ignore_ascii_case("trailers")
+            })
+        })
+    })
+}
+
+/// A WebSocket tunnel with no bytes either way for this long is closed
+/// (nginx's `proxy_read_timeout` default): WebSocket clients and servers
+/// ping more often than that, and a peer that vanished without a close
+/// must not hold two descriptors for ever.
+pub(super) const TUNNEL_IDLE: Duration = Duration::from_secs(60);
+
 /// Joins the two upgraded connections of a WebSocket handshake and copies
-/// bytes both ways until either side closes. Nothing in it is fenced: the
-/// messages are the backend's to check. Owned by nothing but its two
-/// connections, which it closes when either ends.
-fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade, route: String) {
+/// bytes both ways until both sides have closed, or [`TUNNEL_IDLE`] passes
+/// with nothing sent. Nothing in it is fenced: the messages are the
+/// backend's to check. It holds one of the proxy's tunnel permits, and
+/// ends with its connections (or the process).
+fn tunnel(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    route: String,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     tokio::spawn(async move {
+        let _permit = permit;
         let (client, upstream) = match tokio::try_join!(client, upstream) {
             Ok(both) => both,
             Err(e) => {
@@ -234,12 +245,79 @@ fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade
                 return;
             }
         };
-        let mut client = hyper_util::rt::TokioIo::new(client);
-        let mut upstream = hyper_util::rt::TokioIo::new(upstream);
-        if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-            tracing::debug!(route, error = %e, "WebSocket tunnel ended");
+        let start = tokio::time::Instant::now();
+        let last = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut client = Touching {
+            io: hyper_util::rt::TokioIo::new(client),
+            start,
+            last: last.clone(),
+        };
+        let mut upstream = Touching {
+            io: hyper_util::rt::TokioIo::new(upstream),
+            start,
+            last: last.clone(),
+        };
+        let idle = async {
+            loop {
+                let at = start + Duration::from_millis(last.load(Ordering::Relaxed)) + TUNNEL_IDLE;
+                if tokio::time::Instant::now() >= at {
+                    return;
+                }
+                tokio::time::sleep_until(at).await;
+            }
+        };
+        tokio::select! {
+            copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {
+                if let Err(e) = copied {
+                    tracing::debug!(route, error = %e, "WebSocket tunnel ended");
+                }
+            }
+            () = idle => tracing::debug!(route, "WebSocket tunnel closed: idle"),
         }
     });
+}
+
+pin_project_lite::pin_project! {
+    /// One side of a tunnel: notes when it last read anything.
+    struct Touching<T> {
+        #[pin]
+        io: T,
+        start: tokio::time::Instant,
+        last: Arc<std::sync::atomic::AtomicU64>,
+    }
+}
+
+impl<T: tokio::io::AsyncRead> tokio::io::AsyncRead for Touching<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let polled = this.io.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            let ms = this.start.elapsed().as_millis() as u64;
+            this.last.store(ms, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Touching<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().io.poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_shutdown(cx)
+    }
 }
 
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
@@ -305,6 +383,13 @@ pin_project_lite::pin_project! {
         hold: Option<Arc<InFlight>>,
         limit: Option<u64>,
         seen: u64,
+        // The request's content-length. Its last byte is held back until
+        // the stream is seen to end: over HTTP/2 a client may still reset
+        // the stream after sending every declared byte, and a backend
+        // framed by content-length would take what it got as complete.
+        declared: Option<u64>,
+        held: Option<Bytes>,
+        ended: bool,
         idle: Duration,
         #[pin]
         timer: Option<tokio::time::Sleep>,
@@ -332,62 +417,94 @@ impl Body for GuardedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
-        match this.inner.as_mut().poll_frame(cx) {
-            Poll::Pending => {
-                if this.timer.is_none() {
-                    // One timer: the idle limit or the deadline, whichever
-                    // comes first.
-                    let idle = tokio::time::Instant::now() + *this.idle;
-                    let at = this.cutoff.map_or(idle, |c| c.min(idle));
-                    this.timer.set(Some(tokio::time::sleep_until(at)));
-                }
-                if let Some(t) = this.timer.as_mut().as_pin_mut() {
-                    if std::future::Future::poll(t, cx).is_ready() {
-                        if this
-                            .cutoff
-                            .is_some_and(|c| tokio::time::Instant::now() >= c)
-                        {
-                            return cut(this.state, this.hold);
-                        }
-                        this.state.store(BODY_TIMEOUT, Ordering::Release);
-                        *this.hold = None;
-                        return Poll::Ready(Some(Err("request body read timed out".into())));
+        if *this.ended {
+            *this.hold = None;
+            return Poll::Ready(None);
+        }
+        loop {
+            return match this.inner.as_mut().poll_frame(cx) {
+                Poll::Pending => {
+                    if this.timer.is_none() {
+                        // One timer: the idle limit or the deadline, whichever
+                        // comes first.
+                        let idle = tokio::time::Instant::now() + *this.idle;
+                        let at = this.cutoff.map_or(idle, |c| c.min(idle));
+                        this.timer.set(Some(tokio::time::sleep_until(at)));
                     }
+                    if let Some(t) = this.timer.as_mut().as_pin_mut() {
+                        if std::future::Future::poll(t, cx).is_ready() {
+                            if this
+                                .cutoff
+                                .is_some_and(|c| tokio::time::Instant::now() >= c)
+                            {
+                                return cut(this.state, this.hold);
+                            }
+                            this.state.store(BODY_TIMEOUT, Ordering::Release);
+                            *this.hold = None;
+                            return Poll::Ready(Some(Err("request body read timed out".into())));
+                        }
+                    }
+                    Poll::Pending
                 }
-                Poll::Pending
-            }
-            Poll::Ready(None) => {
-                *this.hold = None;
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.state.store(BODY_MALFORMED, Ordering::Release);
-                *this.hold = None;
-                Poll::Ready(Some(Err(Box::new(e))))
-            }
-            Poll::Ready(Some(Ok(frame))) => {
-                this.timer.set(None);
-                if this
-                    .cutoff
-                    .is_some_and(|c| tokio::time::Instant::now() >= c)
-                {
-                    return cut(this.state, this.hold);
+                Poll::Ready(None) => {
+                    if this.declared.is_some_and(|d| *this.seen < d) {
+                        // HTTP/2 reads a reset with NO_ERROR as a clean end:
+                        // short of its declared length, it is a cut body.
+                        this.state.store(BODY_MALFORMED, Ordering::Release);
+                        *this.hold = None;
+                        *this.held = None;
+                        return Poll::Ready(Some(Err(
+                            "the request body ended before its declared length".into(),
+                        )));
+                    }
+                    *this.ended = true;
+                    if let Some(last) = this.held.take() {
+                        return Poll::Ready(Some(Ok(Frame::data(last))));
+                    }
+                    *this.hold = None;
+                    Poll::Ready(None)
                 }
-                if let Some(data) = frame.data_ref() {
+                Poll::Ready(Some(Err(e))) => {
+                    this.state.store(BODY_MALFORMED, Ordering::Release);
+                    *this.hold = None;
+                    *this.held = None;
+                    Poll::Ready(Some(Err(Box::new(e))))
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    this.timer.set(None);
+                    if this
+                        .cutoff
+                        .is_some_and(|c| tokio::time::Instant::now() >= c)
+                    {
+                        return cut(this.state, this.hold);
+                    }
+                    let Ok(data) = frame.into_data() else {
+                        // Request trailers are not forwarded: they would carry
+                        // headers (a token, a key header) no check has read.
+                        continue;
+                    };
                     *this.seen += data.len() as u64;
                     if this.limit.is_some_and(|l| *this.seen > l) {
                         this.state.store(BODY_TOO_LARGE, Ordering::Release);
                         *this.hold = None;
                         return Poll::Ready(Some(Err("request body exceeds the limit".into())));
                     }
+                    if this.declared.is_some_and(|d| *this.seen >= d) && this.held.is_none() {
+                        *this.held = Some(data);
+                        continue;
+                    }
+                    Poll::Ready(Some(Ok(Frame::data(data))))
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
+            };
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        // Not while the last chunk is held, nor while a body short of its
+        // declared length has yet to be seen to fail.
+        self.held.is_none()
+            && (self.ended
+                || (self.inner.is_end_stream() && self.declared.is_none_or(|d| self.seen >= d)))
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -407,11 +524,21 @@ impl Proxy {
         let peer = ctx.peer;
         let route = &rt.route;
         let (mut parts, body) = req.into_parts();
-        // The client's side of a WebSocket tunnel, if the upstream agrees.
+        // The client's side of a WebSocket tunnel, if the upstream agrees,
+        // and its place among the tunnels, taken before anything is sent.
         let client_upgrade = ctx
             .websocket
             .then(|| parts.extensions.remove::<hyper::upgrade::OnUpgrade>())
             .flatten();
+        let tunnel_permit = match client_upgrade {
+            Some(_) => Some(
+                self.tunnels
+                    .clone()
+                    .try_acquire_owned()
+                    .map_err(|_| ProxyError::TooManyTunnels)?,
+            ),
+            None => None,
+        };
         // Origin form: the pool dials the route's address, and the Host
         // header (or HTTP/2's :authority) carries the name.
         let uri = Uri::builder()
@@ -426,7 +553,13 @@ impl Proxy {
             _ => None,
         };
         let upgrade = headers.get(header::UPGRADE).cloned();
+        let trailers = wants_trailers(&headers);
         strip_hop_by_hop(&mut headers, key_header);
+        if trailers {
+            // Alone, whatever else the client listed; the pool drops it
+            // again for an HTTP/1.1 upstream (`upstream::h1_form`).
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         if let (Some(upgrade), Some(_)) = (upgrade, &client_upgrade) {
             // The handshake's own hop-by-hop headers go on: the upstream
             // must see the request it is asked to upgrade.
@@ -436,13 +569,13 @@ impl Proxy {
         if route.strip_token {
             headers.remove(&FENCE_TOKEN);
         }
-        if route.forwarded_headers {
-            if ctx.forwarded_untrusted {
-                // Anyone not in `trusted_proxies` could name any client.
-                for name in [&X_FORWARDED_FOR, &header::FORWARDED, &X_FORWARDED_PROTO] {
-                    headers.remove(name);
-                }
+        if ctx.forwarded_untrusted {
+            // Anyone not in `trusted_proxies` could name any client.
+            for name in [&X_FORWARDED_FOR, &header::FORWARDED, &X_FORWARDED_PROTO] {
+                headers.remove(name);
             }
+        }
+        if route.forwarded_headers {
             if let Some(peer) = peer {
                 add_forwarded(&mut headers, peer);
             }
@@ -467,6 +600,9 @@ impl Proxy {
             hold: hold.clone(),
             limit: self.limits.max_body_bytes,
             seen: 0,
+            declared: content_length(&headers),
+            held: None,
+            ended: false,
             idle: self.limits.body_read_timeout,
             timer: None,
             state: body_state.clone(),
@@ -548,6 +684,13 @@ impl Proxy {
             Ok(Ok(resp)) => resp,
         };
         let mut resp = resp;
+        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && client_upgrade.is_none() {
+            // A backend that switches protocols unasked would leave the
+            // client speaking HTTP to something else.
+            return Err(ProxyError::Upstream(
+                "the upstream answered 101 to a request that asked for no upgrade".into(),
+            ));
+        }
         let upgrade = resp.headers().get(header::UPGRADE).cloned();
         strip_hop_by_hop(resp.headers_mut(), None);
         if let (Some(client), Some(upgrade), http::StatusCode::SWITCHING_PROTOCOLS) =
@@ -556,7 +699,14 @@ impl Proxy {
             resp.headers_mut().insert(header::UPGRADE, upgrade);
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-            tunnel(client, hyper::upgrade::on(&mut resp), route.name.clone());
+            if let Some(permit) = tunnel_permit {
+                tunnel(
+                    client,
+                    hyper::upgrade::on(&mut resp),
+                    route.name.clone(),
+                    permit,
+                );
+            }
         }
         Ok(resp)
     }

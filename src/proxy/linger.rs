@@ -31,7 +31,8 @@ pub(super) const LINGER_KEEP_BYTES: u64 = 1 << 20;
 
 /// What becomes of a refused request's unread body.
 pub(super) enum Unread {
-    /// Nothing to read: no body, or all of it already arrived.
+    /// Nothing to read: the request has no body (a zero length, or no
+    /// body at all on HTTP/2).
     None,
     /// Not read: the connection closes after the answer (an HTTP/1.1
     /// `Expect: 100-continue` whose body was never asked for, or framing
@@ -53,12 +54,12 @@ impl Unread {
         body: Incoming,
         framing_refused: bool,
     ) -> Self {
-        if body.is_end_stream() || method == Method::HEAD {
-            return Unread::None;
-        }
         let h1 = version < Version::HTTP_2;
         if framing_refused {
             return if h1 { Unread::Close } else { Unread::None };
+        }
+        if body.is_end_stream() || method == Method::HEAD {
+            return Unread::None;
         }
         let expects_continue = headers
             .get(header::EXPECT)

@@ -227,6 +227,9 @@ pub struct Proxy {
     /// in-flight period while the backend may still be applying it.
     /// Shutdown waits for them.
     exchanges: TaskTracker,
+    /// Open WebSocket tunnels, bounded like a listener's connections
+    /// (`limits.max_connections`): a tunnel leaves its connection's slot.
+    tunnels: Arc<tokio::sync::Semaphore>,
     /// Worker threads (one upstream pool per route each).
     workers: usize,
 }
@@ -324,6 +327,7 @@ impl Proxy {
             request_id_prefix: crate::id::unique_id()[..16].to_string(),
             request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
+            tunnels: Arc::new(tokio::sync::Semaphore::new(config.limits.max_connections)),
         })
     }
 
@@ -470,7 +474,10 @@ impl Proxy {
                 // Held until the request is known to be a read, or by a
                 // write until it is no longer in flight.
                 mapping: Some(mapping),
-                grpc: crate::error::is_grpc(req.headers()),
+                // gRPC runs on HTTP/2 only: an HTTP/1.1 client gets
+                // HTTP's answers.
+                grpc: req.version() == http::Version::HTTP_2
+                    && crate::error::is_grpc(req.headers()),
                 forwarded_untrusted,
                 ..RequestContext::default()
             },

@@ -15,6 +15,10 @@
 #   scripts/mutants.sh upstream     the upstream pool and the rule that a
 #                                   write is never sent twice
 #                                   (tests/upstream_pool.rs)
+#   scripts/mutants.sh stores       the shared stores' lease and lock code
+#                                   (Redis and PostgreSQL; STORE_FILES
+#                                   picks the engines, e.g.
+#                                   STORE_FILES=src/store/etcd.rs)
 #   scripts/mutants.sh --in-diff F  only mutants on lines a diff F changed
 #
 # Results land in target/mutants/<part>/mutants.out (missed.txt lists the
@@ -107,6 +111,19 @@ upstream() {
     --cargo-arg=--test=streaming
 }
 
+# The shared stores' leases (the fence's write leases and the lock
+# service's locks): what each engine sends and how it reads the answers,
+# against real servers (tests/shared_stores.rs and tests/leases.rs).
+# etcd's engine builds its transactions in Rust (52 mutants), the other
+# two in Lua and SQL: etcd is a run of its own.
+STORE_LEASES='acquire_many|::poll|::renew|release_many|::lock|lease_outcome|lock_reply|lease_script|ttl_ms|LockCall|lease_key|grant_key|lease_order_key'
+stores() {
+  local files=()
+  for f in ${STORE_FILES:-src/store/redis.rs src/store/postgres.rs}; do files+=(--file "$f"); done
+  run stores --timeout 900 "${files[@]}" --re "$STORE_LEASES" "$@" \
+    --cargo-arg=--test=shared_stores --cargo-arg=--test=leases
+}
+
 case "${1:-all}" in
   core) shift; core "$@" ;;
   shared) shift; shared "$@" ;;
@@ -115,6 +132,7 @@ case "${1:-all}" in
   lease) shift; lease "$@" ;;
   batch) shift; batch "$@" ;;
   upstream) shift; upstream "$@" ;;
+  stores) shift; stores "$@" ;;
   --in-diff)
     # Each part on its own files: a diff that touches neither has no
     # mutant to test, which is a success.
@@ -131,5 +149,5 @@ case "${1:-all}" in
     proxy || status=$?
     exit "$status"
     ;;
-  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|--in-diff FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|stores|--in-diff FILE]" >&2; exit 2 ;;
 esac

@@ -18,13 +18,16 @@
 //!   ([`store::embedded`], redb with group commit; Redis, PostgreSQL and
 //!   etcd behind [`store::shared`]).
 //! - [`proxy`]: the request path: classifying a request (`proxy/classify.rs`),
-//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`), and
-//!   the same classification for people (`proxy/explain.rs`: the admin
-//!   lookup by path and `fencegate explain`).
-//! - [`upstream`]: a route's upstream connections (a pool per worker) and
-//!   one exchange, with the rule that a write is never sent twice.
+//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`,
+//!   WebSocket tunnels included), reading a refused body so that the
+//!   client reads its answer (`proxy/linger.rs`), and the same
+//!   classification for people (`proxy/explain.rs`: the admin lookup by
+//!   path and `fencegate explain`).
+//! - [`upstream`]: a route's upstream connections (a pool per worker,
+//!   HTTP/1.1, h2 by ALPN or h2c) and one exchange, with the rule that a
+//!   write is never sent twice.
 //! - [`error`]: the one place where errors become HTTP answers
-//!   (problem+json).
+//!   (problem+json, or gRPC statuses for gRPC calls).
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}` and
 //!   the lookup by path `/v1/fences?path=`.
 //! - [`lease`]: the lock service (`lease_listen`): leases whose tokens

@@ -47,7 +47,17 @@ WORK=$(mktemp -d "$PWD/target/compare.XXXXXX")
 chmod 755 "$WORK"
 PIDS=()
 # Children first: nginx's workers do not name $WORK on their command line.
-cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do pkill -9 -P "$p" || true; kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
+# The parent is stopped before: a live nginx master replaces a killed
+# worker at once. An nginx master writes its pid file after the command that started it
+# returned, so PIDS may have missed one: every pid file is read again here,
+# or its worker would be left running (and skew later measurements).
+cleanup() {
+  exec 2>/dev/null
+  for f in "$WORK"/*/pid; do [[ -s $f ]] && PIDS+=("$(cat "$f")"); done
+  for p in "${PIDS[@]}"; do kill -STOP "$p" || true; pkill -9 -P "$p" || true; kill -9 "$p" || true; done
+  pkill -9 -f "$WORK" || true
+  rm -rf "$WORK"
+}
 trap cleanup EXIT
 . scripts/bench_lib.sh
 wait_port() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1; done; echo "port $1 never opened" >&2; exit 1; }

@@ -18,7 +18,17 @@ cargo build --release --quiet
 BIN=$PWD/target/release/fencegate
 WORK=$(mktemp -d "$PWD/target/scale.XXXXXX")
 PIDS=()
-cleanup() { exec 2>/dev/null; for p in "${PIDS[@]}"; do kill -9 "$p" || true; done; pkill -9 -f "$WORK" || true; rm -rf "$WORK"; }
+# Children first (nginx's workers do not name $WORK on their command
+# line), their parent stopped before (a live nginx master replaces a
+# killed worker at once), and nginx's pid file read again: it is written after the command
+# that started nginx returned.
+cleanup() {
+  exec 2>/dev/null
+  [[ -s $WORK/nginx/pid ]] && PIDS+=("$(cat "$WORK/nginx/pid")")
+  for p in "${PIDS[@]}"; do kill -STOP "$p" || true; pkill -9 -P "$p" || true; kill -9 "$p" || true; done
+  pkill -9 -f "$WORK" || true
+  rm -rf "$WORK"
+}
 trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 rss_mib() { awk '/VmRSS/ {printf "%.0f", $2/1024}' "/proc/$1/status"; }

@@ -31,11 +31,19 @@ pub struct Admin {
     pub draining: CancellationToken,
 }
 
+/// An admin API problem; its type names the status (`admin-unauthorized`,
+/// `admin-not-found`...), as every other problem of fencegate's has a type
+/// of its own.
 fn problem(status: StatusCode, detail: &str) -> Response<ProxyBody> {
+    let kind = status
+        .canonical_reason()
+        .unwrap_or("error")
+        .to_ascii_lowercase()
+        .replace(' ', "-");
     problem_response(
         status,
         json!({
-            "type": "about:blank",
+            "type": format!("urn:fencegate:problem:admin-{kind}"),
             "title": status.canonical_reason().unwrap_or(""),
             "status": status.as_u16(),
             "detail": detail,

@@ -338,6 +338,20 @@ fn grpc_message(text: &str) -> String {
     out
 }
 
+/// An error and every cause under it, `: `-separated (hyper's and
+/// reqwest-style errors say "client error (Connect)" at the top and the
+/// reason below).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
 /// A `problem+json` response with the given body.
 pub fn problem_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body.to_string()));

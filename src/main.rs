@@ -120,16 +120,21 @@ struct Opts {
     /// TOML config file (routes and everything else); flags override it.
     #[arg(long, env = "FENCEGATE_CONFIG", global = true)]
     config: Option<PathBuf>,
-    /// Proxy listen address (plain HTTP/1.1 and h2c); `off` for TLS only.
+    /// Proxy listen address (plain HTTP/1.1 and h2c); `off` for TLS only
+    /// [default: 127.0.0.1:8080].
     #[arg(long, env = "FENCEGATE_LISTEN", global = true)]
     listen: Option<String>,
-    /// Admin listen address (metrics, health, fence API).
+    /// Admin listen address (metrics, health, fence API) [default:
+    /// 127.0.0.1:9090].
     #[arg(long, env = "FENCEGATE_ADMIN_LISTEN", global = true)]
     admin_listen: Option<String>,
     /// Upstream origin for a catch-all route, e.g. http://127.0.0.1:9000.
     #[arg(long, env = "FENCEGATE_UPSTREAM", global = true)]
     upstream: Option<String>,
-    /// Fence store: a file path (or redb://PATH).
+    /// Fence store: a file path (or redb://PATH) for the embedded store, or
+    /// a shared store's URL for several replicas: redis:// or rediss://,
+    /// postgres:// or postgresql://, etcd:// or etcds://HOST:PORT[,HOST:PORT...]
+    /// (docs/stores.md).
     #[arg(long, env = "FENCEGATE_STORE", global = true)]
     store: Option<String>,
     /// Timeout of shared-store calls (redis://, postgres://, etcd://).
@@ -398,7 +403,10 @@ fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colour only for a terminal: a log file or journal gets no
+        // escape codes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -641,7 +649,7 @@ fn probe(url: &str) -> ExitCode {
                 ExitCode::FAILURE
             }
             Ok(Err(e)) => {
-                eprintln!("fencegate probe: {e}");
+                eprintln!("fencegate probe: {}", fencegate::error::error_chain(&e));
                 ExitCode::FAILURE
             }
             Err(_) => {

@@ -458,7 +458,16 @@ impl Server {
         let sweeper = tokio::spawn(fence.clone().keep_marks(draining.clone()));
         let reaper = tokio::spawn(proxy.clone().reap_idle_connections(draining.clone()));
         let heartbeat = tokio::spawn(store_heartbeat(fence.store().clone(), draining.clone()));
-        tracing::info!(proxy_addr = ?proxy_addr, %admin_addr, tls_addr = ?tls_addr, lease_addr = ?lease_addr, routes = config.routes.len(), workers, "fencegate started");
+        let or_off = |a: Option<SocketAddr>| a.map_or_else(|| "off".to_string(), |a| a.to_string());
+        tracing::info!(
+            proxy_addr = %or_off(proxy_addr),
+            %admin_addr,
+            tls_addr = %or_off(tls_addr),
+            lease_addr = %or_off(lease_addr),
+            routes = config.routes.len(),
+            workers,
+            "fencegate started"
+        );
         let reloader = Reloader(Arc::new(ReloadState {
             proxy,
             proxy_addr,

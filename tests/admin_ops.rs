@@ -82,6 +82,10 @@ async fn fence_ahead_cuts_off_the_old_holder_before_the_new_one_writes() {
     )
     .await;
     assert_eq!(a.status, 401);
+    // A problem type of its own, as every refusal of fencegate's has.
+    assert_eq!(a.json()["type"], "urn:fencegate:problem:admin-unauthorized");
+    // Logs written to a file carry no terminal colour codes.
+    assert!(!p.stderr().contains('\u{1b}'), "{}", p.stderr());
     // Near misses: the same length, a prefix, the token with more after it,
     // another scheme.
     let same_length = format!("Bearer {}", "x".repeat(TOKEN.len()));

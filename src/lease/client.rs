@@ -78,7 +78,7 @@ pub async fn call(
     })
     .await
     .map_err(|_| ClientError::Failed(format!("{url}: no answer within {timeout:?}")))?
-    .map_err(|e| ClientError::Failed(format!("{url}: {e}")))?;
+    .map_err(|e| ClientError::Failed(format!("{url}: {}", crate::error::error_chain(&*e))))?;
     let (status, bytes) = resp;
     let json: Value = if bytes.is_empty() {
         Value::Null

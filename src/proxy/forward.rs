@@ -320,16 +320,7 @@ impl<T: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Touching<T> {
     }
 }
 
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        src = s.source();
-    }
-    out
-}
+pub(crate) use crate::error::error_chain;
 
 #[cfg(test)]
 mod tests {

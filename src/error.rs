@@ -55,6 +55,10 @@ pub enum ProxyError {
     BodyTimeout,
     #[error("the fence store cannot answer: {0}")]
     StoreUnavailable(String),
+    /// The store may have lost fences: the reason (and what the operator
+    /// must do) is fencegate's own, for the client too.
+    #[error("{0}")]
+    StoreLostData(String),
     #[error("recovering from an unclean stop; writes resume when writes forwarded before it can no longer be in flight")]
     Recovering { retry_after: Duration },
     #[error("an older write to this key is still in flight upstream and may be applied after this one's wait limit; retry")]
@@ -89,6 +93,7 @@ impl ProxyError {
             Self::KeyTooLong { .. } => StatusCode::URI_TOO_LONG,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable(_)
+            | Self::StoreLostData(_)
             | Self::Recovering { .. }
             | Self::OlderInFlight { .. }
             | Self::ShuttingDown
@@ -115,7 +120,7 @@ impl ProxyError {
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::KeyTooLong { .. } => "key-too-long",
             Self::BodyTimeout => "body-timeout",
-            Self::StoreUnavailable(_) => "store-unavailable",
+            Self::StoreUnavailable(_) | Self::StoreLostData(_) => "store-unavailable",
             Self::Recovering { .. } => "recovering",
             Self::OlderInFlight { .. } => "older-write-in-flight",
             Self::ShuttingDown => "shutting-down",
@@ -138,6 +143,11 @@ impl ProxyError {
             Self::Upstream(_) => {
                 "the upstream exchange failed (fencegate's log has the cause)".into()
             }
+            // A store's errors name its hosts, ports and files, which are
+            // the operator's, as an upstream's are.
+            Self::StoreUnavailable(_) => {
+                "the fence store cannot answer (fencegate's log has the cause)".into()
+            }
             other => other.to_string(),
         }
     }
@@ -158,7 +168,7 @@ impl ProxyError {
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::KeyTooLong { .. } => "Fence key too long",
             Self::BodyTimeout => "Request body timeout",
-            Self::StoreUnavailable(_) => "Fence store unavailable",
+            Self::StoreUnavailable(_) | Self::StoreLostData(_) => "Fence store unavailable",
             Self::Recovering { .. } => "Recovering from an unclean stop",
             Self::OlderInFlight { .. } => "Older write still in flight",
             Self::ShuttingDown => "Shutting down",
@@ -222,6 +232,18 @@ impl ProxyError {
 }
 
 impl ProxyError {
+    /// A store failure: lost data in the store's own words, anything else
+    /// (I/O, connection, credentials) told to the log only.
+    pub fn from_store(e: &crate::store::StoreError) -> Self {
+        use crate::store::StoreError;
+        match e {
+            StoreError::Amnesia(_) | StoreError::Uninitialised => {
+                Self::StoreLostData(e.to_string())
+            }
+            _ => Self::StoreUnavailable(e.to_string()),
+        }
+    }
+
     /// Headers every form of the answer carries: the key's highest token
     /// for a token refused against it, when to retry for a refusal that
     /// passes.
@@ -230,7 +252,10 @@ impl ProxyError {
             Self::Stale { highest, .. } | Self::TokenTooFarAhead { highest, .. } => {
                 vec![(FENCE_TOKEN_HIGHEST.clone(), HeaderValue::from(*highest))]
             }
-            Self::StoreUnavailable(_) | Self::ShuttingDown | Self::TooManyTunnels => {
+            Self::StoreUnavailable(_)
+            | Self::StoreLostData(_)
+            | Self::ShuttingDown
+            | Self::TooManyTunnels => {
                 vec![(header::RETRY_AFTER, HeaderValue::from_static("1"))]
             }
             Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
@@ -271,6 +296,7 @@ impl ProxyError {
             // Nothing was sent: safe to retry, which gRPC clients may do
             // on their own for UNAVAILABLE.
             Self::StoreUnavailable(_)
+            | Self::StoreLostData(_)
             | Self::Recovering { .. }
             | Self::OlderInFlight { .. }
             | Self::ShuttingDown
@@ -611,6 +637,30 @@ mod tests {
         }
         .into_grpc_response();
         assert_eq!(retry.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn store_failures_show_lost_data_and_hide_the_rest() {
+        use crate::store::StoreError;
+        let detail = |e: StoreError| {
+            let err = ProxyError::from_store(&e);
+            assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(err.kind(), "store-unavailable");
+            err.client_detail()
+        };
+        let hidden = detail(StoreError::Unavailable(
+            "redis://10.0.0.7:6379: refused".into(),
+        ));
+        assert!(!hidden.contains("10.0.0.7"), "{hidden}");
+        assert!(hidden.contains("fencegate's log has the cause"), "{hidden}");
+        let refused = detail(StoreError::Refused("wrong password for user x".into()));
+        assert!(!refused.contains("password"), "{refused}");
+        let lost = detail(StoreError::Amnesia("its marker went back".into()));
+        assert!(
+            lost.contains("lost data") && lost.contains("marker went back"),
+            "{lost}"
+        );
+        assert!(detail(StoreError::Uninitialised).contains("init-store"));
     }
 
     #[test]

@@ -81,9 +81,11 @@ async fn a_full_disk_fails_writes_closed_and_heals() {
     eprintln!("store refused after {i} new keys on a full disk");
     assert_eq!(a.json()["type"], "urn:fencegate:problem:store-unavailable");
     assert!(a.header("retry-after").is_some());
-    // The real cause reaches the client and the log, not "store closed".
+    // The real cause reaches the log, not "store closed"; the client is
+    // told where to look (a store's errors name its hosts and files).
     let detail = a.json()["detail"].as_str().unwrap_or_default().to_string();
-    assert!(detail.contains("No space left on device"), "{detail}");
+    assert!(!detail.contains("No space left on device"), "{detail}");
+    assert!(detail.contains("fencegate's log has the cause"), "{detail}");
     assert!(
         p.stderr().contains("No space left on device"),
         "{}",

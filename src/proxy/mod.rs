@@ -521,7 +521,10 @@ impl Proxy {
             if let Some(d) = ctx.decision {
                 self.metrics.writes.with_label_values(&[route, d]).inc();
             }
-            if matches!(err, ProxyError::StoreUnavailable(_)) {
+            if matches!(
+                err,
+                ProxyError::StoreUnavailable(_) | ProxyError::StoreLostData(_)
+            ) {
                 self.metrics.store_errors.with_label_values(&[route]).inc();
             }
         }
@@ -598,11 +601,7 @@ impl Proxy {
                     // far ahead; no store round trip (a shared store's
                     // steady writes).
                     Some(h) if token <= h => Some(h),
-                    _ => self
-                        .fence
-                        .highest(key)
-                        .await
-                        .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?,
+                    _ => self.fence.highest(key).await.map_err(|e| store_error(&e))?,
                 };
                 if granted_only && highest.is_none_or(|h| token > h) {
                     ctx.key = Some(key.clone());
@@ -660,7 +659,7 @@ impl Proxy {
                 }
                 Err(FenceError::Store(e)) => {
                     self.metrics.store_up.set(0);
-                    return Err(ProxyError::StoreUnavailable(e.to_string()));
+                    return Err(ProxyError::from_store(&e));
                 }
                 Err(FenceError::Recovering { retry_after }) => {
                     return Err(ProxyError::Recovering { retry_after })
@@ -677,7 +676,7 @@ impl Proxy {
                 .fence
                 .overtaken(permit)
                 .await
-                .map_err(|e| ProxyError::StoreUnavailable(e.to_string()))?;
+                .map_err(|e| store_error(&e))?;
             if let Some(highest) = overtaken {
                 ctx.key = Some(key.clone());
                 return Err(ProxyError::Stale { token, highest });
@@ -883,6 +882,14 @@ fn close_after<B>(resp: &mut Response<B>) {
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
+/// A fence call's failure when only the store can have failed.
+fn store_error(e: &FenceError) -> ProxyError {
+    match e {
+        FenceError::Store(s) => ProxyError::from_store(s),
+        other => ProxyError::StoreUnavailable(other.to_string()),
+    }
+}
+
 /// The `decision` label of a refused write, if the refusal is a fencing
 /// decision (upstream failures are not).
 fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
@@ -894,7 +901,7 @@ fn refusal_decision(err: &ProxyError) -> Option<&'static str> {
         ProxyError::BadTarget(_) | ProxyError::KeyTooLong { .. } => "bad_key",
         ProxyError::Recovering { .. } => "recovering",
         ProxyError::OlderInFlight { .. } => "older_in_flight",
-        ProxyError::StoreUnavailable(_) => "store_error",
+        ProxyError::StoreUnavailable(_) | ProxyError::StoreLostData(_) => "store_error",
         ProxyError::ShuttingDown => "shutting_down",
         _ => return None,
     })

@@ -798,7 +798,11 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: Spec) {
     // A stale token would pass a store that forgot: it must not.
     let a = put(&c.b().url("/w"), "3").await;
     assert_eq!(a.status, 503, "{}", a.text());
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Two and a half heartbeats: one 1.2 s wait was outlasted once on a
+    // busy machine. (Waiting instead for the replica's amnesia gauge lets
+    // a write through right after it turns 1: under investigation, see
+    // the closing note of 2026-12-03.)
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     // Keys this replica never saw are refused too, once the marker is checked.
     let a = put(&c.a.url("/w/other"), "1").await;
     assert_eq!(a.status, 503, "{}", a.text());

@@ -24,14 +24,7 @@ pub(super) fn request_host<B>(req: &Request<B>) -> Result<Option<String>, ProxyE
     if hosts.next().is_some() {
         return Err(bad("more than one Host header"));
     }
-    let names_host = req
-        .headers()
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("host"));
-    if names_host {
+    if lists_token(req.headers(), header::CONNECTION, "host") {
         return Err(bad("the Connection header names Host"));
     }
     let parse = |text: &str| key::authority_host(text).map_err(ProxyError::BadTarget);
@@ -113,17 +106,23 @@ pub(super) fn is_form(headers: &HeaderMap) -> bool {
 /// Other upgrades (`h2c`) are ignored as RFC 9110 allows: the request goes
 /// on as a plain one.
 pub(super) fn is_websocket_upgrade(version: http::Version, headers: &HeaderMap) -> bool {
-    let listed = |name: header::HeaderName, token: &str| {
-        headers
-            .get_all(name)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case(token))
-    };
     version == http::Version::HTTP_11
-        && listed(header::UPGRADE, "websocket")
-        && listed(header::CONNECTION, "upgrade")
+        && lists_token(headers, header::UPGRADE, "websocket")
+        && lists_token(headers, header::CONNECTION, "upgrade")
+}
+
+/// Whether a comma-list header (`Connection`, `Upgrade`, `TE`), on any of
+/// its lines, names `token` (case-insensitive; `;` parameters ignored).
+pub(super) fn lists_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            let t = t.split(';').next().unwrap_or_default();
+            t.trim().eq_ignore_ascii_case(token)
+        })
 }
 
 pub(super) fn is_copy_or_move(method: &Method, headers: &HeaderMap, query: Option<&str>) -> bool {

@@ -205,20 +205,6 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
     }
 }
 
-/// Whether a request's `TE` names `trailers`: the one `TE` an HTTP/2 hop
-/// may carry (RFC 9113 section 8.2.2), saying the client reads trailers.
-/// gRPC servers require it.
-fn wants_trailers(headers: &HeaderMap) -> bool {
-    headers.get_all(header::TE).iter().any(|v| {
-        v.to_str().is_ok_and(|v| {
-            v.split(',').any(|coding| {
-                let name = coding.split(';').next().unwrap_or_default();
-                name.trim().eq_ignore_ascii_case("trailers")
-            })
-        })
-    })
-}
-
 /// A WebSocket tunnel with no bytes either way for this long is closed
 /// (nginx's `proxy_read_timeout` default): WebSocket clients and servers
 /// ping more often than that, and a peer that vanished without a close
@@ -544,7 +530,9 @@ impl Proxy {
             _ => None,
         };
         let upgrade = headers.get(header::UPGRADE).cloned();
-        let trailers = wants_trailers(&headers);
+        // `TE: trailers`: the one `TE` an HTTP/2 hop may carry (RFC 9113
+        // section 8.2.2), saying the client reads trailers; gRPC needs it.
+        let trailers = lists_token(&headers, header::TE, "trailers");
         strip_hop_by_hop(&mut headers, key_header);
         if trailers {
             // Alone, whatever else the client listed; the pool drops it

@@ -867,12 +867,8 @@ fn client_of(
         .get_all(&X_FORWARDED_FOR)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .collect::<Vec<_>>();
-    (
-        trusted.client_in_chain(items.into_iter()).unwrap_or(ip),
-        false,
-    )
+        .flat_map(|v| v.split(','));
+    (trusted.client_in_chain(items).unwrap_or(ip), false)
 }
 
 /// Tells an HTTP/1.1 client that the connection ends after this answer

@@ -113,8 +113,8 @@ async fn after_kill_9_only_keys_with_a_write_in_flight_wait() {
     p.restart();
     let started = Instant::now();
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(m.contains("fencegate_recovering 1"), "{m}");
-    assert!(m.contains("fencegate_recovery_held_keys 1"), "{m}");
+    assert_series(&m, "fencegate_recovering", 1.0);
+    assert_series(&m, "fencegate_recovery_held_keys", 1.0);
     // Stale: refused at once, on either key.
     for key in ["/quiet", "/busy"] {
         let a = put(&p.url(key), "4").await;
@@ -185,8 +185,8 @@ async fn after_kill_9_only_keys_with_a_write_in_flight_wait() {
         "a refused attempt reached the backend"
     );
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(m.contains("fencegate_recovering 0"), "{m}");
-    assert!(m.contains("fencegate_recovery_held_keys 0"), "{m}");
+    assert_series(&m, "fencegate_recovering", 0.0);
+    assert_series(&m, "fencegate_recovery_held_keys", 0.0);
 }
 
 /// A newer token queued behind an older write at the crash is already the

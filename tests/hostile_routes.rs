@@ -378,13 +378,15 @@ async fn connections_without_progress_are_closed_and_capped() {
     // Room again: a write goes through.
     assert_eq!(put(&p.url("/after"), "1").await.status, 200);
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(
-        m.contains("fencegate_connections_closed_total{listener=\"proxy\",reason=\"limit\"} 1"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_connections_closed_total{listener=\"proxy\",reason=\"limit\"}",
+        1.0,
     );
-    assert!(
-        m.contains("fencegate_connections_closed_total{listener=\"proxy\",reason=\"idle\"} 4"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_connections_closed_total{listener=\"proxy\",reason=\"idle\"}",
+        4.0,
     );
     assert!(
         m.contains("fencegate_connections{listener=\"proxy\"}"),

@@ -32,9 +32,10 @@ async fn a_newer_token_waits_for_the_older_write_in_flight() {
     );
     // A different key is not held up.
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(
-        m.contains("fencegate_admission_wait_seconds_count{route=\"default\"} 2"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_admission_wait_seconds_count{route=\"default\"}",
+        2.0,
     );
 }
 
@@ -123,13 +124,15 @@ async fn the_wait_is_bounded_by_the_upstream_timeout() {
     // The old write ended at its deadline (504), so token 2 did not have
     // to go ahead of a write still registered in flight.
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(
-        m.contains("fencegate_admission_waited_out_total{route=\"default\"} 0"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_admission_waited_out_total{route=\"default\"}",
+        0.0,
     );
-    assert!(
-        m.contains("fencegate_writes_total{decision=\"admitted\",route=\"default\"} 2"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_writes_total{decision=\"admitted\",route=\"default\"}",
+        2.0,
     );
 }
 
@@ -229,8 +232,9 @@ async fn a_shorter_timeout_on_another_route_does_not_overtake() {
     assert_eq!(r.len(), 2);
     assert!(r[1].arrived >= r[0].completed, "token 2 overtook token 1");
     let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
-    assert!(
-        m.contains("fencegate_writes_total{decision=\"older_in_flight\",route=\"fast\"} 1"),
-        "{m}"
+    assert_series(
+        &m,
+        "fencegate_writes_total{decision=\"older_in_flight\",route=\"fast\"}",
+        1.0,
     );
 }

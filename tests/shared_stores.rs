@@ -798,11 +798,12 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: Spec) {
     // A stale token would pass a store that forgot: it must not.
     let a = put(&c.b().url("/w"), "3").await;
     assert_eq!(a.status, 503, "{}", a.text());
-    // Two and a half heartbeats: one 1.2 s wait was outlasted once on a
-    // busy machine. (Waiting instead for the replica's amnesia gauge lets
-    // a write through right after it turns 1: under investigation, see
-    // the closing note of 2026-12-03.)
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Replica A learns it from its heartbeat (at most a second): its
+    // amnesia gauge says when.
+    eventually_async("replica A reports amnesia", || async {
+        metric(&c.a, "fencegate_store_amnesia ").await == Some(1.0)
+    })
+    .await;
     // Keys this replica never saw are refused too, once the marker is checked.
     let a = put(&c.a.url("/w/other"), "1").await;
     assert_eq!(a.status, 503, "{}", a.text());
@@ -815,7 +816,7 @@ async fn a_wiped_store_is_refused_until_confirmed(kind: Spec) {
     let m = send("GET", &c.a.admin_url("/metrics"), &[], "")
         .await
         .text();
-    assert!(m.contains("fencegate_store_amnesia 1"), "{m}");
+    assert_series(&m, "fencegate_store_amnesia", 1.0);
     // A plain restart must not take the wiped store for a new one: the
     // replica refuses to start and names the explicit step.
     let (status, stderr) = c.a.start_refused();

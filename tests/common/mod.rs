@@ -747,6 +747,27 @@ pub async fn metric(p: &Proxy, line_prefix: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The value of the series named exactly `series` (labels included, as
+/// the exposition writes them) in a scrape `text`. Not a substring match:
+/// `# HELP fencegate_store_amnesia 1 while ...` is no sample, and a
+/// test that matched it could not fail.
+pub fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok()).flatten()
+    })
+}
+
+/// Asserts that the scrape `text` has `series` at exactly `value`.
+#[track_caller]
+pub fn assert_series(text: &str, series: &str, value: f64) {
+    assert_eq!(
+        series_value(text, series),
+        Some(value),
+        "{series} in:\n{text}"
+    );
+}
+
 /// Polls an async condition for up to 15 s.
 pub async fn eventually_async<F, Fut>(what: &str, mut f: F)
 where

@@ -3,7 +3,9 @@
 # engine (docs/gateway.md, "Kubernetes"):
 #  1. renders each overlay of deploy/kubernetes with `kubectl kustomize` (no
 #     cluster needed; without kubectl, by following the kustomization files:
-#     they list resources and a configMapGenerator, no patches);
+#     resources, components, a configMapGenerator and inline JSON patches;
+#     with kubectl, that rendering must agree with it), and each without
+#     components/tls (the documented plain-only install);
 #  2. kubernetes-validate --strict against Kubernetes 1.30 (the first with the
 #     preStop sleep action on by default) and 1.37, on the rendered overlays
 #     and on every manifest file. It has no schema for the PodMonitor CRD and
@@ -14,6 +16,10 @@
 #     probes, the drain arithmetic of terminationGracePeriodSeconds, the
 #     security context against the Dockerfile's USER, TLS mounted without
 #     subPath, one replica for the embedded store;
+#  3b. applies the install commands of docs/gateway.md ("Deploying"), in
+#     their order, to a model of the cluster: every namespace,
+#     ServiceAccount, Secret (and key) and ConfigMap an object names exists
+#     by the step that applies it; `kubectl wait` has a timeout;
 #  4. `fencegate check-config` on the ConfigMap's TOML with each workload's
 #     environment (needs a built binary, $FENCEGATE_BIN or
 #     target/release/fencegate: skipped without one, except under CI);
@@ -56,9 +62,11 @@ mkdir -p "$OUT"
 
 cat >"$OUT/check.py" <<'PY'
 """Renders the overlays without kubectl, and cross-checks rendered output."""
+import copy
 import difflib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -79,19 +87,22 @@ def load_docs(path):
         return [d for d in yaml.safe_load_all(f) if d]
 
 
-def render(directory):
-    """kustomize build for kustomizations made of resources, components and
-    configMapGenerator files (no patches, no transformers); ConfigMaps keep
-    their plain names (kustomize adds a hash suffix and rewrites references)."""
+def render(directory, skip=(), parent=None):
+    """kustomize build for kustomizations made of resources, components,
+    configMapGenerator files and inline JSON patches (RFC 6902) that target
+    objects by kind and name; ConfigMaps keep their plain names (kustomize
+    adds a hash suffix and rewrites references). A Component works on its
+    parent's objects (`parent`); components listed in `skip` (as the
+    overlay names them) are left out, as a user who removes them would."""
     kust = load_docs(os.path.join(directory, "kustomization.yaml"))[0]
-    known = {"apiVersion", "kind", "resources", "components", "configMapGenerator"}
+    known = {"apiVersion", "kind", "resources", "components", "configMapGenerator", "patches"}
     if set(kust) - known:
         raise SystemExit(f"{directory}/kustomization.yaml: {sorted(set(kust) - known)} need kubectl kustomize")
-    docs = []
-    for entry in kust.get("resources", []) + kust.get("components", []):
+    docs = list(parent or [])
+    for entry in kust.get("resources", []):
         path = os.path.join(directory, entry)
         if os.path.isdir(path):
-            docs += render(path)
+            docs += render(path, skip)
         elif os.path.isfile(path):
             docs += load_docs(path)
         else:
@@ -105,7 +116,57 @@ def render(directory):
         if "namespace" in gen:
             meta["namespace"] = gen["namespace"]
         docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    for entry in kust.get("components", []):
+        if entry in skip:
+            continue
+        path = os.path.join(directory, entry)
+        if not os.path.isdir(path):
+            raise SystemExit(f"{directory}/kustomization.yaml lists component {entry}, which does not exist")
+        docs = render(path, skip, parent=docs)
+    for patch in kust.get("patches", []):
+        json_patch(directory, docs, patch)
     return docs
+
+
+def json_patch(directory, docs, patch):
+    target = patch.get("target", {})
+    if set(patch) != {"target", "patch"} or set(target) - {"kind", "name"}:
+        raise SystemExit(f"{directory}: only inline JSON patches on a kind and name render without kubectl")
+    ops = yaml.safe_load(patch["patch"])
+    if not isinstance(ops, list):
+        raise SystemExit(f"{directory}: a strategic merge patch needs kubectl kustomize")
+    for d in docs:
+        meta = (d.get("kind"), d["metadata"]["name"])
+        if meta == (target.get("kind", meta[0]), target.get("name", meta[1])):
+            for op in ops:
+                apply_op(d, op)
+
+
+def apply_op(doc, op):
+    """One RFC 6902 operation: add (`-` appends), replace, remove."""
+    parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    node = doc
+    for key in parts[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    last, kind, value = parts[-1], op["op"], copy.deepcopy(op.get("value"))
+    if kind not in ("add", "replace", "remove"):
+        raise SystemExit(f"JSON patch op {kind} needs kubectl kustomize")
+    if isinstance(node, list):
+        if kind == "add":
+            node.insert(len(node) if last == "-" else int(last), value)
+        elif kind == "replace":
+            node[int(last)] = value
+        else:
+            del node[int(last)]
+    elif kind == "add":
+        node[last] = value
+    else:
+        if last not in node:
+            raise SystemExit(f"JSON patch: {op['path']} does not exist (kustomize fails too)")
+        if kind == "replace":
+            node[last] = value
+        else:
+            del node[last]
 
 
 def seconds(text):
@@ -174,6 +235,9 @@ def check_workload(name, docs, workload, uid_gid):
         addr = val(var)
         if addr == "off" and port == "http" and port not in ports:
             continue
+        # No TLS listener (an overlay without components/tls).
+        if addr is None and port == "https" and port not in ports:
+            continue
         if addr is None or port not in ports or not addr.endswith(f":{ports[port]}"):
             err(where, f"container port {port} and {var}={addr} disagree")
         elif addr.startswith("127.") and port == "admin":
@@ -240,7 +304,8 @@ def check_workload(name, docs, workload, uid_gid):
             return None
         return volumes.get(m["name"], {}).get(kind)
 
-    for var, key in (("FENCEGATE_TLS_CERT", "tls.crt"), ("FENCEGATE_TLS_KEY", "tls.key")):
+    tls = val("FENCEGATE_TLS_LISTEN", "off") != "off"
+    for var, key in (("FENCEGATE_TLS_CERT", "tls.crt"), ("FENCEGATE_TLS_KEY", "tls.key")) if tls else ():
         path = val(var)
         secret = mounted(path, "secret") if path else None
         if not path or os.path.basename(path) != key or not secret:
@@ -334,6 +399,146 @@ def check_config(name, found, binary, openssl_dir):
         err(name, f"fencegate check-config refused the ConfigMap with this environment: {run.stderr.strip()}")
 
 
+# Where a pod spec sits in each kind that has one.
+POD_SPEC = {
+    "Deployment": ("spec", "template", "spec"),
+    "StatefulSet": ("spec", "template", "spec"),
+    "DaemonSet": ("spec", "template", "spec"),
+    "Job": ("spec", "template", "spec"),
+    "CronJob": ("spec", "jobTemplate", "spec", "template", "spec"),
+    "Pod": ("spec",),
+}
+
+
+def references(doc):
+    """What an object needs to exist before its pods can start: (kind,
+    name, key or None, where) for its ServiceAccount, the Secrets and
+    ConfigMaps its environment and volumes name."""
+    pod = doc
+    for k in POD_SPEC.get(doc["kind"], ()):
+        pod = pod.get(k, {}) if pod else {}
+    if doc["kind"] not in POD_SPEC or not pod:
+        return []
+    refs = [("ServiceAccount", pod.get("serviceAccountName", "default"), None, "serviceAccountName")]
+    for s in pod.get("imagePullSecrets", []):
+        refs.append(("Secret", s["name"], None, "imagePullSecrets"))
+    for c in pod.get("initContainers", []) + pod.get("containers", []):
+        for e in c.get("env", []):
+            src = e.get("valueFrom", {})
+            for kind, field in (("Secret", "secretKeyRef"), ("ConfigMap", "configMapKeyRef")):
+                if field in src and not src[field].get("optional"):
+                    refs.append((kind, src[field]["name"], src[field]["key"], f"env {e['name']}"))
+        for e in c.get("envFrom", []):
+            for kind, field in (("Secret", "secretRef"), ("ConfigMap", "configMapRef")):
+                if field in e and not e[field].get("optional"):
+                    refs.append((kind, e[field]["name"], None, f"envFrom {c['name']}"))
+    for v in pod.get("volumes", []):
+        if "secret" in v and not v["secret"].get("optional"):
+            refs.append(("Secret", v["secret"]["secretName"], None, f"volume {v['name']}"))
+        if "configMap" in v and not v["configMap"].get("optional"):
+            refs.append(("ConfigMap", v["configMap"]["name"], None, f"volume {v['name']}"))
+    return refs
+
+
+def doc_blocks(path):
+    """The ```sh blocks of a document that follow a marker line
+    `<!-- check_deploy: order NAME -->`, by NAME, as commands (backslash
+    continuations joined, comments dropped)."""
+    blocks, name, inside, lines = {}, None, False, []
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"<!-- check_deploy: order (\S+) -->", line.strip())
+            if m:
+                name = m.group(1)
+            elif name and line.startswith("```sh"):
+                inside, lines = True, []
+            elif inside and line.startswith("```"):
+                text = "".join(lines).replace("\\\n", " ")
+                blocks[name] = [c for c in (ln.split("#", 1)[0].strip() for ln in text.splitlines()) if c]
+                inside, name = False, None
+            elif inside:
+                lines.append(line)
+    return blocks
+
+
+def check_order(scenario, commands, rendered):
+    """Applies `commands` (kubectl as the docs write it) to a model of the
+    cluster: each object's namespace, and everything its pods name, must
+    exist before it is applied or come in the same apply; a Secret's keys
+    must include those named. `rendered`: what `apply -k DIR` applies, by
+    the directory's last name."""
+    state = {}  # (kind, namespace, name) -> set of keys, or None if unknown
+
+    def require(ns, kind, name, key, where, pending):
+        have = pending.get((kind, ns, name), state.get((kind, ns, name), False))
+        if have is False:
+            err(scenario, f"{where} needs {kind} {ns}/{name}, which does not exist at this step")
+        elif key is not None and have is not None and key not in have:
+            err(scenario, f"{where} needs key {key} of {kind} {ns}/{name}, which has {sorted(have)}")
+
+    def apply(docs, ns_flag, cmd):
+        pending = {}
+        for d in docs:
+            ns = d["metadata"].get("namespace", ns_flag)
+            if d["kind"] == "Namespace":
+                pending[("Namespace", None, d["metadata"]["name"])] = None
+            else:
+                keys = set(d.get("data", {})) | set(d.get("stringData", {})) if d["kind"] in ("Secret", "ConfigMap") else None
+                pending[(d["kind"], ns, d["metadata"]["name"])] = keys
+        for d in docs:
+            if d["kind"] == "Namespace":
+                continue
+            ns = d["metadata"].get("namespace", ns_flag)
+            where = f"`{cmd}`: {d['kind']}/{d['metadata']['name']}"
+            require(None, "Namespace", ns, None, where, pending)
+            for kind, name, key, field in references(d):
+                require(ns, kind, name, key, f"{where} ({field})", pending)
+        state.update(pending)
+
+    for cmd in commands:
+        words = shlex.split(cmd)
+        if not words or words[0] != "kubectl":
+            err(scenario, f"`{cmd}`: not a kubectl command; the order check knows kubectl only")
+            continue
+        ns, rest, i = "default", [], 1
+        while i < len(words):
+            if words[i] in ("-n", "--namespace"):
+                ns, i = words[i + 1], i + 2
+            else:
+                rest.append(words[i])
+                i += 1
+        if rest[:2] == ["create", "namespace"]:
+            apply([{"kind": "Namespace", "metadata": {"name": rest[2]}}], ns, cmd)
+        elif rest[:1] == ["label"] and rest[1] in ("namespace", "ns"):
+            require(None, "Namespace", rest[2], None, f"`{cmd}`", {})
+        elif rest[:2] == ["create", "secret"]:
+            kind, name = rest[2], rest[3]
+            keys = {"tls.crt", "tls.key"} if kind == "tls" else set()
+            for w in rest[4:]:
+                m = re.match(r"--from-(?:literal|file)=([^=]+)", w)
+                if m:
+                    keys.add(os.path.basename(m.group(1)))
+            apply([{"kind": "Secret", "metadata": {"name": name}, "data": dict.fromkeys(keys)}], ns, cmd)
+        elif rest[:2] == ["apply", "-f"]:
+            apply(load_docs(rest[2]), ns, cmd)
+        elif rest[:2] == ["apply", "-k"]:
+            name = os.path.basename(rest[2].rstrip("/"))
+            if name not in rendered:
+                err(scenario, f"`{cmd}`: {rest[2]} is not an overlay the checks render")
+                continue
+            apply(rendered[name], ns, cmd)
+        elif rest[:1] == ["wait"]:
+            if not any(w.startswith("--timeout") for w in rest):
+                err(scenario, f"`{cmd}`: kubectl wait without --timeout waits 30 s, then fails; give a timeout")
+            for w in rest[1:]:
+                if "/" in w and not w.startswith("-"):
+                    kind, name = w.split("/", 1)
+                    kind = {"job": "Job", "deployment": "Deployment", "statefulset": "StatefulSet", "pod": "Pod"}.get(kind, kind)
+                    require(ns, kind, name, None, f"`{cmd}`", {})
+        else:
+            err(scenario, f"`{cmd}`: the order check does not know this command")
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "render":
@@ -341,6 +546,36 @@ def main():
             with open(os.path.join(out, os.path.basename(directory) + ".yaml"), "w") as f:
                 yaml.safe_dump_all(render(directory), f, sort_keys=False)
         return 0
+    if mode == "render-plain":
+        # The plain-only install the docs describe: the overlay without
+        # components/tls.
+        for directory in sys.argv[3:]:
+            with open(os.path.join(out, os.path.basename(directory) + "-plain.yaml"), "w") as f:
+                yaml.safe_dump_all(render(directory, skip={"../components/tls"}), f, sort_keys=False)
+        return 0
+    if mode == "order":
+        # The documented install, in the documented order, for each
+        # overlay with TLS, and plain only (without the fencegate-tls
+        # Secret, which the docs then skip).
+        doc, overlays = sys.argv[3], sys.argv[4:]
+        blocks = doc_blocks(doc)
+        checked = 0
+        for name in overlays:
+            if "common" not in blocks or name not in blocks:
+                err(doc, f"no command blocks marked `check_deploy: order common` and `... order {name}`")
+                continue
+            for plain in (False, True):
+                suffix = "-plain" if plain else ""
+                rendered = {o: load_docs(os.path.join(out, o + suffix + ".yaml")) for o in overlays}
+                commands = [c for c in blocks["common"] + blocks[name]
+                            if not (plain and "fencegate-tls" in c)]
+                check_order(f"{doc} ({name}{', plain only' if plain else ''})", commands, rendered)
+                checked += len(commands)
+        for e in ERRORS:
+            print(f"check_deploy: {e}", file=sys.stderr)
+        if not ERRORS:
+            print(f"install order: {checked} documented commands applied in order, every reference met")
+        return 1 if ERRORS else 0
     if mode == "compare":
         def plain(path):
             hashed = re.compile(r"\b(fencegate-config)-[a-z0-9]{10}\b")
@@ -395,12 +630,15 @@ PY
 # 1. Render.
 dirs=()
 rendered=()
+checked=()
 for o in "${OVERLAYS[@]}"; do
   dirs+=("$K8S/$o")
-  rendered+=("$OUT/$o.yaml")
+  rendered+=("$OUT/$o.yaml" "$OUT/$o-plain.yaml")
+  checked+=("$o" "$o-plain")
 done
 mkdir -p "$OUT/files"
 "$PY" "$OUT/check.py" render "$OUT/files" "${dirs[@]}" || fail "rendering the overlays from the kustomization files"
+"$PY" "$OUT/check.py" render-plain "$OUT" "${dirs[@]}" || fail "rendering the overlays without components/tls"
 if command -v "$KUBECTL" >/dev/null; then
   renderer=kubectl
   for o in "${OVERLAYS[@]}"; do
@@ -434,7 +672,8 @@ if [[ ! -x $BIN ]]; then
   [[ -n ${CI:-} ]] && fail "no fencegate binary at $BIN (build it first, or set FENCEGATE_BIN)"
   echo "check_deploy: no fencegate binary at $BIN: check-config of the ConfigMap skipped" >&2
 fi
-"$PY" "$OUT/check.py" check "$OUT" "$BIN" "${OVERLAYS[@]}" || fail "cross-checks"
+"$PY" "$OUT/check.py" check "$OUT" "$BIN" "${checked[@]}" || fail "cross-checks"
+"$PY" "$OUT/check.py" order "$OUT" docs/gateway.md "${OVERLAYS[@]}" || fail "the documented install order"
 
 # 5. checkov, offline: no API key, no download of external checks, no update check.
 export CKV_SKIP_PACKAGE_UPDATE_CHECK=true

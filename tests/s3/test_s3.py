@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "examples" / "s3"))
 sys.path.insert(0, str(ROOT / "tests"))
 import fencegate_token  # noqa: E402
 from fencegate_listening import read_listening  # noqa: E402
+from process_group import stop_group  # noqa: E402
 import throwaway_pki  # noqa: E402
 
 BIN = os.environ.get("FENCEGATE_BIN", str(ROOT / "target" / "release" / "fencegate"))
@@ -185,20 +186,6 @@ def seaweedfs_backend(d):
         for p in pathlib.Path("/tmp").glob("seaweedfs-*.sock"):
             if any(p.name.endswith(f"-{port}.sock") for port in ports.values()):
                 p.unlink(missing_ok=True)
-
-
-def stop_group(proc):
-    """Stops `proc` and everything left in its process group."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def start_fencegate(upstream, d, tls=None):

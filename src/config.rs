@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::ErrorFormat;
 use crate::key::KeyTemplate;
 
 mod store;
@@ -144,6 +145,9 @@ pub struct RawRoute {
     pub forwarded_headers: Option<bool>,
     /// Pass WebSocket upgrades through (default false: refused, 501).
     pub websocket: Option<bool>,
+    /// `problem` (default) or `s3`: how fencegate's own refusals are
+    /// written (S3 SDKs read S3's XML errors).
+    pub error_format: Option<String>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
     /// PEM CA certificates for an https upstream, instead of the system's.
@@ -244,6 +248,8 @@ pub struct Route {
     /// fenced by its method, the messages after it are not. Off, they are
     /// refused (501) rather than sent on as plain requests.
     pub websocket: bool,
+    /// How fencegate's own refusals are written on this route.
+    pub error_format: ErrorFormat,
     pub connect_timeout: Duration,
     /// From the first byte sent upstream to the response head. Also bounds
     /// how long a newer write waits behind an older one, and the
@@ -337,6 +343,9 @@ pub struct Config {
     pub trusted_proxies: Option<crate::proxy_protocol::TrustedProxies>,
     pub limits: Limits,
     pub tls: Option<TlsConfig>,
+    /// Settings that are valid but work against each other, each naming
+    /// its fields: logged at start and by `check-config`.
+    pub warnings: Vec<String>,
     pub routes: Vec<Route>,
 }
 
@@ -571,6 +580,12 @@ fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
         },
         forwarded_headers: r.forwarded_headers.unwrap_or(true),
         websocket: r.websocket.unwrap_or(false),
+        error_format: match r.error_format.as_deref() {
+            None => ErrorFormat::Problem,
+            Some(v) => v
+                .parse()
+                .map_err(|reason: String| invalid(f("error_format"), reason))?,
+        },
         connect_timeout: duration(
             &f("connect_timeout"),
             &r.connect_timeout,
@@ -741,6 +756,13 @@ impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
+        // Routes whose upstream_timeout was given (the default one is not
+        // warned about: see `Config::timeout_warnings`).
+        let timeout_given: Vec<bool> = raw
+            .routes
+            .iter()
+            .map(|r| r.upstream_timeout.is_some())
+            .collect();
         // `off`: no plain listener, only TLS (so that client certificates
         // cannot be bypassed).
         let listen = match raw.listen.as_deref() {
@@ -879,7 +901,7 @@ impl TryFrom<RawConfig> for Config {
                 ))
             }
         };
-        Ok(Config {
+        let mut config = Config {
             workers,
             listen,
             admin_listen,
@@ -915,21 +937,79 @@ impl TryFrom<RawConfig> for Config {
             },
             tls,
             routes,
-        })
+            warnings: Vec::new(),
+        };
+        config.warnings = config.timeout_warnings(&timeout_given);
+        Ok(config)
     }
 }
 
 impl RawConfig {
-    /// Reads and parses a TOML file; unknown fields are errors.
+    /// Reads and parses a TOML file; unknown fields are errors. Relative
+    /// file paths in it are relative to the file's directory, as a config
+    /// file is read by a service whose working directory is not the
+    /// operator's (flags and environment variables stay relative to the
+    /// working directory).
     pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        Self::from_toml(&text).map_err(|reason| ConfigError::Parse {
+        let mut raw = Self::from_toml(&text).map_err(|reason| ConfigError::Parse {
             path: path.to_path_buf(),
             reason,
-        })
+        })?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            raw.resolve_paths(dir);
+        }
+        Ok(raw)
+    }
+
+    /// Makes every relative file path `dir`-relative: the store file
+    /// (`PATH` or `redb://PATH`, not a shared store's URL, whose query
+    /// parameters are the driver's), key, certificate, token and state
+    /// files.
+    fn resolve_paths(&mut self, dir: &std::path::Path) {
+        let join = |p: &mut Option<PathBuf>| {
+            if let Some(p) = p.as_mut().filter(|p| p.is_relative()) {
+                *p = dir.join(&*p);
+            }
+        };
+        if let Some(store) = &mut self.store {
+            let (scheme, rest) = match store.strip_prefix("redb://") {
+                Some(rest) => ("redb://", rest.to_string()),
+                None if !store.contains("://") => ("", store.clone()),
+                None => ("", String::new()),
+            };
+            if !rest.is_empty() && std::path::Path::new(&rest).is_relative() {
+                *store = format!("{scheme}{}", dir.join(rest).display());
+            }
+        }
+        for p in [
+            &mut self.store_state_file,
+            &mut self.store_ca,
+            &mut self.store_client_cert,
+            &mut self.store_client_key,
+            &mut self.store_password_file,
+            &mut self.admin_token_file,
+            &mut self.lease_token_file,
+        ] {
+            join(p);
+        }
+        if let Some(tls) = &mut self.tls {
+            for p in [&mut tls.cert, &mut tls.key, &mut tls.client_ca] {
+                join(p);
+            }
+        }
+        for r in &mut self.routes {
+            for p in [
+                &mut r.upstream_ca,
+                &mut r.upstream_client_cert,
+                &mut r.upstream_client_key,
+            ] {
+                join(p);
+            }
+        }
     }
 
     pub fn from_toml(text: &str) -> Result<Self, String> {
@@ -1030,6 +1110,7 @@ impl Config {
                     ),
                     forwarded_headers: Some(r.forwarded_headers),
                     websocket: Some(r.websocket),
+                    error_format: Some(r.error_format.as_str().into()),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
                     upstream_ca: r.upstream_tls.ca.clone(),
@@ -1050,6 +1131,26 @@ impl Config {
             .map(|r| r.upstream_timeout)
             .max()
             .unwrap_or_default()
+    }
+
+    /// Routes given an upstream_timeout longer than shutdown_grace. The
+    /// defaults (60 s and 30 s) are not warned about: a drain that runs
+    /// out only costs the recovery window on keys still written.
+    fn timeout_warnings(&self, given: &[bool]) -> Vec<String> {
+        self.routes
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| {
+                given.get(*i).copied().unwrap_or(false) && r.upstream_timeout > self.shutdown_grace
+            })
+            .map(|(i, r)| {
+                format!(
+                    "routes[{i}].upstream_timeout ({}) is longer than shutdown_grace ({}): a stop cannot wait for such a write, and the next start then holds newer tokens on its key for an upstream_timeout; raise shutdown_grace",
+                    format_duration(r.upstream_timeout),
+                    format_duration(self.shutdown_grace)
+                )
+            })
+            .collect()
     }
 }
 
@@ -1127,6 +1228,75 @@ mod tests {
         let c = Config::try_from(raw).unwrap();
         assert_eq!(c.max_upstream_timeout(), Duration::from_secs(9));
         assert!(RawConfig::from_file(&dir.path().join("missing.toml")).is_err());
+    }
+
+    #[test]
+    fn an_upstream_timeout_past_the_shutdown_grace_is_warned_about() {
+        let config = |text: &str| Config::try_from(RawConfig::from_toml(text).unwrap()).unwrap();
+        let route = "store = \"/tmp/x.redb\"\n[[routes]]\nupstream = \"http://127.0.0.1:1\"\n";
+        assert!(config(route).warnings.is_empty());
+        let w = config(&format!("{route}upstream_timeout = \"120s\"")).warnings;
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].starts_with(
+                "routes[0].upstream_timeout (120s) is longer than shutdown_grace (30s)"
+            ),
+            "{w:?}"
+        );
+        assert!(config(&format!(
+            "shutdown_grace = \"2m\"\n{route}upstream_timeout = \"120s\""
+        ))
+        .warnings
+        .is_empty());
+        // The flag sets every route's, as given.
+        let mut raw = RawConfig::from_toml(route).unwrap();
+        raw.routes[0].upstream_timeout = Some("45s".into());
+        assert_eq!(Config::try_from(raw).unwrap().warnings.len(), 1);
+    }
+
+    /// Relative paths in a config file are the file's directory's; absolute
+    /// ones and shared-store URLs are left as they are.
+    #[test]
+    fn relative_paths_in_a_file_are_relative_to_its_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("conf");
+        std::fs::create_dir(&conf).unwrap();
+        let read = |text: &str| {
+            std::fs::write(conf.join("f.toml"), text).unwrap();
+            RawConfig::from_file(&conf.join("f.toml")).unwrap()
+        };
+        let raw = read(
+            "store = \"fences.redb\"\nlease_token_file = \"tokens\"\nadmin_token_file = \"/etc/admin\"\n\
+             [tls]\ncert = \"tls/chain.pem\"\nkey = \"./key.pem\"\n\
+             [[routes]]\nupstream = \"https://x\"\nupstream_ca = \"ca.pem\"\n",
+        );
+        assert_eq!(
+            raw.store,
+            Some(conf.join("fences.redb").display().to_string())
+        );
+        assert_eq!(raw.lease_token_file, Some(conf.join("tokens")));
+        assert_eq!(raw.admin_token_file, Some(PathBuf::from("/etc/admin")));
+        let tls = raw.tls.unwrap();
+        assert_eq!(tls.cert, Some(conf.join("tls/chain.pem")));
+        assert_eq!(tls.key, Some(conf.join("./key.pem")));
+        assert_eq!(raw.routes[0].upstream_ca, Some(conf.join("ca.pem")));
+        assert_eq!(
+            read("store = \"redb://f.redb\"").store,
+            Some(format!("redb://{}", conf.join("f.redb").display()))
+        );
+        for url in [
+            "redis://127.0.0.1:6379/0",
+            "/var/lib/f.redb",
+            "redb:///var/f.redb",
+        ] {
+            assert_eq!(
+                read(&format!("store = \"{url}\"")).store.as_deref(),
+                Some(url)
+            );
+        }
+        // In the working directory itself: nothing to join.
+        let here = RawConfig::from_toml("store = \"f.redb\"").unwrap();
+        assert_eq!(here.store.as_deref(), Some("f.redb"));
     }
 
     /// Store TLS files given in the URL are printed there only; given as
@@ -1330,6 +1500,10 @@ mod tests {
             (|r| r.workers = Some(0), "workers"),
             (|r| r.workers = Some(1025), "workers"),
             (|r| r.proxy_protocol = Some(true), "proxy_protocol"),
+            (
+                |r| r.routes[0].error_format = Some("xml".into()),
+                "routes[0].error_format",
+            ),
             (
                 |r| {
                     r.routes[0].websocket = Some(true);

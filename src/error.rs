@@ -2,7 +2,10 @@
 //!
 //! Every refusal fencegate produces is a [`ProxyError`]; [`ProxyError::into_response`]
 //! picks the status by where the fault lies (client 4xx, store 503, upstream
-//! 502/504) and writes an RFC 9457 `application/problem+json` body.
+//! 502/504) and writes an RFC 9457 `application/problem+json` body; the
+//! same refusal takes gRPC's form for gRPC calls
+//! ([`ProxyError::into_grpc_response`]) and S3's on routes in front of
+//! object stores ([`s3`]).
 
 use std::time::Duration;
 
@@ -13,6 +16,9 @@ use serde_json::{json, Map, Value};
 
 use crate::key::KeyError;
 use crate::token::{TokenError, FENCE_TOKEN_HIGHEST};
+
+mod s3;
+pub use s3::ErrorFormat;
 
 /// The body type of every response fencegate sends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -209,7 +215,13 @@ impl ProxyError {
             }
             _ => {}
         }
-        let mut resp = problem_response(status, Value::Object(body));
+        self.finish(problem_response(status, Value::Object(body)))
+    }
+
+    /// What every HTTP form of the answer carries beside its body: the
+    /// extra headers, and `Connection: close` where the connection cannot
+    /// be trusted to carry another request.
+    fn finish(&self, mut resp: Response<ProxyBody>) -> Response<ProxyBody> {
         for (name, value) in self.extra_headers() {
             resp.headers_mut().insert(name, value);
         }

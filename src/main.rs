@@ -40,7 +40,7 @@ enum Command {
     /// which route, key template and fence key, or why it would be refused.
     /// Offline: the config is read (and must be valid, `store` included),
     /// but no listener, store or upstream is opened. `fencegate explain
-    /// --config api.toml /acme/orders/42/items`.
+    /// --config config/api.toml --host api.internal /orders/acme/42/items`.
     Explain {
         /// The request target as a client sends it: a path
         /// (`/bucket/report.csv`, percent-encoding included) or a URL
@@ -193,6 +193,11 @@ struct Opts {
     /// than this above the key's highest.
     #[arg(long, env = "FENCEGATE_MAX_TOKEN_STEP", global = true)]
     max_token_step: Option<u64>,
+    /// How the --upstream route writes fencegate's own refusals:
+    /// `problem` (application/problem+json) or `s3` (S3's XML errors, which
+    /// boto3, the aws CLI and the other S3 SDKs show as code and message).
+    #[arg(long, env = "FENCEGATE_ERROR_FORMAT", global = true)]
+    error_format: Option<String>,
     /// Upstream response timeout (every route), e.g. 60s.
     #[arg(long, env = "FENCEGATE_UPSTREAM_TIMEOUT", global = true)]
     upstream_timeout: Option<String>,
@@ -345,12 +350,15 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
         r.literal_keys = opts.literal_keys.then_some(true);
         r.strip_token = opts.strip_token.then_some(true);
         r.max_token_step = opts.max_token_step;
+        r.error_format.clone_from(&opts.error_format);
     } else if opts.key.is_some()
         || opts.namespace.is_some()
         || opts.literal_keys
         || opts.strip_token
+        || opts.max_token_step.is_some()
+        || opts.error_format.is_some()
     {
-        anyhow::bail!("--key, --namespace, --literal-keys, --strip-token and --max-token-step configure the --upstream route; set them per route in the config file");
+        anyhow::bail!("--key, --namespace, --literal-keys, --strip-token, --max-token-step and --error-format configure the --upstream route; set them per route in the config file");
     }
     for r in &mut raw.routes {
         set(&mut r.upstream_timeout, &opts.upstream_timeout);
@@ -800,6 +808,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
     if let Some(Command::CheckConfig { .. }) = cli.command {
         print!("{}", config.to_toml());
         return ExitCode::SUCCESS;

@@ -160,6 +160,26 @@ impl Server {
                 metrics.tls_not_after.set(t);
             }
         }
+        // Listeners before the store: an address in use is a config error
+        // too, and a start that fails on one must not leave a new store
+        // file behind. (Connections wait in the backlog until the accept
+        // loops run.)
+        let workers = config
+            .workers
+            .unwrap_or_else(crate::workers::available_cpus);
+        let proxy_listeners = match config.listen {
+            Some(addr) => Some(bind_workers("listen", addr, workers)?),
+            None => None,
+        };
+        let admin_listener = bind("admin_listen", config.admin_listen).await?;
+        let lease_listener = match &config.lease {
+            Some(l) => Some(bind("lease_listen", l.listen).await?),
+            None => None,
+        };
+        let tls_listeners = match &config.tls {
+            Some(t) => Some(bind_workers("tls.listen", t.listen, workers)?),
+            None => None,
+        };
         let store: Arc<dyn FenceStore> = match &config.store {
             StoreConfig::Embedded { path, cache_bytes } => {
                 let (path, cache) = (path.clone(), *cache_bytes);
@@ -232,9 +252,6 @@ impl Server {
                 ),
             }
         }
-        let workers = config
-            .workers
-            .unwrap_or_else(crate::workers::available_cpus);
         let proxy = Arc::new(Proxy::new(
             &config,
             fence.clone(),
@@ -262,15 +279,6 @@ impl Server {
         metrics
             .workers
             .set(i64::try_from(workers).unwrap_or(i64::MAX));
-        let proxy_listeners = match config.listen {
-            Some(addr) => Some(bind_workers("listen", addr, workers)?),
-            None => None,
-        };
-        let admin_listener = bind("admin_listen", config.admin_listen).await?;
-        let lease_listener = match &config.lease {
-            Some(l) => Some(bind("lease_listen", l.listen).await?),
-            None => None,
-        };
         let leases = config.lease.as_ref().map(|l| {
             Arc::new(Leases {
                 fence: fence.clone(),
@@ -282,10 +290,6 @@ impl Server {
                 released: tokio::sync::Notify::new(),
             })
         });
-        let tls_listeners = match &config.tls {
-            Some(t) => Some(bind_workers("tls.listen", t.listen, workers)?),
-            None => None,
-        };
         let first = |ls: &Option<crate::workers::Bound>| {
             ls.as_ref()
                 .map(|l| l.sockets[0].local_addr().expect("bound address"))

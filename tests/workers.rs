@@ -47,7 +47,7 @@ async fn connections_land_on_every_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_second_fencegate_cannot_bind_beside_the_workers() {
+async fn a_second_fencegate_cannot_bind_beside_the_workers_and_leaves_no_store() {
     let up = start_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let p = workers(&up.url(), dir.path()).spawn();
@@ -59,6 +59,12 @@ async fn a_second_fencegate_cannot_bind_beside_the_workers() {
     assert!(
         log.contains("cannot listen on") && log.contains("`listen`"),
         "{log}"
+    );
+    // Listeners are bound before the store is opened: the failed start
+    // left no new store file behind.
+    assert!(
+        !other.path().join("fences.redb").exists(),
+        "a start that failed on its port created the store file"
     );
     // The running one still serves.
     assert_eq!(put(&p.url("/still"), "1").await.status, 200);

@@ -300,6 +300,9 @@ impl Proxy {
             return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
         }
         ctx.route = Some(route.name.clone());
+        if route.error_format == ErrorFormat::S3 {
+            ctx.s3_resource = Some(req.uri().path().to_string());
+        }
         if is_websocket_upgrade(req.version(), req.headers()) {
             if !route.websocket {
                 return Err(ProxyError::UpgradeNotEnabled);

@@ -34,7 +34,7 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Limits, Route, TokenMode};
-use crate::error::{BoxError, ProxyBody, ProxyError};
+use crate::error::{BoxError, ErrorFormat, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
 use crate::metrics::{Metrics, RouteMetrics};
@@ -495,7 +495,7 @@ impl Proxy {
                 // Logged and counted as the HTTP status it stands for,
                 // whatever form it takes (a gRPC refusal is an HTTP 200).
                 let status = err.status();
-                let mut resp = self.refuse(err, &record.ctx);
+                let mut resp = self.refuse(err, &record.ctx, &record.request_id);
                 match record.ctx.unread.take() {
                     None | Some(linger::Unread::None) => {}
                     Some(linger::Unread::Close) => close_after(&mut resp),
@@ -515,7 +515,12 @@ impl Proxy {
         Ok(resp)
     }
 
-    fn refuse(&self, err: ProxyError, ctx: &RequestContext) -> Response<ProxyBody> {
+    fn refuse(
+        &self,
+        err: ProxyError,
+        ctx: &RequestContext,
+        request_id: &HeaderValue,
+    ) -> Response<ProxyBody> {
         let route = ctx.route.as_deref().unwrap_or("-");
         if ctx.write {
             if let Some(d) = ctx.decision {
@@ -546,6 +551,8 @@ impl Proxy {
         }
         if ctx.grpc {
             err.into_grpc_response()
+        } else if let Some(resource) = &ctx.s3_resource {
+            err.into_s3_response(Some(resource), key, request_id.to_str().unwrap_or("-"))
         } else {
             err.into_response(key)
         }
@@ -816,6 +823,9 @@ struct RequestContext {
     mapping: Option<TaskTrackerToken>,
     /// A gRPC call: refused with a gRPC status, not problem+json.
     grpc: bool,
+    /// The route answers refusals in S3's form (`error_format = "s3"`):
+    /// the request's path, the error's `<Resource>`.
+    s3_resource: Option<String>,
     /// The body of a request refused before it was read.
     unread: Option<linger::Unread>,
     /// `trusted_proxies` is set and the peer is not in it: the forwarded

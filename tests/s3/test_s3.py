@@ -188,17 +188,25 @@ def seaweedfs_backend(d):
                 p.unlink(missing_ok=True)
 
 
-def start_fencegate(upstream, d, tls=None):
-    """Starts fencegate in front of `upstream`, its files in `d`. With `tls`
+def start_fencegate(upstream, d, tls=None, config=None):
+    """Starts fencegate in front of `upstream` as the docs set it up for S3
+    (literal keys, refusals as S3 errors), its files in `d`. With `tls`
     (the files of the `tls` fixture) it also listens for https, at
     `https`: https://localhost:PORT, so that clients check the name in the
-    certificate too."""
+    certificate too. `config`: routes of a config file instead (the
+    upstream is then theirs)."""
     assert os.path.exists(BIN), f"{BIN} missing: run cargo build --release first"
     tls_args = (["--tls-listen", "127.0.0.1:0", "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])]
                 if tls else [])
+    if config is None:
+        route_args = ["--upstream", upstream, "--literal-keys", "--key", "path", "--namespace", "s3",
+                      "--error-format", "s3"]
+    else:
+        (d / "routes.toml").write_text(config)
+        route_args = ["--config", str(d / "routes.toml")]
     proc = subprocess.Popen(
-        [BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--upstream", upstream,
-         "--store", str(d / "fences.redb"), "--literal-keys", "--key", "path", "--namespace", "s3", *tls_args],
+        [BIN, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--store", str(d / "fences.redb"),
+         *route_args, *tls_args],
         stdout=subprocess.PIPE, stderr=open(d / "fencegate.log", "w"),
     )
     fields = read_listening(proc, d / "fencegate.log")
@@ -291,6 +299,76 @@ def error_code(call):
         return None
     except botocore.exceptions.ClientError as e:
         return e.response["Error"]["Code"]
+
+
+def refusal(call):
+    """The HTTP status and the parsed `Error` of a boto3 call that must
+    fail."""
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        call()
+    return e.value.response["ResponseMetadata"]["HTTPStatusCode"], e.value.response["Error"]
+
+
+@seaweedfs_only
+def test_boto3_and_the_aws_cli_show_fencegates_code_and_reason(s3, fencegate, backend, tmp_path):
+    """S3 SDKs read S3's XML errors: a refusal in problem+json reaches them
+    as `(409) Conflict`. Through a route with error_format = "s3" they show
+    fencegate's code and reason, and boto3 the key's highest token."""
+    c, holder = s3
+    holder.token = 500
+    c.put_object(Bucket=BUCKET, Key="codes/a.csv", Body=b"v500")
+    holder.token = 499
+    status, err = refusal(lambda: c.put_object(Bucket=BUCKET, Key="codes/a.csv", Body=b"stale"))
+    assert status == 409 and err["Code"] == "StaleFenceToken", err
+    assert err["Message"] == "token 499 is lower than the highest token 500 for this key", err
+    assert err["HighestToken"] == "500" and err["FenceKey"] == f"s3:/{BUCKET}/codes/a.csv", err
+    assert err["Resource"] == f"/{BUCKET}/codes/a.csv", err
+    holder.token = None
+    assert error_code(lambda: c.put_object(Bucket=BUCKET, Key="codes/a.csv", Body=b"x")) == "MissingFenceToken"
+    assert c.get_object(Bucket=BUCKET, Key="codes/a.csv")["Body"].read() == b"v500"
+    # A malformed token; the S3 server's own errors pass as they came.
+    holder.token = "12x"
+    assert error_code(lambda: c.put_object(Bucket=BUCKET, Key="codes/a.csv", Body=b"x")) == "InvalidFenceToken"
+    assert error_code(lambda: c.get_object(Bucket=BUCKET, Key="codes/missing")) == "NoSuchKey"
+
+    aws = aws_cli(backend, tmp_path, "--endpoint-url", fencegate["url"])
+    src = tmp_path / "file.txt"
+    src.write_text("from the cli")
+    r = aws(499, "s3", "cp", str(src), f"s3://{BUCKET}/codes/a.csv")
+    assert r.returncode != 0, r.stderr
+    assert ("An error occurred (StaleFenceToken) when calling the PutObject operation: "
+            "token 499 is lower than the highest token 500 for this key") in r.stderr, r.stderr
+    r = subprocess.run(["aws", "--endpoint-url", fencegate["url"], "s3api", "put-object", "--bucket", BUCKET,
+                        "--key", "codes/a.csv", "--body", str(src)],
+                       env=dict(os.environ, AWS_ACCESS_KEY_ID=backend["key"], AWS_SECRET_ACCESS_KEY=backend["secret"],
+                                AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "none"),
+                                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none")),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "(MissingFenceToken)" in r.stderr and "X-Fence-Token" in r.stderr, r.stderr
+
+
+@seaweedfs_only
+def test_a_token_never_granted_shows_its_code_in_boto3_and_the_aws_cli(backend, tmp_path):
+    """403 on a route that admits only tokens fencegate's lease service
+    granted (docs/leases.md): the SDKs show FenceTokenNotGranted."""
+    config = (f'[[routes]]\nupstream = "{backend["url"]}"\nkey = "path"\nliteral_keys = true\n'
+              'namespace = "s3-granted"\ntokens = "granted"\nerror_format = "s3"\n')
+    proc, fg = start_fencegate(None, tmp_path, config=config)
+    try:
+        c, holder = client(fg, backend)
+        holder.token = 7
+        status, err = refusal(lambda: c.put_object(Bucket=BUCKET, Key="granted/a.csv", Body=b"forged"))
+        assert status == 403 and err["Code"] == "FenceTokenNotGranted", err
+        assert "token 7 was never granted for this key" in err["Message"], err
+        aws = aws_cli(backend, tmp_path, "--endpoint-url", fg["url"])
+        src = tmp_path / "forged.txt"
+        src.write_text("forged")
+        r = aws(7, "s3", "cp", str(src), f"s3://{BUCKET}/granted/a.csv")
+        assert r.returncode != 0 and "(FenceTokenNotGranted)" in r.stderr, r.stderr
+        assert error_code(lambda: c.head_object(Bucket=BUCKET, Key="granted/a.csv")) == "404", "a refused write was applied"
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_signatures_survive_the_proxy_and_are_checked(fencegate, backend):
@@ -514,7 +592,7 @@ def test_aws_cli_with_the_plugin(s3, fencegate, backend, tmp_path):
     r = aws(70, "s3", "cp", str(src), f"s3://{BUCKET}/cli.txt")
     assert r.returncode == 0, r.stderr
     r = aws(69, "s3api", "put-object", "--bucket", BUCKET, "--key", "cli.txt", "--body", str(src))
-    assert r.returncode != 0 and "409" in r.stderr, r.stderr
+    assert r.returncode != 0 and "(StaleFenceToken)" in r.stderr, r.stderr
     out = tmp_path / "out.txt"
     r = aws(70, "s3", "cp", f"s3://{BUCKET}/cli.txt", str(out))
     assert r.returncode == 0, r.stderr
@@ -923,7 +1001,7 @@ def test_aws_cli_over_https(s3, fencegate, backend, tls, tmp_path):
     # --debug logs each request's headers: the CLI's upload was aws-chunked too.
     assert "'X-Amz-Content-SHA256': b'STREAMING-UNSIGNED-PAYLOAD-TRAILER'" in r.stderr
     r = aws(139, "s3", "cp", str(stale), f"s3://{BUCKET}/https/cli.txt")
-    assert r.returncode != 0 and "409" in r.stderr, r.stderr
+    assert r.returncode != 0 and "(StaleFenceToken)" in r.stderr, r.stderr
     r = aws(140, "s3", "cp", f"s3://{BUCKET}/https/cli.txt", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_text() == "from the cli over https"
@@ -964,7 +1042,7 @@ def test_aws_cli_multipart_upload_of_64_mib(s3, fencegate, backend, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("Making request for OperationModel(name=UploadPart)") == 8
     r = aws(159, "s3", "cp", str(stale), f"s3://{BUCKET}/big/cli")
-    assert r.returncode != 0 and "409" in r.stderr, r.stderr
+    assert r.returncode != 0 and "(StaleFenceToken)" in r.stderr, r.stderr
     out = tmp_path / "out.bin"
     r = aws(159, "s3", "cp", f"s3://{BUCKET}/big/cli", str(out))  # reads pass with any token
     assert r.returncode == 0, r.stderr
@@ -1000,7 +1078,7 @@ def test_s3cmd_put_get_and_a_stale_put_refused(s3, fencegate, backend, tmp_path)
     r = s3cmd(170, "put", str(src), f"s3://{BUCKET}/s3cmd/file.txt")
     assert r.returncode == 0, r.stderr
     r = s3cmd(169, "put", str(stale), f"s3://{BUCKET}/s3cmd/file.txt")
-    assert r.returncode != 0 and "409" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode != 0 and "409 (StaleFenceToken)" in r.stderr, (r.returncode, r.stderr)
     r = s3cmd(169, "get", "--force", f"s3://{BUCKET}/s3cmd/file.txt", str(out))  # reads pass with any token
     assert r.returncode == 0, r.stderr
     assert out.read_text() == "from s3cmd", "stale write applied"
@@ -1010,7 +1088,7 @@ def test_s3cmd_large_put_and_a_stale_one_refused(s3, fencegate, backend, tmp_pat
     # s3cmd 2.4 sends `--add-header` headers with a multipart upload's
     # CreateMultipartUpload but not with its UploadPart requests, and it
     # splits files over 15 MiB into parts by default: fencegate refuses
-    # those parts (428, no token), so the upload fails and nothing is
+    # those parts (428 MissingFenceToken), so the upload fails and nothing is
     # written. With --disable-multipart the file goes in one PutObject,
     # which carries the token.
     s3cmd = s3cmd_runner(backend, fencegate, tmp_path)
@@ -1018,13 +1096,13 @@ def test_s3cmd_large_put_and_a_stale_one_refused(s3, fencegate, backend, tmp_pat
     big.write_bytes(os.urandom(20 * MIB))
     stale.write_bytes(os.urandom(20 * MIB))
     r = s3cmd(180, "put", str(big), f"s3://{BUCKET}/s3cmd/big.bin")
-    assert r.returncode != 0 and "428 (Precondition Required)" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode != 0 and "428 (MissingFenceToken)" in r.stderr, (r.returncode, r.stderr)
     r = s3cmd(180, "get", f"s3://{BUCKET}/s3cmd/big.bin", str(out))
     assert r.returncode != 0 and "does not exist" in r.stderr, "an upload without a token written"
     r = s3cmd(180, "put", "--disable-multipart", str(big), f"s3://{BUCKET}/s3cmd/big.bin")
     assert r.returncode == 0, r.stderr
     r = s3cmd(179, "put", "--disable-multipart", str(stale), f"s3://{BUCKET}/s3cmd/big.bin")
-    assert r.returncode != 0 and "409" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode != 0 and "409 (StaleFenceToken)" in r.stderr, (r.returncode, r.stderr)
     r = s3cmd(179, "get", "--force", f"s3://{BUCKET}/s3cmd/big.bin", str(out))
     assert r.returncode == 0, r.stderr
     assert sha256_of(out.read_bytes()) == sha256_of(big.read_bytes()), "stale write applied"

@@ -1,0 +1,194 @@
+//! Refusals in S3's error form, for routes in front of object stores.
+//!
+//! S3 SDKs (boto3, the aws CLI, the AWS SDKs, s3cmd) read an error's code
+//! and message from S3's XML body, not from `application/problem+json`: a
+//! problem reaches them as `(409) Conflict` with the reason lost. On a
+//! route with `error_format = "s3"` fencegate's own refusals take S3's
+//! form, with codes of its own for what S3 has no name for
+//! (`StaleFenceToken`...) and S3's names where one fits (`EntityTooLarge`,
+//! `ServiceUnavailable`...). Answers of the upstream pass as they come.
+
+use http::{header, HeaderValue, Response};
+
+use super::{full, ProxyBody, ProxyError};
+use crate::token::TokenError;
+
+/// How a route answers the refusals fencegate itself makes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorFormat {
+    /// RFC 9457 `application/problem+json` (gRPC calls get gRPC statuses).
+    #[default]
+    Problem,
+    /// S3's `<Error>` XML, as S3 SDKs read it.
+    S3,
+}
+
+impl ErrorFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Problem => "problem",
+            Self::S3 => "s3",
+        }
+    }
+}
+
+impl std::str::FromStr for ErrorFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "problem" => Ok(Self::Problem),
+            "s3" => Ok(Self::S3),
+            other => Err(format!("`{other}` is not `problem` or `s3`")),
+        }
+    }
+}
+
+impl ProxyError {
+    /// The `<Code>` of this refusal in S3's form.
+    pub fn s3_code(&self) -> &'static str {
+        match self {
+            Self::Token(TokenError::Missing) => "MissingFenceToken",
+            Self::Token(_) => "InvalidFenceToken",
+            Self::Stale { .. } => "StaleFenceToken",
+            Self::TokenTooFarAhead { .. } => "FenceTokenTooFarAhead",
+            Self::NotGranted { .. } => "FenceTokenNotGranted",
+            Self::BadTarget(_) => "InvalidURI",
+            Self::BadRequest(_) | Self::BadFraming(_) => "InvalidRequest",
+            Self::NoRoute => "NoSuchRoute",
+            Self::MethodNotAllowed(_) => "MethodNotAllowed",
+            Self::UpgradeNotEnabled => "NotImplemented",
+            Self::BodyTooLarge { .. } => "EntityTooLarge",
+            Self::KeyTooLong { .. } => "KeyTooLongError",
+            Self::BodyTimeout => "RequestTimeout",
+            Self::StoreUnavailable(_) => "FenceStoreUnavailable",
+            Self::StoreLostData(_) => "FenceStoreLostData",
+            Self::Recovering { .. } => "FenceRecovering",
+            Self::OlderInFlight { .. } => "OlderWriteInFlight",
+            Self::ShuttingDown | Self::TooManyTunnels => "ServiceUnavailable",
+            Self::UpstreamConnect(_) => "UpstreamUnreachable",
+            Self::UpstreamTimeout(_) => "UpstreamTimeout",
+            Self::Upstream(_) => "UpstreamFailed",
+        }
+    }
+
+    /// The answer in S3's form: `<Error>` with `Code`, `Message` (the
+    /// reason a problem's `detail` gives), `Resource` (the request's path),
+    /// `RequestId` (its `X-Request-Id`), and the fence key and highest
+    /// token when there are some; the same status and headers as the
+    /// problem form.
+    pub fn into_s3_response(
+        self,
+        resource: Option<&str>,
+        key: Option<&str>,
+        request_id: &str,
+    ) -> Response<ProxyBody> {
+        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error>");
+        let mut element = |name: &str, text: &str| {
+            xml.push_str(&format!("<{name}>{}</{name}>", escape(text)));
+        };
+        element("Code", self.s3_code());
+        element("Message", &self.client_detail());
+        if let Some(r) = resource {
+            element("Resource", r);
+        }
+        element("RequestId", request_id);
+        if let Some(k) = key {
+            element("FenceKey", k);
+        }
+        if let Self::Stale { highest, .. } | Self::TokenTooFarAhead { highest, .. } = &self {
+            element("HighestToken", &highest.to_string());
+        }
+        xml.push_str("</Error>");
+        let mut resp = Response::new(full(xml));
+        *resp.status_mut() = self.status();
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/xml"),
+        );
+        self.finish(resp)
+    }
+}
+
+/// XML character data: the five characters XML reserves, and control
+/// characters (not allowed in XML 1.0) as U+FFFD.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            '\t' | '\n' | '\r' => out.push(c),
+            c if c.is_control() => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn body(resp: Response<ProxyBody>) -> String {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stale_write_names_its_code_reason_key_and_highest() {
+        let resp = ProxyError::Stale {
+            token: 33,
+            highest: 34,
+        }
+        .into_s3_response(Some("/reports/q4.csv"), Some("s3:/reports/q4.csv"), "r-1");
+        assert_eq!(resp.status(), 409);
+        assert_eq!(resp.headers()["content-type"], "application/xml");
+        assert_eq!(resp.headers()["x-fence-token-highest"], "34");
+        assert_eq!(
+            body(resp).await,
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>StaleFenceToken</Code>\
+             <Message>token 33 is lower than the highest token 34 for this key</Message>\
+             <Resource>/reports/q4.csv</Resource><RequestId>r-1</RequestId>\
+             <FenceKey>s3:/reports/q4.csv</FenceKey><HighestToken>34</HighestToken></Error>"
+        );
+    }
+
+    #[tokio::test]
+    async fn text_is_escaped_and_causes_stay_in_the_log() {
+        let resp = ProxyError::StoreUnavailable("redis: Connection refused at 10.0.0.7".into())
+            .into_s3_response(Some("/b/<a>&'\"\u{1}"), None, "r-2");
+        assert_eq!(resp.status(), 503);
+        assert_eq!(resp.headers()["retry-after"], "1");
+        let text = body(resp).await;
+        assert!(
+            text.contains("<Resource>/b/&lt;a&gt;&amp;&apos;&quot;\u{FFFD}</Resource>"),
+            "{text}"
+        );
+        assert!(
+            text.contains("<Code>FenceStoreUnavailable</Code>"),
+            "{text}"
+        );
+        assert!(!text.contains("10.0.0.7"), "{text}");
+        assert!(!text.contains("<FenceKey>"), "{text}");
+    }
+
+    #[test]
+    fn each_refusal_has_a_code_and_the_format_parses() {
+        for (e, code) in [
+            (ProxyError::Token(TokenError::Missing), "MissingFenceToken"),
+            (ProxyError::NotGranted { token: 3 }, "FenceTokenNotGranted"),
+            (ProxyError::BodyTooLarge { limit: 1 }, "EntityTooLarge"),
+            (ProxyError::ShuttingDown, "ServiceUnavailable"),
+        ] {
+            assert_eq!(e.s3_code(), code);
+        }
+        assert_eq!("s3".parse::<ErrorFormat>(), Ok(ErrorFormat::S3));
+        assert_eq!("problem".parse::<ErrorFormat>(), Ok(ErrorFormat::Problem));
+        assert!("xml".parse::<ErrorFormat>().is_err());
+    }
+}

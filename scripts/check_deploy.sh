@@ -432,12 +432,32 @@ def references(doc):
             for kind, field in (("Secret", "secretRef"), ("ConfigMap", "configMapRef")):
                 if field in e and not e[field].get("optional"):
                     refs.append((kind, e[field]["name"], None, f"envFrom {c['name']}"))
+    # A file of a mounted Secret that the environment points at (the TLS
+    # certificate and key) must be one of its keys.
+    used = {}
+    for c in pod.get("initContainers", []) + pod.get("containers", []):
+        for m in c.get("volumeMounts", []):
+            for e in c.get("env", []):
+                value = str(e.get("value", ""))
+                if value.startswith(m["mountPath"].rstrip("/") + "/"):
+                    key = value[len(m["mountPath"].rstrip("/")) + 1:].split("/")[0]
+                    used.setdefault(m["name"], []).append((key, e["name"]))
     for v in pod.get("volumes", []):
         if "secret" in v and not v["secret"].get("optional"):
             refs.append(("Secret", v["secret"]["secretName"], None, f"volume {v['name']}"))
+            for key, var in used.get(v["name"], []):
+                refs.append(("Secret", v["secret"]["secretName"], key, f"volume {v['name']}, {var}"))
         if "configMap" in v and not v["configMap"].get("optional"):
             refs.append(("ConfigMap", v["configMap"]["name"], None, f"volume {v['name']}"))
     return refs
+
+
+def shared_store(workload):
+    """Whether a workload's fencegate takes its store from a Secret (a
+    shared store's URL) rather than a file."""
+    pod = workload["spec"]["template"]["spec"]
+    return any(e["name"] == "FENCEGATE_STORE" and "secretKeyRef" in e.get("valueFrom", {})
+               for c in pod.get("containers", []) for e in c.get("env", []))
 
 
 def doc_blocks(path):
@@ -468,6 +488,8 @@ def check_order(scenario, commands, rendered):
     must include those named. `rendered`: what `apply -k DIR` applies, by
     the directory's last name."""
     state = {}  # (kind, namespace, name) -> set of keys, or None if unknown
+    marked = set()  # init-store Jobs waited for until complete: (namespace, name)
+    init_jobs = {}  # (namespace, name) of Jobs that run `init-store`
 
     def require(ns, kind, name, key, where, pending):
         have = pending.get((kind, ns, name), state.get((kind, ns, name), False))
@@ -493,6 +515,16 @@ def check_order(scenario, commands, rendered):
             require(None, "Namespace", ns, None, where, pending)
             for kind, name, key, field in references(d):
                 require(ns, kind, name, key, f"{where} ({field})", pending)
+            if d["kind"] == "Job" and any(c.get("args") == ["init-store"]
+                                          for c in d["spec"]["template"]["spec"]["containers"]):
+                init_jobs[(ns, d["metadata"]["name"])] = True
+            # Replicas refuse an unmarked shared store: the init-store Job
+            # must have completed (waited for) before they are applied.
+            if d["kind"] in ("Deployment", "StatefulSet") and shared_store(d) and not (
+                    set(init_jobs) & marked):
+                err(scenario, f"{where} runs on a shared store before an init-store Job was waited for"
+                              " (`kubectl wait --for=condition=complete job/...`): its replicas would refuse the"
+                              " unmarked store")
         state.update(pending)
 
     for cmd in commands:
@@ -535,6 +567,8 @@ def check_order(scenario, commands, rendered):
                     kind, name = w.split("/", 1)
                     kind = {"job": "Job", "deployment": "Deployment", "statefulset": "StatefulSet", "pod": "Pod"}.get(kind, kind)
                     require(ns, kind, name, None, f"`{cmd}`", {})
+                    if kind == "Job" and "--for=condition=complete" in rest:
+                        marked.add((ns, name))
         else:
             err(scenario, f"`{cmd}`: the order check does not know this command")
 
@@ -548,8 +582,11 @@ def main():
         return 0
     if mode == "render-plain":
         # The plain-only install the docs describe: the overlay without
-        # components/tls.
+        # components/tls (which it must list, or "plain" would be the same).
         for directory in sys.argv[3:]:
+            kust = load_docs(os.path.join(directory, "kustomization.yaml"))[0]
+            if "../components/tls" not in kust.get("components", []):
+                raise SystemExit(f"{directory}: no ../components/tls in its components to leave out")
             with open(os.path.join(out, os.path.basename(directory) + "-plain.yaml"), "w") as f:
                 yaml.safe_dump_all(render(directory, skip={"../components/tls"}), f, sort_keys=False)
         return 0
@@ -638,14 +675,19 @@ for o in "${OVERLAYS[@]}"; do
 done
 mkdir -p "$OUT/files"
 "$PY" "$OUT/check.py" render "$OUT/files" "${dirs[@]}" || fail "rendering the overlays from the kustomization files"
-"$PY" "$OUT/check.py" render-plain "$OUT" "${dirs[@]}" || fail "rendering the overlays without components/tls"
+"$PY" "$OUT/check.py" render-plain "$OUT/files" "${dirs[@]}" || fail "rendering the overlays without components/tls"
 if command -v "$KUBECTL" >/dev/null; then
   renderer=kubectl
+  # Plain only, as the docs say: the overlays without components/tls.
+  rm -rf "$OUT/k8s-plain"
+  cp -r "$K8S" "$OUT/k8s-plain"
   for o in "${OVERLAYS[@]}"; do
     "$KUBECTL" kustomize "$K8S/$o" >"$OUT/$o.yaml" || fail "kubectl kustomize $K8S/$o"
+    sed -i '\|^  - \.\./components/tls$|d' "$OUT/k8s-plain/$o/kustomization.yaml"
+    "$KUBECTL" kustomize "$OUT/k8s-plain/$o" >"$OUT/$o-plain.yaml" || fail "kubectl kustomize $o without components/tls"
   done
   # The fallback below renders the same objects (ConfigMap hash suffixes aside).
-  "$PY" "$OUT/check.py" compare "$OUT" "${OVERLAYS[@]}" || fail "the kustomization files render differently without kubectl"
+  "$PY" "$OUT/check.py" compare "$OUT" "${checked[@]}" || fail "the kustomization files render differently without kubectl"
 else
   renderer=files
   echo "check_deploy: no kubectl: rendered from the kustomization files; checkov's kustomize framework is skipped" >&2

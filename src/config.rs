@@ -756,12 +756,13 @@ impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Self, ConfigError> {
-        // Routes whose upstream_timeout was given (the default one is not
-        // warned about: see `Config::timeout_warnings`).
+        // Routes whose upstream_timeout was given, or every route if
+        // shutdown_grace was (the two defaults are not warned about: see
+        // `Config::timeout_warnings`).
         let timeout_given: Vec<bool> = raw
             .routes
             .iter()
-            .map(|r| r.upstream_timeout.is_some())
+            .map(|r| r.upstream_timeout.is_some() || raw.shutdown_grace.is_some())
             .collect();
         // `off`: no plain listener, only TLS (so that client certificates
         // cannot be bypassed).
@@ -960,7 +961,13 @@ impl RawConfig {
             reason,
         })?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            raw.resolve_paths(dir);
+            // Absolute, so that the printed config (`check-config`) names
+            // the same files wherever it is read back.
+            let dir = std::path::absolute(dir).map_err(|e| ConfigError::Read {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+            raw.resolve_paths(&dir)?;
         }
         Ok(raw)
     }
@@ -969,11 +976,31 @@ impl RawConfig {
     /// (`PATH` or `redb://PATH`, not a shared store's URL, whose query
     /// parameters are the driver's), key, certificate, token and state
     /// files.
-    fn resolve_paths(&mut self, dir: &std::path::Path) {
+    ///
+    /// Before this rule such paths were the working directory's: a store
+    /// (or state) file found there and not beside the config file refuses
+    /// the start, naming both, instead of a new, empty store forgetting
+    /// every fence.
+    fn resolve_paths(&mut self, dir: &std::path::Path) -> Result<(), ConfigError> {
         let join = |p: &mut Option<PathBuf>| {
             if let Some(p) = p.as_mut().filter(|p| p.is_relative()) {
                 *p = dir.join(&*p);
             }
+        };
+        let moved = |field: &str, given: &std::path::Path| -> Result<PathBuf, ConfigError> {
+            let resolved = dir.join(given);
+            if !resolved.exists() && given.exists() {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "`{}` is relative to the config file's directory: {}, which does not exist; {} (from the working directory, where fencegate looked before) does: move it beside the config file, or give an absolute path",
+                        given.display(),
+                        resolved.display(),
+                        std::path::absolute(given).unwrap_or_else(|_| given.to_path_buf()).display()
+                    ),
+                ));
+            }
+            Ok(resolved)
         };
         if let Some(store) = &mut self.store {
             let (scheme, rest) = match store.strip_prefix("redb://") {
@@ -982,11 +1009,14 @@ impl RawConfig {
                 None => ("", String::new()),
             };
             if !rest.is_empty() && std::path::Path::new(&rest).is_relative() {
-                *store = format!("{scheme}{}", dir.join(rest).display());
+                let resolved = moved("store", std::path::Path::new(&rest))?;
+                *store = format!("{scheme}{}", resolved.display());
             }
         }
+        if let Some(p) = self.store_state_file.as_mut().filter(|p| p.is_relative()) {
+            *p = moved("store_state_file", p)?;
+        }
         for p in [
-            &mut self.store_state_file,
             &mut self.store_ca,
             &mut self.store_client_cert,
             &mut self.store_client_key,
@@ -1010,6 +1040,7 @@ impl RawConfig {
                 join(p);
             }
         }
+        Ok(())
     }
 
     pub fn from_toml(text: &str) -> Result<Self, String> {
@@ -1133,9 +1164,10 @@ impl Config {
             .unwrap_or_default()
     }
 
-    /// Routes given an upstream_timeout longer than shutdown_grace. The
-    /// defaults (60 s and 30 s) are not warned about: a drain that runs
-    /// out only costs the recovery window on keys still written.
+    /// Routes whose upstream_timeout is longer than shutdown_grace, where
+    /// either was given. The two defaults (60 s and 30 s) alone are not
+    /// warned about: a drain that runs out only costs the recovery window
+    /// on keys still being written.
     fn timeout_warnings(&self, given: &[bool]) -> Vec<String> {
         self.routes
             .iter()
@@ -1248,6 +1280,13 @@ mod tests {
         ))
         .warnings
         .is_empty());
+        // A shorter shutdown_grace than the default upstream_timeout.
+        assert_eq!(
+            config(&format!("shutdown_grace = \"10s\"\n{route}"))
+                .warnings
+                .len(),
+            1
+        );
         // The flag sets every route's, as given.
         let mut raw = RawConfig::from_toml(route).unwrap();
         raw.routes[0].upstream_timeout = Some("45s".into());
@@ -1297,6 +1336,25 @@ mod tests {
         // In the working directory itself: nothing to join.
         let here = RawConfig::from_toml("store = \"f.redb\"").unwrap();
         assert_eq!(here.store.as_deref(), Some("f.redb"));
+        // A store the old rule found (from the working directory) and the
+        // new one does not: refused, not replaced by a new empty store.
+        let old = dir.path().join("old.redb");
+        std::fs::write(&old, b"x").unwrap();
+        let depth = std::env::current_dir().unwrap().components().count() - 1;
+        let from_cwd = format!(
+            "{}{}",
+            "../".repeat(depth),
+            old.display().to_string().trim_start_matches('/')
+        );
+        assert!(std::path::Path::new(&from_cwd).exists());
+        std::fs::write(conf.join("f.toml"), format!("store = \"{from_cwd}\"")).unwrap();
+        let e = RawConfig::from_file(&conf.join("f.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("invalid `store`") && e.contains("move it beside the config file"),
+            "{e}"
+        );
     }
 
     /// Store TLS files given in the URL are printed there only; given as

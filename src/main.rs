@@ -471,6 +471,9 @@ async fn run(
                         let reload = reload.clone();
                         match tokio::task::spawn_blocking(move || reload()).await {
                             Ok(Ok(config)) => {
+                                for warning in &config.warnings {
+                                    tracing::warn!("{warning}");
+                                }
                                 let _ = reloader.reload(&config).await;
                             }
                             Ok(Err(e)) => reloader.refused(&format!("{e:#}")),

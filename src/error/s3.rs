@@ -110,8 +110,9 @@ impl ProxyError {
     }
 }
 
-/// XML character data: the five characters XML reserves, and control
-/// characters (not allowed in XML 1.0) as U+FFFD.
+/// XML character data: the five characters XML reserves escaped, and any
+/// character XML 1.0 does not allow (control characters, U+FFFE, U+FFFF)
+/// as U+FFFD, so that every SDK's parser reads the body.
 fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
@@ -122,8 +123,10 @@ fn escape(text: &str) -> String {
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&apos;"),
             '\t' | '\n' | '\r' => out.push(c),
-            c if c.is_control() => out.push('\u{FFFD}'),
-            c => out.push(c),
+            '\u{20}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..='\u{10FFFF}' => {
+                out.push(c)
+            }
+            _ => out.push('\u{FFFD}'),
         }
     }
     out
@@ -161,12 +164,14 @@ mod tests {
     #[tokio::test]
     async fn text_is_escaped_and_causes_stay_in_the_log() {
         let resp = ProxyError::StoreUnavailable("redis: Connection refused at 10.0.0.7".into())
-            .into_s3_response(Some("/b/<a>&'\"\u{1}"), None, "r-2");
+            .into_s3_response(Some("/b/<a>&'\"\u{1}\u{FFFE}\u{FFFF}"), None, "r-2");
         assert_eq!(resp.status(), 503);
         assert_eq!(resp.headers()["retry-after"], "1");
         let text = body(resp).await;
         assert!(
-            text.contains("<Resource>/b/&lt;a&gt;&amp;&apos;&quot;\u{FFFD}</Resource>"),
+            text.contains(
+                "<Resource>/b/&lt;a&gt;&amp;&apos;&quot;\u{FFFD}\u{FFFD}\u{FFFD}</Resource>"
+            ),
             "{text}"
         );
         assert!(

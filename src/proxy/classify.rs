@@ -223,6 +223,21 @@ pub(crate) fn resolve<'r, R: AsRef<Route>>(
     Ok(Some((found, path)))
 }
 
+/// For a target that does not parse: whether the route it would most
+/// likely have taken (the first whose host matches and whose prefix starts
+/// its raw path) answers in S3's form, so that an S3 client is told why
+/// (`InvalidURI`) in a form it reads. Only the refusal's form depends on it.
+fn s3_route_by_prefix(routes: &[RouteRuntime], host: Option<&str>, raw_path: &str) -> bool {
+    routes
+        .iter()
+        .map(|r| &r.route)
+        .find(|r| {
+            r.host.as_deref().is_none_or(|h| Some(h) == host)
+                && raw_path.starts_with(&r.path_prefix)
+        })
+        .is_some_and(|r| r.error_format == ErrorFormat::S3)
+}
+
 /// The fence key (`namespace:resource`) `route` gives a parsed target,
 /// within the key length limit.
 pub(crate) fn route_key(
@@ -292,16 +307,19 @@ impl Proxy {
             Ok(None) => return Err(ProxyError::NoRoute),
             Err(e) => {
                 ctx.write = true; // unparsed: assume the worst for logging
+                if s3_route_by_prefix(&table.routes, host.as_deref(), req.uri().path()) {
+                    ctx.s3_resource = Some(req.uri().path().to_string());
+                }
                 return Err(ProxyError::BadTarget(e));
             }
         };
         let route = &rt.route;
-        if route.host.is_some() && !host_sources_plain(req) {
-            return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
-        }
         ctx.route = Some(route.name.clone());
         if route.error_format == ErrorFormat::S3 {
             ctx.s3_resource = Some(req.uri().path().to_string());
+        }
+        if route.host.is_some() && !host_sources_plain(req) {
+            return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
         }
         if is_websocket_upgrade(req.version(), req.headers()) {
             if !route.websocket {

@@ -21,12 +21,14 @@ building it is scripts/test's own first step, not the docs'.
   most) until a GET of URL answers 200, or else for the block's
   listening line / first port to accept.
 - `sh` blocks run in one bash process per session, so variables and
-  `export`s carry to later blocks; each must end with status 0. A marked
-  `python` block runs as `PYTHONPATH=examples python3 BLOCK`.
+  `export`s carry to later blocks; each runs under `set -eo pipefail`, so
+  every command in it must succeed. A marked `python` block runs as
+  `PYTHONPATH=examples python3 BLOCK`.
 - `console` blocks: each `$ ` line (with `\\` continuations) is a command
   in that shell; the lines after it, up to the next `$ `, are its output
   (stdout and stderr), compared line by line. `...` in an expected line
-  stands for any text (lease IDs, times).
+  stands for any text (lease IDs, times). Their exit status is not
+  checked (a refusal the docs show exits non-zero); their output is.
 
 The ports are the docs' own (8080, 9090, 9091, 8333...): a session fails
 at once, naming the port, if one is taken.
@@ -67,6 +69,8 @@ class Block:
         unknown = [w for w in words[1:] if w != "background" and not w.startswith("ready=")]
         if not self.skip and unknown:
             raise ValueError(f"{self.where}: unknown marker words {unknown}")
+        if self.background and not self.ready:
+            raise ValueError(f"{self.where}: a background block needs ready=URL (what says it is up)")
 
     @property
     def where(self):
@@ -277,12 +281,18 @@ def test_session(session, tmp_path):
                         f"{block.where}: `{command}` printed\n{output}\n--- the docs show ---\n"
                         + "\n".join(expected))
             else:
-                command = block.text
                 if block.lang == "python":
                     # As the docs say to run it: examples on PYTHONPATH.
                     script = scratch / f"block.{i}.py"
                     script.write_text(block.text)
                     command = f"PYTHONPATH=examples python3 {script}"
+                else:
+                    # Every command must succeed, not only the last: a
+                    # failing one ends the shell (and the session fails
+                    # with its output).
+                    script = scratch / f"block.{i}.sh"
+                    script.write_text(block.text + "\n")
+                    command = f"set -eo pipefail\n. {script}\nset +eo pipefail"
                 rc, output = shell.run(command, block.where)
                 assert rc == 0, f"{block.where}: exit status {rc}:\n{block.text}\n--- output ---\n{output}"
     finally:

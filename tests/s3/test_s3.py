@@ -330,6 +330,9 @@ def test_boto3_and_the_aws_cli_show_fencegates_code_and_reason(s3, fencegate, ba
     holder.token = "12x"
     assert error_code(lambda: c.put_object(Bucket=BUCKET, Key="codes/a.csv", Body=b"x")) == "InvalidFenceToken"
     assert error_code(lambda: c.get_object(Bucket=BUCKET, Key="codes/missing")) == "NoSuchKey"
+    # A key that does not parse (a dot segment) is refused in S3's form too.
+    holder.token = 501
+    assert error_code(lambda: c.put_object(Bucket=BUCKET, Key="codes/../x", Body=b"x")) == "InvalidURI"
 
     aws = aws_cli(backend, tmp_path, "--endpoint-url", fencegate["url"])
     src = tmp_path / "file.txt"

@@ -226,7 +226,7 @@ impl Upstream {
     async fn dial(&self, worker: usize) -> Result<Conn, UpstreamError> {
         let mut connector = self.connector.clone();
         let connect = |e: BoxError| {
-            let mut detail = crate::proxy::error_chain(&*e);
+            let mut detail = crate::error::error_chain(&*e);
             // The error is flattened here: advice on a TLS failure must be
             // found now, while its rustls error is still in the chain.
             if let Some(advice) = crate::tls::advice(&*e) {
@@ -240,7 +240,7 @@ impl Upstream {
             .map_err(connect)?;
         let io = connector.call(self.dial.clone()).await.map_err(connect)?;
         let handshake = |e: hyper::Error| {
-            UpstreamError::Connect(format!("handshake: {}", crate::proxy::error_chain(&e)))
+            UpstreamError::Connect(format!("handshake: {}", crate::error::error_chain(&e)))
         };
         if self.h2c || io.connected().is_negotiated_h2() {
             let (sender, conn) = http2::handshake(TokioExecutor::new(), io)
@@ -342,7 +342,7 @@ impl Upstream {
 fn closed_at_once(e: hyper::Error) -> UpstreamError {
     UpstreamError::Connect(format!(
         "the upstream closed a new connection at once: {}",
-        crate::proxy::error_chain(&e)
+        crate::error::error_chain(&e)
     ))
 }
 

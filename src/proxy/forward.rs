@@ -306,8 +306,6 @@ impl<T: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Touching<T> {
     }
 }
 
-pub(crate) use crate::error::error_chain;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -653,7 +651,7 @@ impl Proxy {
                     .upstream_errors
                     .with_label_values(&[&route.name, kind])
                     .inc();
-                let detail = error_chain(&e);
+                let detail = crate::error::error_chain(&e);
                 return Err(if e.is_connect() {
                     ProxyError::UpstreamConnect(detail)
                 } else {

@@ -48,7 +48,6 @@ mod forward;
 mod linger;
 
 use classify::*;
-pub(crate) use forward::error_chain;
 pub use forward::strip_hop_by_hop;
 use forward::*;
 

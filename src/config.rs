@@ -1338,15 +1338,15 @@ mod tests {
         assert_eq!(here.store.as_deref(), Some("f.redb"));
         // A store the old rule found (from the working directory) and the
         // new one does not: refused, not replaced by a new empty store.
-        let old = dir.path().join("old.redb");
-        std::fs::write(&old, b"x").unwrap();
-        let depth = std::env::current_dir().unwrap().components().count() - 1;
-        let from_cwd = format!(
-            "{}{}",
-            "../".repeat(depth),
-            old.display().to_string().trim_start_matches('/')
-        );
-        assert!(std::path::Path::new(&from_cwd).exists());
+        // The old store sits under the working directory and is named
+        // without `..`, so the name cannot also lead somewhere from the
+        // config file's directory (a `../` chain climbing to the root would,
+        // whenever both directories are equally deep).
+        let cwd_dir = tempfile::tempdir_in(std::env::current_dir().unwrap()).unwrap();
+        let name = cwd_dir.path().file_name().unwrap().to_str().unwrap();
+        let from_cwd = format!("{name}/old.redb");
+        std::fs::write(&from_cwd, b"x").unwrap();
+        assert!(!conf.join(&from_cwd).exists());
         std::fs::write(conf.join("f.toml"), format!("store = \"{from_cwd}\"")).unwrap();
         let e = RawConfig::from_file(&conf.join("f.toml"))
             .unwrap_err()

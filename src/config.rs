@@ -17,8 +17,8 @@ use crate::key::KeyTemplate;
 
 mod store;
 pub use store::{
-    redact_url, store, url_password, Secret, SharedEngine, SharedStoreConfig, StoreConfig,
-    StoreTls, TlsVerify,
+    redact_url, store, url_password, Secret, Sentinel, SharedEngine, SharedStoreConfig,
+    StoreConfig, StoreTls, TlsVerify,
 };
 
 /// A configuration error, naming the field at fault.
@@ -52,6 +52,8 @@ pub struct RawConfig {
     pub store_cache_mib: Option<u64>,
     /// Timeout of shared-store calls.
     pub store_timeout: Option<String>,
+    /// Redis: replicas a change must reach before it counts as stored.
+    pub store_replicas_to_wait: Option<u32>,
     /// Accept a shared store that lost data (after checking why).
     pub accept_store_reset: Option<bool>,
     /// Where a shared-store replica keeps the latest marker it saw.
@@ -1076,6 +1078,7 @@ impl Config {
             store: Some(store),
             store_cache_mib: cache_mib,
             store_timeout,
+            store_replicas_to_wait: shared.and_then(|s| s.replicas_to_wait),
             accept_store_reset: accept,
             store_ca: tls
                 .and_then(|t| t.ca.clone())
@@ -1799,7 +1802,10 @@ mod tests {
             StoreConfig::Shared(s) => s.engine,
             other => panic!("{other:?}"),
         };
-        assert_eq!(shared("redis://127.0.0.1:6379/0"), SharedEngine::Redis);
+        assert_eq!(
+            shared("redis://127.0.0.1:6379/0"),
+            SharedEngine::Redis { sentinel: None }
+        );
         assert!(matches!(
             shared("postgres://u@127.0.0.1/db"),
             SharedEngine::Postgres { prefer: false, .. }

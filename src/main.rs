@@ -132,14 +132,19 @@ struct Opts {
     #[arg(long, env = "FENCEGATE_UPSTREAM", global = true)]
     upstream: Option<String>,
     /// Fence store: a file path (or redb://PATH) for the embedded store, or
-    /// a shared store's URL for several replicas: redis:// or rediss://,
-    /// postgres:// or postgresql://, etcd:// or etcds://HOST:PORT[,HOST:PORT...]
+    /// a shared store's URL for several replicas: redis://, rediss:// or
+    /// redis+sentinel://HOST:PORT[,...]/MASTER, postgres:// or postgresql://, etcd:// or etcds://HOST:PORT[,HOST:PORT...]
     /// (docs/stores.md).
     #[arg(long, env = "FENCEGATE_STORE", global = true)]
     store: Option<String>,
     /// Timeout of shared-store calls (redis://, postgres://, etcd://).
     #[arg(long, env = "FENCEGATE_STORE_TIMEOUT", global = true)]
     store_timeout: Option<String>,
+    /// Redis: how many replicas must have a change before it counts as
+    /// stored (WAIT after each batch); 0 never waits. Default: one while the
+    /// primary has a replica online, else none (docs/stores.md).
+    #[arg(long, env = "FENCEGATE_STORE_REPLICAS_TO_WAIT", global = true)]
+    store_replicas_to_wait: Option<u32>,
     /// PEM CA certificates for a shared store's TLS (rediss://, etcds://,
     /// PostgreSQL sslmode=verify-*), instead of the system's.
     #[arg(long, env = "FENCEGATE_STORE_CA", global = true)]
@@ -299,6 +304,10 @@ fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<RawConfig> 
     set(&mut raw.store, &opts.store);
     set(&mut raw.shutdown_grace, &opts.shutdown_grace);
     set(&mut raw.store_timeout, &opts.store_timeout);
+    set(
+        &mut raw.store_replicas_to_wait,
+        &opts.store_replicas_to_wait,
+    );
     set(&mut raw.store_ca, &opts.store_ca);
     set(&mut raw.store_client_cert, &opts.store_client_cert);
     set(&mut raw.store_client_key, &opts.store_client_key);

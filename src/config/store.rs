@@ -56,6 +56,10 @@ pub struct SharedStoreConfig {
     pub password: Option<Secret>,
     /// Where the password was read from, to print back.
     pub password_file: Option<PathBuf>,
+    /// Redis only (`store_replicas_to_wait`): how many replicas must have
+    /// a change before it counts as stored; `None`: one while the primary
+    /// has a replica online, else none.
+    pub replicas_to_wait: Option<u32>,
 }
 
 impl std::fmt::Debug for SharedStoreConfig {
@@ -80,7 +84,10 @@ impl SharedStoreConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SharedEngine {
-    Redis,
+    Redis {
+        /// `redis+sentinel://`: the primary is asked of these Sentinels.
+        sentinel: Option<Sentinel>,
+    },
     Postgres {
         /// The URL handed to the PostgreSQL driver: fencegate's own TLS
         /// parameters (`sslrootcert`, `sslcert`, `sslkey`, the `verify-*`
@@ -98,6 +105,36 @@ pub enum SharedEngine {
         /// the URL, `store_password_file` or the environment.
         user: Option<String>,
     },
+}
+
+/// A Redis primary found through Sentinel: `redis+sentinel://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB][?sentinel_auth=same]`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Sentinel {
+    /// The Sentinels' addresses (port 26379 when not given).
+    pub addrs: Vec<(String, u16)>,
+    /// The master name the Sentinels monitor.
+    pub master: String,
+    pub db: i64,
+    /// The data nodes' ACL user and password (the password may be replaced
+    /// by `store_password_file` or the environment).
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+    /// `sentinel_auth=same`: the Sentinels ask for the same user and
+    /// password (Sentinel's own `requirepass`); otherwise they are asked
+    /// without credentials.
+    pub sentinel_auth: bool,
+}
+
+impl std::fmt::Debug for Sentinel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sentinel")
+            .field("addrs", &self.addrs)
+            .field("master", &self.master)
+            .field("db", &self.db)
+            .field("user", &self.user)
+            .field("sentinel_auth", &self.sentinel_auth)
+            .finish_non_exhaustive()
+    }
 }
 
 /// TLS towards a shared store.
@@ -201,6 +238,12 @@ pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
             ));
         }
     }
+    if raw.store_replicas_to_wait.is_some() {
+        return Err(invalid(
+            "store_replicas_to_wait",
+            "is for Redis; the embedded store is a local file",
+        ));
+    }
     if path.is_empty() {
         return Err(invalid("store", "the path is empty"));
     }
@@ -277,14 +320,26 @@ fn shared(
                     "`#insecure` (no certificate check) is not supported; give the server's CA as store_ca",
                 ));
             }
-            (SharedEngine::Redis, UrlTls::on(scheme == "rediss"))
+            (SharedEngine::Redis { sentinel: None }, UrlTls::on(scheme == "rediss"))
+        }
+        "redis+sentinel" => (
+            SharedEngine::Redis {
+                sentinel: Some(sentinel(rest)?),
+            },
+            UrlTls::off(),
+        ),
+        "rediss+sentinel" => {
+            return Err(invalid(
+                "store",
+                "rediss+sentinel:// (TLS to Sentinel) is not supported yet; use redis+sentinel:// on a private network, or rediss:// to one primary",
+            ))
         }
         "postgres" | "postgresql" => postgres(text)?,
         "etcd" | "etcds" => (etcd(scheme, rest)?, UrlTls::on(scheme == "etcds")),
         _ => {
             return Err(invalid(
                 "store",
-                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, rediss://, postgres://, etcd:// or etcds://"),
+                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, rediss://, redis+sentinel://, postgres://, etcd:// or etcds://"),
             ))
         }
     };
@@ -363,8 +418,25 @@ fn shared(
             ));
         }
     }
+    let replicas_to_wait = match (&engine, raw.store_replicas_to_wait) {
+        (_, None) => None,
+        (SharedEngine::Redis { .. }, Some(n)) if n <= MAX_REPLICAS_TO_WAIT => Some(n),
+        (SharedEngine::Redis { .. }, Some(_)) => {
+            return Err(invalid(
+                "store_replicas_to_wait",
+                format!("must be between 0 and {MAX_REPLICAS_TO_WAIT}"),
+            ))
+        }
+        (_, Some(_)) => {
+            return Err(invalid(
+                "store_replicas_to_wait",
+                "is for Redis; PostgreSQL waits for its synchronous standbys (synchronous_standby_names), etcd for a Raft majority",
+            ))
+        }
+    };
     Ok(SharedStoreConfig {
         engine,
+        replicas_to_wait,
         url: text.to_string(),
         timeout: duration("store_timeout", &raw.store_timeout, Duration::from_secs(2))?,
         accept_reset: raw.accept_store_reset.unwrap_or(false),
@@ -376,6 +448,96 @@ fn shared(
         tls,
         password,
         password_file: raw.store_password_file.clone(),
+    })
+}
+
+/// The most replicas a Redis change may be made to wait for.
+const MAX_REPLICAS_TO_WAIT: u32 = 100;
+
+/// `HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB][?sentinel_auth=same]`, after
+/// `redis+sentinel://` and any `USER[:PASSWORD]@`.
+fn sentinel(rest: &str) -> Result<Sentinel, ConfigError> {
+    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let decode = |v: &str| {
+        percent_encoding::percent_decode_str(v)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, rest),
+    };
+    let (user, password) = match userinfo.map(|u| u.split_once(':').unwrap_or((u, ""))) {
+        None => (None, None),
+        Some((u, p)) => (
+            Some(decode(u)).filter(|u| !u.is_empty()),
+            Some(Secret::new(decode(p))).filter(|p| !p.expose().is_empty()),
+        ),
+    };
+    let form = "redis+sentinel://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB]";
+    let (hosts, path) = rest
+        .split_once('/')
+        .ok_or_else(|| invalid("store", format!("the Sentinel URL names no master: {form}")))?;
+    let mut addrs = Vec::new();
+    for h in hosts.split(',') {
+        let h = h.trim();
+        let (host, port) = match h.rsplit_once(':').filter(|(host, _)| !host.ends_with(':')) {
+            Some((host, port)) if !host.is_empty() => (
+                host,
+                port.parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| invalid("store", format!("Sentinel `{h}`: bad port")))?,
+            ),
+            _ => (h, 26379),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.contains(['/', '@', ' ']) {
+            return Err(invalid(
+                "store",
+                format!("Sentinel `{h}` is not HOST[:PORT]"),
+            ));
+        }
+        addrs.push((host.to_string(), port));
+    }
+    let mut parts = path.trim_end_matches('/').splitn(2, '/');
+    let master = decode(parts.next().unwrap_or(""));
+    if master.is_empty() {
+        return Err(invalid(
+            "store",
+            format!("the Sentinel URL names no master: {form}"),
+        ));
+    }
+    let db = match parts.next() {
+        None => 0,
+        Some(d) => d
+            .parse::<i64>()
+            .ok()
+            .filter(|d| *d >= 0)
+            .ok_or_else(|| invalid("store", format!("database `{d}` is not a number")))?,
+    };
+    let mut sentinel_auth = false;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=').unwrap_or((pair, "")) {
+            ("sentinel_auth", "same") => sentinel_auth = true,
+            ("sentinel_auth", "none") => sentinel_auth = false,
+            (k, v) => {
+                return Err(invalid(
+                    "store",
+                    format!(
+                        "unknown Sentinel URL parameter `{k}={v}` (known: sentinel_auth=same|none)"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(Sentinel {
+        addrs,
+        master,
+        db,
+        user,
+        password,
+        sentinel_auth,
     })
 }
 
@@ -791,5 +953,70 @@ mod tests {
         assert_eq!(shared_of(&r).password.unwrap().expose(), "s3cret");
         r.store_password_file = Some(dir.path().join("missing"));
         assert_eq!(field_of(&r), "store_password_file");
+    }
+
+    #[test]
+    fn sentinel_urls_name_their_sentinels_master_and_database() {
+        let sentinel = |url: &str| match shared_of(&raw(url)).engine {
+            SharedEngine::Redis { sentinel: Some(s) } => s,
+            other => panic!("{url}: {other:?}"),
+        };
+        let s = sentinel("redis+sentinel://fg:p%40ss@10.0.0.1:26380,10.0.0.2,[::1]:5/fg-main/3");
+        assert_eq!(
+            s.addrs,
+            vec![
+                ("10.0.0.1".to_string(), 26380),
+                ("10.0.0.2".to_string(), 26379),
+                ("::1".to_string(), 5)
+            ]
+        );
+        assert_eq!((s.master.as_str(), s.db), ("fg-main", 3));
+        assert_eq!(s.user.as_deref(), Some("fg"));
+        assert_eq!(s.password.as_ref().map(Secret::expose), Some("p@ss"));
+        assert!(!s.sentinel_auth);
+        let s = sentinel("redis+sentinel://h:1/m?sentinel_auth=same");
+        assert!(s.sentinel_auth && s.user.is_none() && s.password.is_none());
+        assert_eq!(s.db, 0);
+        // The password never shows.
+        assert!(!format!("{s:?}").contains("p@ss"));
+        for bad in [
+            "redis+sentinel://h:1",
+            "redis+sentinel://h:1/",
+            "redis+sentinel://h:x/m",
+            "redis+sentinel://h:0/m",
+            "redis+sentinel://,h:1/m",
+            "redis+sentinel://h:1/m/-1",
+            "redis+sentinel://h:1/m/a",
+            "redis+sentinel://h:1/m?sentinel_auth=maybe",
+            "redis+sentinel://h:1/m?password=x",
+            "rediss+sentinel://h:1/m",
+        ] {
+            assert_eq!(field_of(&raw(bad)), "store", "{bad}");
+        }
+    }
+
+    #[test]
+    fn replicas_to_wait_is_for_redis_and_bounded() {
+        let with = |url: &str, n: u32| RawConfig {
+            store_replicas_to_wait: Some(n),
+            ..raw(url)
+        };
+        assert_eq!(
+            shared_of(&with("redis://h:1/0", 2)).replicas_to_wait,
+            Some(2)
+        );
+        assert_eq!(
+            shared_of(&with("redis+sentinel://h:1/m", 0)).replicas_to_wait,
+            Some(0)
+        );
+        assert_eq!(shared_of(&raw("redis://h:1/0")).replicas_to_wait, None);
+        for bad in [
+            with("redis://h:1/0", 101),
+            with("postgres://u@h/db", 1),
+            with("etcd://h:1", 1),
+            with("fences.redb", 1),
+        ] {
+            assert_eq!(field_of(&bad), "store_replicas_to_wait");
+        }
     }
 }

@@ -272,7 +272,12 @@ impl EtcdBackend {
             Ok(answer) => answer,
             Err(_) => {
                 // The endpoint's own timeout in `send` may not have run
-                // (a login or another endpoint came first): same remedies.
+                // (a login or another endpoint came first): same remedies,
+                // and the next call starts at the next member.
+                if self.endpoints.len() > 1 {
+                    self.current.fetch_add(1, Ordering::Relaxed);
+                }
+                self.failing.store(true, Ordering::Release);
                 self.timed_out(
                     &self.channel.load_full(),
                     self.token.load_full().as_deref().map(|t| t.as_str()),
@@ -371,11 +376,18 @@ impl EtcdBackend {
         token: Option<&str>,
     ) -> Result<A, (StoreError, bool)> {
         let mut last = None;
+        // A member that hangs (stopped, cut off from the others) must leave
+        // time for the next one within the call's one bound.
+        let attempt = if self.endpoints.len() > 1 {
+            self.timeout / 2
+        } else {
+            self.timeout
+        };
         for _ in 0..self.endpoints.len() {
             let i = self.current.load(Ordering::Relaxed) % self.endpoints.len();
             let channel = self.channel.load_full();
             let result = match tokio::time::timeout(
-                self.timeout,
+                attempt,
                 rpc::call(&channel, &self.endpoints[i], method, token, request),
             )
             .await

@@ -45,7 +45,7 @@ pub fn connect_shared(
             .map_err(tls)
     };
     Ok(match &c.engine {
-        SharedEngine::Redis => {
+        SharedEngine::Redis { sentinel } => {
             let pem = c
                 .tls
                 .as_ref()
@@ -54,8 +54,17 @@ pub fn connect_shared(
                 .map_err(tls)?;
             Arc::new(
                 shared::SharedStore::new(
-                    redis::RedisBackend::new(&c.url, c.password.as_ref(), pem, c.timeout)
-                        .map_err(bad)?,
+                    redis::RedisBackend::new(
+                        &c.url,
+                        redis::Options {
+                            sentinel: sentinel.as_ref(),
+                            password: c.password.as_ref(),
+                            pem,
+                            timeout: c.timeout,
+                            replicas_to_wait: c.replicas_to_wait,
+                        },
+                    )
+                    .map_err(bad)?,
                     c.accept_reset,
                     batch_sizes,
                     state(),

@@ -16,19 +16,32 @@
 //!   it (PEXPIRE).
 //! - `fencegate:marker`: hash with `epoch` and `seq` (amnesia detection).
 //!
+//! - `fencegate:sync`: written after each call whose effects must reach
+//!   replicas (see below).
+//!
 //! Durability is Redis's: only `appendonly yes` with `appendfsync always`
 //! makes an acknowledged raise survive a Redis crash; fencegate warns at
 //! connect when the server says otherwise.
+//!
+//! Replication is asynchronous, so a failover to a replica can lose what the
+//! primary acknowledged. Each call is therefore followed, in the same round
+//! trip, by a write to `fencegate:sync` and `WAIT N`: its answer counts only
+//! once N replicas have everything up to that write, which covers what the
+//! call changed and what it read (another replica's raise it saw). Too few
+//! confirmations in time fail the call like a store timeout. The primary is
+//! found directly (`redis://`) or asked of Sentinel (`redis+sentinel://`),
+//! again after every connection failure, so a promoted replica is followed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::MultiplexedConnection;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Client, ClientTlsConfig, IntoConnectionInfo, Script, TlsCertificates,
-    Value,
+    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, ConnectionAddr, FromRedisValue,
+    IntoConnectionInfo, Script, TlsCertificates,
 };
 
 use super::shared::{
@@ -223,14 +236,60 @@ end
 return shown('lock')
 "#;
 
+const BUMP_MARKER: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then return nil end
+redis.call('HINCRBY', KEYS[1], 'seq', 1)
+return redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+"#;
+
+const CREATE_MARKER: &str = r#"
+redis.call('HSETNX', KEYS[1], 'epoch', ARGV[1])
+redis.call('HSETNX', KEYS[1], 'seq', 1)
+return redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+"#;
+
+const REPLACE_MARKER: &str = r#"
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+local matches = (ARGV[1] == '' and not cur[1]) or (cur[1] == ARGV[1] and cur[2] == ARGV[2])
+if matches then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[3], 'seq', 1)
+end
+return redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+"#;
+
 const MARKER: &str = "fencegate:marker";
+
+/// Written after a call so that `WAIT` covers it (see the module doc).
+const SYNC: &str = "fencegate:sync";
 
 /// How long after a failed connection or call the next connect waits.
 const BACKOFF: Duration = Duration::from_millis(200);
 
+/// Where the primary is.
+enum Source {
+    Direct(Client),
+    /// Asked of Sentinel at every connect.
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+}
+
+/// How to reach Redis and how much to wait for its replicas.
+pub struct Options<'a> {
+    /// `redis+sentinel://`: the Sentinels and the master name.
+    pub sentinel: Option<&'a crate::config::Sentinel>,
+    /// Replaces the URL's password.
+    pub password: Option<&'a crate::config::Secret>,
+    /// TLS (`rediss://`): the CA and client certificate, if given.
+    pub pem: Option<crate::tls::StorePem>,
+    /// Bounds connects and every command.
+    pub timeout: Duration,
+    /// Replicas a change must reach (`None`: one while a replica is online).
+    pub replicas_to_wait: Option<u32>,
+}
+
 /// A Redis connection that reconnects (with backoff) after failures.
 pub struct RedisBackend {
-    client: Client,
+    source: Source,
     /// One connection per runtime (the main one and each worker's): a
     /// multiplexed connection's driver task lives on the runtime that
     /// connected it, and a call from another thread would cost two hops.
@@ -238,12 +297,20 @@ pub struct RedisBackend {
     session: AtomicU64,
     last_failure: Mutex<Option<Instant>>,
     timeout: Duration,
+    /// `store_replicas_to_wait`, if set.
+    replicas_to_wait: Option<u32>,
+    /// Replicas the primary reported online at the latest connect or marker
+    /// read: without a setting, a change waits for one of them, if any.
+    online_replicas: AtomicU32,
     acquire: Script,
     poll: Script,
     renew: Script,
     advance: Script,
     release: Script,
     lock: Script,
+    bump_marker: Script,
+    create_marker: Script,
+    replace_marker: Script,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -252,14 +319,14 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
 
 /// A failed connect: refused (wrong password or user, a certificate that
 /// does not check out) or unavailable.
-fn connect_failed(e: redis::RedisError) -> StoreError {
+fn connect_failed(e: redis::RedisError, what: &str) -> StoreError {
     let auth = matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
         || e.code()
             .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
     if auth || crate::tls::certificate_refused(&e) {
-        StoreError::Refused(format!("redis: {e}"))
+        StoreError::Refused(format!("{what}: {e}"))
     } else {
-        unavailable(e)
+        StoreError::Unavailable(format!("{what}: {e}"))
     }
 }
 
@@ -293,50 +360,71 @@ fn lease_outcome(reply: (String, String), lease: WriteLease) -> Result<LeaseOutc
 }
 
 impl RedisBackend {
-    /// `url`: `redis://host:port/db` or `rediss://` (TLS, with `pem`'s CA
-    /// and client certificate if given); `password` replaces the URL's.
-    /// Connects lazily; `timeout` bounds connects and every command.
-    pub fn new(
-        url: &str,
-        password: Option<&crate::config::Secret>,
-        pem: Option<crate::tls::StorePem>,
-        timeout: Duration,
-    ) -> Result<Self, String> {
-        let mut info = url
-            .into_connection_info()
-            .map_err(|e| format!("not a Redis URL: {e}"))?;
-        if let Some(pw) = password {
-            let settings = info.redis_settings().clone().set_password(pw.expose());
-            info = info.set_redis_settings(settings);
-        }
-        let client = match pem {
-            Some(pem) => Client::build_with_tls(
-                info,
-                TlsCertificates {
-                    client_tls: pem.client.map(|(client_cert, client_key)| ClientTlsConfig {
-                        client_cert,
-                        client_key,
-                    }),
-                    root_cert: pem.ca,
-                },
-            ),
-            None => Client::open(info),
-        }
-        .map_err(|e| e.to_string())?;
-        let with_lib = |body: &str| format!("{LT}\n{body}");
+    /// `url`: `redis://host:port/db` or `rediss://` (TLS, with the CA and
+    /// client certificate if given), or the `redis+sentinel://` URL that
+    /// `sentinel` was parsed from. Connects lazily.
+    pub fn new(url: &str, o: Options<'_>) -> Result<Self, String> {
+        let source = match o.sentinel {
+            Some(s) => Source::Sentinel(tokio::sync::Mutex::new(sentinel_client(s, o.password)?)),
+            None => {
+                let mut info = url
+                    .into_connection_info()
+                    .map_err(|e| format!("not a Redis URL: {e}"))?;
+                if let Some(pw) = o.password {
+                    let settings = info.redis_settings().clone().set_password(pw.expose());
+                    info = info.set_redis_settings(settings);
+                }
+                Source::Direct(
+                    match o.pem {
+                        Some(pem) => Client::build_with_tls(
+                            info,
+                            TlsCertificates {
+                                client_tls: pem.client.map(|(client_cert, client_key)| {
+                                    ClientTlsConfig {
+                                        client_cert,
+                                        client_key,
+                                    }
+                                }),
+                                root_cert: pem.ca,
+                            },
+                        ),
+                        None => Client::open(info),
+                    }
+                    .map_err(|e| e.to_string())?,
+                )
+            }
+        };
+        let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
         Ok(Self {
-            client,
+            source,
             conns: dashmap::DashMap::new(),
             session: AtomicU64::new(0),
             last_failure: Mutex::new(None),
-            timeout,
-            acquire: Script::new(&with_lib(ACQUIRE)),
-            poll: Script::new(&with_lib(POLL)),
-            renew: Script::new(&with_lib(RENEW)),
-            advance: Script::new(&with_lib(ADVANCE)),
-            release: Script::new(&with_lib(RELEASE)),
-            lock: Script::new(&with_lib(LOCK)),
+            timeout: o.timeout,
+            replicas_to_wait: o.replicas_to_wait,
+            online_replicas: AtomicU32::new(0),
+            acquire: with_lib(ACQUIRE),
+            poll: with_lib(POLL),
+            renew: with_lib(RENEW),
+            advance: with_lib(ADVANCE),
+            release: with_lib(RELEASE),
+            lock: with_lib(LOCK),
+            bump_marker: Script::new(BUMP_MARKER),
+            create_marker: Script::new(CREATE_MARKER),
+            replace_marker: Script::new(REPLACE_MARKER),
         })
+    }
+
+    /// Replicas the next call waits for.
+    fn replicas_wanted(&self) -> u32 {
+        self.replicas_to_wait
+            .unwrap_or_else(|| self.online_replicas.load(Ordering::Relaxed).min(1))
+    }
+
+    /// `WAIT`'s own timeout: half the store timeout, so that the reply
+    /// (too few replicas) arrives before the call itself times out.
+    fn wait_ms(&self) -> u64 {
+        (self.timeout.as_millis() as u64 / 2).max(1)
     }
 
     /// This runtime's connection slot (see [`crate::workers::slot`]).
@@ -363,27 +451,67 @@ impl RedisBackend {
         if let Some(pause) = since.and_then(|e| BACKOFF.checked_sub(e)) {
             tokio::time::sleep(pause).await;
         }
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout));
-        match self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-        {
-            Ok(mut c) => {
+        match tokio::time::timeout(self.timeout, self.connect()).await {
+            Ok(Ok(c)) => {
                 self.session.fetch_add(1, Ordering::AcqRel);
                 *self.last_failure.lock().expect("lock") = None;
-                warn_if_not_durable(&mut c).await;
-                tracing::info!("connected to redis");
                 *slot = Some(c.clone());
                 Ok(c)
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 *self.last_failure.lock().expect("lock") = Some(Instant::now());
-                Err(connect_failed(e))
+                Err(e)
+            }
+            Err(_) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                Err(unavailable("connect timed out"))
             }
         }
+    }
+
+    /// A new connection to the primary (asked of Sentinel first, with
+    /// `redis+sentinel://`), checked to be one: a replica would refuse
+    /// every write, and a primary demoted by a failover is one.
+    async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
+        let client = match &self.source {
+            Source::Direct(c) => c.clone(),
+            Source::Sentinel(s) => s
+                .lock()
+                .await
+                .async_get_client()
+                .await
+                .map_err(|e| connect_failed(e, "redis sentinel"))?,
+        };
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let mut c = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| connect_failed(e, "redis"))?;
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut c)
+            .await
+            .map_err(unavailable)?;
+        let (role, online) = replication(&info);
+        if role != "master" {
+            return Err(unavailable(format!(
+                "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
+            )));
+        }
+        self.online_replicas.store(online, Ordering::Relaxed);
+        warn_if_not_durable(&mut c).await;
+        let wanted = self.replicas_wanted();
+        if self.replicas_to_wait.is_none() && online == 0 {
+            tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
+        }
+        tracing::info!(
+            online_replicas = online,
+            waits_for = wanted,
+            "connected to redis"
+        );
+        Ok(c)
     }
 
     /// Runs one command. On a broken connection (a restarted server closed
@@ -391,37 +519,63 @@ impl RedisBackend {
     /// that no request fails for it: every operation of this backend may
     /// run twice (the fence is a compare-and-raise, leases are named by the
     /// caller and registered, refreshed or removed by name, the marker's
-    /// bump only rises). Other failures, a timeout among them, drop every
-    /// runtime's connection so the next call reconnects.
+    /// bump only rises). So does a script the server no longer has (a
+    /// promoted replica, `SCRIPT FLUSH`), once loaded. Other failures, a
+    /// timeout among them, drop every runtime's connection so the next call
+    /// reconnects.
     async fn run<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
         F: Fn(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        let conn = self.connection().await?;
-        let e = match f(conn).await {
+        let mut conn = self.connection().await?;
+        let e = match f(conn.clone()).await {
             Ok(v) => return Ok(v),
             Err(e) => e,
         };
-        if !e.is_connection_dropped() || e.is_timeout() {
+        if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) {
+            self.load_scripts(&mut conn).await?;
+        } else if !e.is_connection_dropped() || e.is_timeout() {
             return Err(self.failed(e).await);
+        } else {
+            // The other runtimes' connections went with the server.
+            self.drop_connections().await;
+            conn = self.connection().await?;
         }
-        // The other runtimes' connections went with the server.
-        self.drop_connections().await;
-        let conn = self.connection().await?;
         match f(conn).await {
             Ok(v) => Ok(v),
             Err(e) => Err(self.failed(e).await),
         }
     }
 
-    /// A failed call: a connection-level failure drops every runtime's
-    /// connection and starts the reconnect backoff.
+    async fn load_scripts(&self, c: &mut MultiplexedConnection) -> Result<(), StoreError> {
+        for script in [
+            &self.acquire,
+            &self.poll,
+            &self.renew,
+            &self.advance,
+            &self.release,
+            &self.lock,
+            &self.bump_marker,
+            &self.create_marker,
+            &self.replace_marker,
+        ] {
+            if let Err(e) = script.load_async(c).await {
+                return Err(self.failed(e).await);
+            }
+        }
+        Ok(())
+    }
+
+    /// A failed call: a connection-level failure (or a primary that became
+    /// a replica) drops every runtime's connection and starts the
+    /// reconnect backoff.
     async fn failed(&self, e: redis::RedisError) -> StoreError {
         if e.is_io_error()
             || e.is_connection_dropped()
             || e.is_timeout()
             || e.is_unrecoverable_error()
+            || e.code() == Some("READONLY")
         {
             self.drop_connections().await;
             *self.last_failure.lock().expect("lock") = Some(Instant::now());
@@ -442,22 +596,57 @@ impl RedisBackend {
             *slot.lock().await = None;
         }
     }
-}
 
-impl RedisBackend {
+    /// Runs `cmd`; its answer counts once the replicas wanted have
+    /// everything up to it (see the module doc): `SET fencegate:sync` and
+    /// `WAIT` go in the same round trip. Too few confirmations fail the
+    /// call, and the next one reconnects (and sees how many replicas are
+    /// online then).
+    async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
+        let wanted = self.replicas_wanted();
+        if wanted == 0 {
+            let cmd = &cmd;
+            return self
+                .run(|mut c| async move { cmd.query_async(&mut c).await })
+                .await;
+        }
+        let mut p = redis::pipe();
+        p.add_command(cmd)
+            .cmd("SET")
+            .arg(SYNC)
+            .arg(1)
+            .ignore()
+            .cmd("WAIT")
+            .arg(wanted)
+            .arg(self.wait_ms());
+        let p = &p;
+        let (v, confirmed): (T, u32) = self
+            .run(|mut c| async move { p.query_async(&mut c).await })
+            .await?;
+        if confirmed < wanted {
+            self.drop_connections().await;
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
+            return Err(unavailable(format!(
+                "{confirmed} of {wanted} replicas confirmed the change within {} ms (store_replicas_to_wait, docs/stores.md)",
+                self.wait_ms()
+            )));
+        }
+        Ok(v)
+    }
+
     /// Runs one script (EVALSHA) with these keys and arguments.
-    async fn script<T: redis::FromRedisValue>(
+    async fn script<T: FromRedisValue>(
         &self,
         script: &Script,
         keys: &[String],
         args: &[String],
     ) -> Result<T, StoreError> {
-        self.run(|mut c| async move {
-            let mut call = script.prepare_invoke();
-            call.key(keys).arg(args);
-            call.invoke_async(&mut c).await
-        })
-        .await
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        self.query(cmd).await
     }
 
     /// Runs the poll or renew script: both take the fence, lease and
@@ -482,6 +671,51 @@ impl RedisBackend {
             .await?;
         lease_outcome(reply, lease.clone())
     }
+}
+
+/// The Sentinel client for `s`: the data nodes' user and password, and the
+/// Sentinels' own if they ask for the same.
+fn sentinel_client(
+    s: &crate::config::Sentinel,
+    password: Option<&crate::config::Secret>,
+) -> Result<SentinelClient, String> {
+    let addrs = s
+        .addrs
+        .iter()
+        .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port));
+    let mut b = SentinelClientBuilder::new(addrs, &s.master, SentinelServerType::Master)
+        .map_err(|e| e.to_string())?
+        .set_client_to_redis_db(s.db);
+    let password = password.or(s.password.as_ref());
+    if let Some(u) = &s.user {
+        b = b.set_client_to_redis_username(u);
+        if s.sentinel_auth {
+            b = b.set_client_to_sentinel_username(u);
+        }
+    }
+    if let Some(pw) = password {
+        b = b.set_client_to_redis_password(pw.expose());
+        if s.sentinel_auth {
+            b = b.set_client_to_sentinel_password(pw.expose());
+        }
+    }
+    b.build().map_err(|e| e.to_string())
+}
+
+/// `INFO replication`'s role and how many replicas are online (their
+/// `slaveN:...,state=online,...` lines).
+fn replication(info: &str) -> (String, u32) {
+    let mut role = String::from("server of unknown role");
+    let mut online = 0;
+    for line in info.lines() {
+        let line = line.trim();
+        if let Some(r) = line.strip_prefix("role:") {
+            role = r.to_string();
+        } else if line.starts_with("slave") && line.contains("state=online") {
+            online += 1;
+        }
+    }
+    (role, online)
 }
 
 /// Logs a warning unless the server fsyncs every write (`appendonly yes`,
@@ -522,18 +756,15 @@ impl Backend for RedisBackend {
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        let k = &fence_key(key);
-        let v: Option<String> = self
-            .run(|mut c| async move { redis::cmd("GET").arg(k).query_async(&mut c).await })
-            .await?;
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(fence_key(key));
+        let v: Option<String> = self.query(cmd).await?;
         v.map(|v| parse_token(&v)).transpose()
     }
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
-        let (k, t) = (&fence_key(key), &token.to_string());
-        let script = &self.advance;
         let (status, value): (String, String) = self
-            .run(|mut c| async move { script.key(k).arg(t).invoke_async(&mut c).await })
+            .script(&self.advance, &[fence_key(key)], &[token.to_string()])
             .await?;
         advance_answer("redis", &status, Some(&value))
     }
@@ -618,6 +849,7 @@ impl Backend for RedisBackend {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        // Not waited for: it changes and reads nothing.
         let _: String = self
             .run(|mut c| async move { redis::cmd("PING").query_async(&mut c).await })
             .await?;
@@ -625,65 +857,38 @@ impl Backend for RedisBackend {
     }
 
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
-        let v: Vec<Option<String>> = self
-            .run(|mut c| async move {
-                redis::cmd("HMGET")
-                    .arg(MARKER)
-                    .arg("epoch")
-                    .arg("seq")
-                    .query_async(&mut c)
-                    .await
-            })
-            .await?;
-        Ok(
-            match (v.first().cloned().flatten(), v.get(1).cloned().flatten()) {
-                (Some(epoch), Some(seq)) => Some(Marker {
-                    epoch,
-                    seq: seq.parse().unwrap_or(0),
-                }),
-                _ => None,
-            },
-        )
+        if self.replicas_to_wait.is_none() {
+            // The heartbeat reads the marker every second: how many
+            // replicas a change waits for follows the ones online.
+            let info: String = self
+                .run(|mut c| async move {
+                    redis::cmd("INFO")
+                        .arg("replication")
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
+            self.online_replicas
+                .store(replication(&info).1, Ordering::Relaxed);
+        }
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(MARKER).arg("epoch").arg("seq");
+        marker(self.query(cmd).await?)
     }
 
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
-        let e = epoch;
-        let _: Value = self
-            .run(|mut c| async move {
-                redis::pipe()
-                    .atomic()
-                    .cmd("HSETNX")
-                    .arg(MARKER)
-                    .arg("epoch")
-                    .arg(e)
-                    .cmd("HSETNX")
-                    .arg(MARKER)
-                    .arg("seq")
-                    .arg(1)
-                    .query_async(&mut c)
-                    .await
-            })
+        let v = self
+            .script(&self.create_marker, &[MARKER.into()], &[epoch.into()])
             .await?;
-        self.read_marker()
-            .await?
-            .ok_or_else(|| unavailable("marker not readable after creation"))
+        marker(v)?.ok_or_else(|| unavailable("marker not readable after creation"))
     }
 
     async fn bump_marker(&self) -> Result<Option<Marker>, StoreError> {
         // Only bump an existing marker: never recreate one by accident.
-        let script = Script::new(
-            "if redis.call('EXISTS', KEYS[1]) == 0 then return nil end \
-             redis.call('HINCRBY', KEYS[1], 'seq', 1) \
-             return redis.call('HMGET', KEYS[1], 'epoch', 'seq')",
-        );
-        let script = &script;
-        let v: Option<(String, String)> = self
-            .run(|mut c| async move { script.key(MARKER).invoke_async(&mut c).await })
-            .await?;
-        Ok(v.map(|(epoch, seq)| Marker {
-            epoch,
-            seq: seq.parse().unwrap_or(0),
-        }))
+        marker(
+            self.script(&self.bump_marker, &[MARKER.into()], &[])
+                .await?,
+        )
     }
 
     async fn replace_marker(
@@ -691,33 +896,33 @@ impl Backend for RedisBackend {
         expected: Option<&Marker>,
         epoch: &str,
     ) -> Result<Marker, StoreError> {
-        let script = Script::new(
-            "local cur = redis.call('HMGET', KEYS[1], 'epoch', 'seq') \
-             local matches = (ARGV[1] == '' and not cur[1]) or (cur[1] == ARGV[1] and cur[2] == ARGV[2]) \
-             if matches then \
-               redis.call('DEL', KEYS[1]) \
-               redis.call('HSET', KEYS[1], 'epoch', ARGV[3], 'seq', 1) \
-             end \
-             return 1",
-        );
         let (e, q) = match expected {
             Some(m) => (m.epoch.clone(), m.seq.to_string()),
             None => (String::new(), String::new()),
         };
-        let (script, e, q, new) = (&script, &e, &q, epoch);
-        let _: i64 = self
-            .run(|mut c| async move {
-                script
-                    .key(MARKER)
-                    .arg(e)
-                    .arg(q)
-                    .arg(new)
-                    .invoke_async(&mut c)
-                    .await
-            })
+        let v = self
+            .script(
+                &self.replace_marker,
+                &[MARKER.into()],
+                &[e, q, epoch.into()],
+            )
             .await?;
-        self.read_marker()
-            .await?
-            .ok_or_else(|| unavailable("marker not readable after replacement"))
+        marker(v)?.ok_or_else(|| unavailable("marker not readable after replacement"))
     }
+}
+
+/// The marker from `HMGET epoch seq` (a script's nil: none).
+fn marker(v: Option<Vec<Option<String>>>) -> Result<Option<Marker>, StoreError> {
+    let v = v.unwrap_or_default();
+    Ok(
+        match (v.first().cloned().flatten(), v.get(1).cloned().flatten()) {
+            (Some(epoch), Some(seq)) => Some(Marker {
+                epoch,
+                seq: seq
+                    .parse()
+                    .map_err(|_| unavailable(format!("marker sequence `{seq}` is not a number")))?,
+            }),
+            _ => None,
+        },
+    )
 }

@@ -1172,14 +1172,15 @@ impl Fence {
     }
 
     /// Releases a lease in the background. A store that cannot answer (it
-    /// is restarting) is asked again for a while: an unreleased lease holds
-    /// newer writes to the key until it expires. `twice`: a poll or
+    /// is restarting, failing over, or its replicas cannot confirm) is
+    /// asked again until the lease would have expired anyway: an
+    /// unreleased lease holds newer writes to the key until then. `twice`: a poll or
     /// renewal of the lease may still be on its way and bring it back, so
     /// it is released once more after the store's margin.
     fn spawn_release(&self, key: Arc<str>, lease: WriteLease, twice: bool) {
         let store = self.store.clone();
         let again = twice.then_some(self.lease_margin);
-        let retry_for = self.lease_margin;
+        let retry_for = self.lease_ttl;
         self.releases.spawn(async move {
             let give_up = Instant::now() + retry_for;
             while let Err(e) = store.release_lease(&key, &lease).await {

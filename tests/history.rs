@@ -21,6 +21,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use common::cluster::*;
 use common::history::*;
 use common::servers::{StoreKind, StoreServer};
 use common::*;
@@ -45,6 +46,11 @@ struct Setup {
     /// fencegate's own lease API is the lock service, and writes go to a
     /// route that admits only granted tokens.
     fencegate_locks: bool,
+    /// A store the test started itself (a replicated one), instead of a
+    /// fresh server of `store`'s kind.
+    store_url: Option<String>,
+    /// More flags for both replicas.
+    proxy_args: Vec<String>,
 }
 
 impl Setup {
@@ -59,12 +65,15 @@ impl Setup {
             expect_503: false,
             secs: 8,
             fencegate_locks: false,
+            store_url: None,
+            proxy_args: Vec::new(),
         }
     }
 }
 
-/// One checked run. `faults` runs alongside the clients.
-async fn history<F, Fut>(name: &str, setup: Setup, faults: F)
+/// One checked run. `faults` runs alongside the clients. Returns the
+/// attempts, checked.
+async fn history<F, Fut>(name: &str, setup: Setup, faults: F) -> Vec<Attempt>
 where
     F: FnOnce(Arc<Run>, Vec<Proxy>, Option<StoreServer>) -> Fut,
     Fut: std::future::Future<Output = (usize, Vec<Proxy>, Option<StoreServer>)>,
@@ -79,6 +88,8 @@ where
         expect_503,
         secs,
         fencegate_locks,
+        store_url,
+        proxy_args,
     } = setup;
     let config = if fencegate_locks {
         Some(GRANTED_ROUTE)
@@ -102,7 +113,9 @@ where
     let up = start_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let lock_server = lock_service.map(StoreServer::start);
-    let server = (store != StoreKind::Embedded).then(|| StoreServer::start(store));
+    let server =
+        (store != StoreKind::Embedded && store_url.is_none()).then(|| StoreServer::start(store));
+    let store_url = store_url.or_else(|| server.as_ref().map(StoreServer::url));
     let config_file = dir.path().join("routes.toml");
     if let Some(text) = config {
         write_config(&config_file, &text.replace("{u}", &up.url()));
@@ -117,6 +130,9 @@ where
             None => ProxyBuilder::new(&up.url(), &rdir).args(&["--upstream-timeout", "1s"]),
         }
         .args(&["--store-timeout", "1s"]);
+        for a in &proxy_args {
+            b = b.arg(a);
+        }
         if fencegate_locks {
             b = b.args(&[
                 "--lease-listen",
@@ -125,12 +141,12 @@ where
                 lease_tokens.to_str().unwrap(),
             ]);
         }
-        match &server {
-            Some(s) => b.store_url(&s.url()).spawn(),
+        match &store_url {
+            Some(u) => b.store_url(u).spawn(),
             None => b.spawn(),
         }
     };
-    let proxies: Vec<Proxy> = (0..if server.is_some() { 2 } else { 1 })
+    let proxies: Vec<Proxy> = (0..if store_url.is_some() { 2 } else { 1 })
         .map(replica)
         .collect();
     let run = Arc::new(Run {
@@ -198,6 +214,7 @@ where
     if let Err(why) = report.check_unknowns(&attempts) {
         panic!("history {name} (seed {seed}): {why}");
     }
+    attempts
 }
 
 /// The lease API's bearer token in the fencegate-leases runs.
@@ -463,4 +480,81 @@ fn grant_checker_catches_overlaps_and_lower_tokens() {
     assert!(e.contains("before token 1's lease could end"), "{e}");
     let e = check_grants(&[g(0, 5, 0, 100), g(0, 4, 100, 200)]).unwrap_err();
     assert!(e.contains("token 4 granted after token 5"), "{e}");
+}
+
+/// What a failover run measured, printed with the run's own line.
+fn report_failover(name: &str, attempts: &[Attempt], fault: Instant, recovered: Instant) {
+    let outage = outage(attempts, fault);
+    eprintln!(
+        "history {name}: the store failed over {:?} after the fault; write outage (longest stretch with no write admitted): {}",
+        recovered - fault,
+        outage.map_or("writes never resumed".to_string(), |d| format!("{d:?}"))
+    );
+    assert!(outage.is_some(), "writes never resumed after the failover");
+    assert!(
+        attempts
+            .iter()
+            .any(|a| a.answered > recovered && (200..300).contains(&a.status)),
+        "no write was admitted after the store failed over"
+    );
+}
+
+/// Every replica still admits writes: none latched amnesia, so no
+/// operator is needed after the failover.
+async fn assert_no_amnesia(proxies: &[Proxy]) {
+    for p in proxies {
+        let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+        assert_series(&m, "fencegate_store_amnesia", 0.0);
+    }
+}
+
+/// Waits out the run (the clients stop at its deadline).
+async fn until_the_end(run: &Run) {
+    while Instant::now() < run.deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Redis with a replica and three Sentinels, reached as
+/// `redis+sentinel://` with the default wait (one replica while one is
+/// online): the primary killed with kill -9 under writes through two
+/// replicas. Sentinel promotes the replica, fencegate follows it, writes
+/// resume without an operator, and no stale write reaches the backend.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_redis_sentinel_failover_loses_nothing() {
+    let cluster = tokio::task::spawn_blocking(RedisSentinels::start)
+        .await
+        .unwrap();
+    let url = cluster.url();
+    init_store(&url);
+    let cluster = Arc::new(Mutex::new(cluster));
+    let times = Arc::new(Mutex::new(None));
+    let (c, t) = (cluster.clone(), times.clone());
+    let attempts = history(
+        "redis-sentinel-failover",
+        Setup {
+            secs: 12,
+            store_url: Some(url),
+            ..Setup::on(StoreKind::Redis)
+        },
+        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let fault = Instant::now();
+            tokio::task::spawn_blocking(move || {
+                let mut c = c.lock().unwrap();
+                let old = c.primary_port().expect("Sentinel names a primary");
+                c.node(old).kill9();
+                c.wait_promoted(old)
+            })
+            .await
+            .unwrap();
+            *t.lock().unwrap() = Some((fault, Instant::now()));
+            until_the_end(&run).await;
+            assert_no_amnesia(&proxies).await;
+            (1, proxies, server)
+        },
+    )
+    .await;
+    let (fault, promoted) = times.lock().unwrap().unwrap();
+    report_failover("redis-sentinel-failover", &attempts, fault, promoted);
 }

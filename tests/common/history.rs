@@ -294,6 +294,9 @@ pub struct Attempt {
     pub lost: Option<String>,
     /// Sent by a client process stopped mid-body (SIGSTOP, SIGCONT).
     pub paused: bool,
+    /// When it was sent, and when the answer (or the failure) came.
+    pub sent: Instant,
+    pub answered: Instant,
 }
 
 pub struct Run {
@@ -333,6 +336,7 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
         rng.below(20)
     };
     let latest_at_send = run.locks.latest(key);
+    let sent = Instant::now();
     // Routes that share keys take them from this header (a path template
     // could not map /slow/k1 and /k1 to one key).
     let resource = format!("{}/k{key}", run.prefix);
@@ -373,7 +377,31 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
         status,
         lost,
         paused,
+        sent,
+        answered: Instant::now(),
     });
+}
+
+/// The write outage a fault at `at` caused: the longest stretch, from the
+/// fault on, in which no write sent was admitted (from the fault or an
+/// admitted write's sending to the next admitted write's sending). Under
+/// the runs' steady load the stretches between admitted writes are tens of
+/// milliseconds, so the longest is the fault's. `None`: no write sent
+/// after the fault was admitted.
+pub fn outage(attempts: &[Attempt], at: Instant) -> Option<Duration> {
+    let mut admitted: Vec<Instant> = attempts
+        .iter()
+        .filter(|a| a.sent >= at && (200..300).contains(&a.status))
+        .map(|a| a.sent)
+        .collect();
+    admitted.sort();
+    let first = *admitted.first()?;
+    Some(
+        admitted
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .fold(first - at, Duration::max),
+    )
 }
 
 /// Marks a write that never reached fencegate (the replica was down): its

@@ -18,6 +18,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+pub mod cluster;
 pub mod history;
 pub mod servers;
 pub mod tls;

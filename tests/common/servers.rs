@@ -87,7 +87,7 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-fn require(bin: &str, package: &str) -> String {
+pub fn require(bin: &str, package: &str) -> String {
     let found = Command::new("sh")
         .args(["-c", &format!("command -v {bin}")])
         .output()
@@ -100,7 +100,7 @@ fn require(bin: &str, package: &str) -> String {
     found
 }
 
-fn postgres_bin(name: &str) -> PathBuf {
+pub fn postgres_bin(name: &str) -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|d| {
             d.filter_map(|e| e.ok())
@@ -116,7 +116,7 @@ fn postgres_bin(name: &str) -> PathBuf {
     }
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -125,7 +125,7 @@ fn is_root() -> bool {
 }
 
 /// PostgreSQL refuses to run as root: run it as the `postgres` user then.
-fn as_postgres(bin: &Path) -> Command {
+pub fn as_postgres(bin: &Path) -> Command {
     if is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(bin);

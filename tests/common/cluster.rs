@@ -1,0 +1,430 @@
+//! Replicated store servers for the failover tests, on loopback ports:
+//! a Redis primary with a replica and three Sentinels, a PostgreSQL
+//! primary with a synchronous standby, a three-member etcd. Each node is a
+//! real server process; faults are real signals (`kill -9`, `SIGSTOP`) and
+//! the servers' own failover (Sentinel's promotion, `pg_ctl promote`,
+//! Raft's election).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::servers::{as_postgres, free_port, require};
+
+/// One server process: how to start it, so that it can be started again.
+pub struct Node {
+    pub port: u16,
+    pub dir: PathBuf,
+    program: PathBuf,
+    args: Vec<String>,
+    /// Run as the `postgres` user (when the tests run as root).
+    as_postgres: bool,
+    child: Option<Child>,
+}
+
+impl Node {
+    fn new(port: u16, dir: PathBuf, program: PathBuf, args: Vec<String>) -> Node {
+        std::fs::create_dir_all(&dir).unwrap();
+        Node {
+            port,
+            dir,
+            program,
+            args,
+            as_postgres: false,
+            child: None,
+        }
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.log"))
+            .unwrap();
+        let mut c = if self.as_postgres {
+            as_postgres(&self.program)
+        } else {
+            Command::new(&self.program)
+        };
+        let child = c
+            .args(&self.args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.program.display()));
+        self.child = Some(child);
+        self.wait_listening();
+    }
+
+    fn wait_listening(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!(
+                    "{} exited during start ({status}):\n{}",
+                    self.program.display(),
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not listen on {}:\n{}",
+                self.program.display(),
+                self.port,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    /// The server's own pid (not `runuser`'s).
+    fn pid(&self) -> u32 {
+        let child = self.child.as_ref().expect("running").id();
+        if !self.as_postgres {
+            return child;
+        }
+        // runuser's one child is the server.
+        let out = Command::new("pgrep")
+            .args(["-P", &child.to_string()])
+            .output()
+            .expect("run pgrep");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or(child)
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if self.as_postgres {
+                // The postmaster's children go with the data directory.
+                let _ = Command::new("pkill")
+                    .args(["-9", "-f", &self.dir.display().to_string()])
+                    .status();
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGSTOP: the process holds its sockets and answers nothing.
+    pub fn stop(&self) {
+        super::signal(self.pid(), "STOP");
+    }
+
+    pub fn cont(&self) {
+        super::signal(self.pid(), "CONT");
+    }
+
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.start();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.kill9();
+        }
+    }
+}
+
+/// A temporary directory in memory (/dev/shm) where there is one: a busy
+/// disk stalls Sentinel's timer and PostgreSQL's base backup for seconds.
+pub fn scratch_dir() -> tempfile::TempDir {
+    match std::path::Path::new("/dev/shm") {
+        shm if shm.is_dir() => tempfile::tempdir_in(shm).unwrap(),
+        _ => tempfile::tempdir().unwrap(),
+    }
+}
+
+/// Polls `f` (a blocking check) for up to `within`.
+fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The master name the Sentinels monitor.
+pub const SENTINEL_MASTER: &str = "fg";
+
+/// A Redis primary, one replica and three Sentinels (quorum 2) that fail
+/// the primary over 1 s after it stops answering.
+pub struct RedisSentinels {
+    _dir: tempfile::TempDir,
+    /// The two data nodes; which one is the primary changes on failover.
+    pub nodes: Vec<Node>,
+    pub sentinels: Vec<Node>,
+}
+
+impl RedisSentinels {
+    pub fn start() -> RedisSentinels {
+        let bin = PathBuf::from(require("redis-server", "redis-server"));
+        let dir = scratch_dir();
+        let primary = free_port();
+        let data_node = |i: usize, port: u16, replica_of: Option<u16>| {
+            let d = dir.path().join(format!("n{i}"));
+            let mut args: Vec<String> = [
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--protected-mode",
+                "no",
+                // A new replica's full sync starts at once (Debian's
+                // default waits 5 s, a window with an unsynced replica).
+                "--repl-diskless-sync-delay",
+                "0",
+                "--dir",
+                &d.display().to_string(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            if let Some(p) = replica_of {
+                args.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
+            }
+            Node::new(port, d, bin.clone(), args)
+        };
+        let mut nodes = vec![
+            data_node(0, primary, None),
+            data_node(1, free_port(), Some(primary)),
+        ];
+        for n in &mut nodes {
+            n.start();
+        }
+        let c = RedisSentinels {
+            _dir: dir,
+            nodes,
+            sentinels: Vec::new(),
+        };
+        wait_for("the replica online", Duration::from_secs(20), || {
+            c.online_replicas(primary) == Some(1)
+        });
+        let mut sentinels = Vec::new();
+        for i in 0..3 {
+            let port = free_port();
+            let d = c._dir.path().join(format!("s{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            // Sentinel rewrites its config file: one each, writable.
+            let conf = d.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
+                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary} 2\n\
+                     sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                     sentinel failover-timeout {SENTINEL_MASTER} 2000\n\
+                     sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
+                    d.display()
+                ),
+            )
+            .unwrap();
+            let mut s = Node::new(
+                port,
+                d,
+                bin.clone(),
+                vec![conf.display().to_string(), "--sentinel".into()],
+            );
+            s.start();
+            // Faster checks than the defaults (Redis 7's runtime-only
+            // knobs): a new primary is pinged before `down-after` could
+            // pass unanswered, and a stalled timer (a busy machine) costs
+            // 5 s of TILT, not 30.
+            let _: Option<String> = redis_query(
+                port,
+                redis::cmd("SENTINEL").arg("DEBUG").arg(&[
+                    "ping-period",
+                    "500",
+                    "info-period",
+                    "1000",
+                    "publish-period",
+                    "500",
+                    "tilt-period",
+                    "5000",
+                ]),
+            );
+            sentinels.push(s);
+        }
+        let c = RedisSentinels { sentinels, ..c };
+        // A failover needs the Sentinels to know the replica and each
+        // other (hello messages, every 2 s).
+        wait_for(
+            "the Sentinels to know the replica and each other",
+            Duration::from_secs(30),
+            || {
+                c.sentinels.iter().all(|s| {
+                    let m = sentinel_master(s.port);
+                    m.get("num-slaves").map(String::as_str) == Some("1")
+                        && m.get("num-other-sentinels").map(String::as_str) == Some("2")
+                })
+            },
+        );
+        c
+    }
+
+    /// The `--store` URL.
+    pub fn url(&self) -> String {
+        let addrs: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{SENTINEL_MASTER}", addrs.join(","))
+    }
+
+    /// The port the Sentinels name as the primary (the first that answers).
+    pub fn primary_port(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|s| {
+            let v: Vec<String> = redis_query(
+                s.port,
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(SENTINEL_MASTER),
+            )?;
+            v.get(1)?.parse().ok()
+        })
+    }
+
+    /// The data node on `port`.
+    pub fn node(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("a data node on that port")
+    }
+
+    /// The data node that is not on `port`.
+    pub fn other(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port != port)
+            .expect("a second data node")
+    }
+
+    /// Replicas online at the server on `port` (`None`: no answer).
+    pub fn online_replicas(&self, port: u16) -> Option<usize> {
+        let info: String = redis_query(port, redis::cmd("INFO").arg("replication"))?;
+        Some(
+            info.lines()
+                .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+                .count(),
+        )
+    }
+
+    /// The role the server on `port` reports.
+    pub fn role(&self, port: u16) -> Option<String> {
+        let info: String = redis_query(port, redis::cmd("INFO").arg("replication"))?;
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix("role:").map(str::to_string))
+    }
+
+    /// Waits until the Sentinels name a primary other than `old` and it
+    /// says it is one; returns its port.
+    pub fn wait_promoted(&self, old: u16) -> u16 {
+        let mut new = None;
+        wait_for(
+            "Sentinel to promote the replica",
+            Duration::from_secs(30),
+            || {
+                new = self.primary_port().filter(|p| *p != old);
+                new.is_some_and(|p| self.role(p).as_deref() == Some("master"))
+            },
+        );
+        new.unwrap()
+    }
+}
+
+impl RedisSentinels {
+    /// Starts the data node on `port` again (after a kill) as a replica of
+    /// the primary now, as an orchestrator that asks Sentinel at start
+    /// does; waits until the primary has it online.
+    pub fn rejoin(&mut self, port: u16) {
+        let primary = self.primary_port().expect("a primary");
+        let node = self.node(port);
+        if let Some(i) = node.args.iter().position(|a| a == "--replicaof") {
+            node.args.drain(i..i + 3);
+        }
+        node.args.extend([
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            primary.to_string(),
+        ]);
+        node.restart();
+        self.wait_replica_online();
+    }
+
+    /// Waits until the primary has a replica online again.
+    pub fn wait_replica_online(&self) {
+        wait_for("a replica online", Duration::from_secs(60), || {
+            self.primary_port()
+                .and_then(|p| self.online_replicas(p))
+                .is_some_and(|n| n >= 1)
+        });
+    }
+}
+
+/// `SENTINEL master NAME` as a map.
+fn sentinel_master(port: u16) -> std::collections::HashMap<String, String> {
+    let v: Option<Vec<String>> = redis_query(
+        port,
+        redis::cmd("SENTINEL").arg("master").arg(SENTINEL_MASTER),
+    );
+    v.unwrap_or_default()
+        .chunks(2)
+        .filter(|kv| kv.len() == 2)
+        .map(|kv| (kv[0].clone(), kv[1].clone()))
+        .collect()
+}
+
+/// One command to the Redis server (or Sentinel) on `port`; `None` if it
+/// does not answer within a second.
+pub fn redis_query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> Option<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).ok()?;
+    let mut c = client
+        .get_connection_with_timeout(Duration::from_secs(1))
+        .ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    cmd.query(&mut c).ok()
+}
+
+/// `fencegate init-store` on `url` (retried while the store settles).
+pub fn init_store(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = Command::new(super::bin())
+            .args(["init-store", "--store", url])
+            .output()
+            .expect("run fencegate init-store");
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fencegate init-store failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

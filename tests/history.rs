@@ -558,3 +558,123 @@ async fn history_redis_sentinel_failover_loses_nothing() {
     let (fault, promoted) = times.lock().unwrap().unwrap();
     report_failover("redis-sentinel-failover", &attempts, fault, promoted);
 }
+
+/// PostgreSQL with a synchronous standby, reached through a two-host URL
+/// with `target_session_attrs=read-write`: the primary killed with kill -9
+/// under writes through two replicas, the standby promoted (`pg_ctl
+/// promote`). fencegate moves to it with no configuration change, writes
+/// resume without an operator, and no stale write reaches the backend.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_postgres_standby_promotion_loses_nothing() {
+    let cluster = tokio::task::spawn_blocking(PostgresStandby::start)
+        .await
+        .unwrap();
+    let url = cluster.url();
+    init_store(&url);
+    let cluster = Arc::new(Mutex::new(cluster));
+    let times = Arc::new(Mutex::new(None));
+    let (c, t) = (cluster.clone(), times.clone());
+    let attempts = history(
+        "postgres-promotion",
+        Setup {
+            secs: 10,
+            store_url: Some(url),
+            ..Setup::on(StoreKind::Postgres)
+        },
+        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let fault = Instant::now();
+            tokio::task::spawn_blocking(move || {
+                let mut c = c.lock().unwrap();
+                c.primary.kill9();
+                c.promote();
+            })
+            .await
+            .unwrap();
+            *t.lock().unwrap() = Some((fault, Instant::now()));
+            until_the_end(&run).await;
+            assert_no_amnesia(&proxies).await;
+            (1, proxies, server)
+        },
+    )
+    .await;
+    let (fault, promoted) = times.lock().unwrap().unwrap();
+    report_failover("postgres-promotion", &attempts, fault, promoted);
+}
+
+/// A three-member etcd under writes through two replicas: the leader
+/// killed with kill -9 and restarted, then a member stopped (SIGSTOP) for
+/// longer than the store timeout. Calls move to the members that answer;
+/// no stale write, no lost fence, no operator.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_etcd_cluster_leader_kill_and_stopped_member() {
+    let cluster = tokio::task::spawn_blocking(EtcdCluster::start)
+        .await
+        .unwrap();
+    let url = cluster.url();
+    init_store(&url);
+    let cluster = Arc::new(Mutex::new(cluster));
+    let times = Arc::new(Mutex::new(Vec::new()));
+    let (c, t) = (cluster.clone(), times.clone());
+    let attempts = history(
+        "etcd-cluster",
+        Setup {
+            secs: 14,
+            store_url: Some(url),
+            ..Setup::on(StoreKind::Etcd)
+        },
+        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let c2 = c.clone();
+            let fault = Instant::now();
+            let (old, new) = tokio::task::spawn_blocking(move || {
+                let mut c = c2.lock().unwrap();
+                let old = c.leader().expect("a leader");
+                c.members[old].kill9();
+                (old, c.wait_leader(Some(old)))
+            })
+            .await
+            .unwrap();
+            t.lock()
+                .unwrap()
+                .push(("leader killed, new one elected", fault, Instant::now()));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let c2 = c.clone();
+            tokio::task::spawn_blocking(move || c2.lock().unwrap().members[old].restart())
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            // The new leader stopped for 2.5 s: longer than the store
+            // timeout (1 s), shorter than the run.
+            let fault = Instant::now();
+            c.lock().unwrap().members[new].stop();
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            c.lock().unwrap().members[new].cont();
+            t.lock()
+                .unwrap()
+                .push(("leader stopped (SIGSTOP)", fault, Instant::now()));
+            until_the_end(&run).await;
+            assert_no_amnesia(&proxies).await;
+            (3, proxies, server)
+        },
+    )
+    .await;
+    let times = times.lock().unwrap().clone();
+    for (i, (what, fault, recovered)) in times.iter().enumerate() {
+        let next_fault = times.get(i + 1).map(|t| t.1);
+        let outage = outage_until(&attempts, *fault, next_fault);
+        eprintln!(
+            "history etcd-cluster: {what} ({:?}); write outage (longest stretch with no write admitted): {outage:?}",
+            *recovered - *fault
+        );
+        assert!(outage.is_some(), "writes never resumed after: {what}");
+    }
+    // While the member was stopped, the other two took the calls.
+    let (_, stopped, resumed) = times[1];
+    assert!(
+        attempts
+            .iter()
+            .any(|a| a.sent >= stopped && a.answered <= resumed && (200..300).contains(&a.status)),
+        "no write was admitted while one member of three was stopped"
+    );
+}

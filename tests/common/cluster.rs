@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::servers::{as_postgres, free_port, require};
+use super::servers::{as_postgres, free_port, postgres_bin, require};
 
 /// One server process: how to start it, so that it can be started again.
 pub struct Node {
@@ -427,4 +427,288 @@ pub fn init_store(url: &str) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A PostgreSQL primary and a synchronous standby (a commit waits for the
+/// standby's flush: `synchronous_standby_names` on the primary's command
+/// line, so the standby, a base backup, does not inherit it).
+pub struct PostgresStandby {
+    dir: tempfile::TempDir,
+    pub primary: Node,
+    pub standby: Node,
+}
+
+/// The standby's name on the primary.
+const STANDBY_NAME: &str = "fgstandby";
+
+impl PostgresStandby {
+    pub fn start() -> PostgresStandby {
+        let dir = scratch_dir();
+        if super::servers::is_root() {
+            let ok = Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(dir.path())
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "chown for postgres failed");
+        }
+        let (p1, p2) = (free_port(), free_port());
+        let (data1, data2) = (dir.path().join("p"), dir.path().join("s"));
+        let run = |bin: &str, args: &[&str]| {
+            let out = as_postgres(&postgres_bin(bin))
+                .args(args)
+                .output()
+                .unwrap_or_else(|e| panic!("run {bin}: {e}"));
+            assert!(
+                out.status.success(),
+                "{bin}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let d1 = data1.display().to_string();
+        run(
+            "initdb",
+            &["-D", &d1, "-A", "trust", "-U", "postgres", "--no-sync"],
+        );
+        let node = |data: &PathBuf, port: u16, extra: &[&str]| {
+            let mut args: Vec<String> = vec![
+                "-D".into(),
+                data.display().to_string(),
+                "-p".into(),
+                port.to_string(),
+                "-k".into(),
+                dir.path().display().to_string(),
+                "-c".into(),
+                "listen_addresses=127.0.0.1".into(),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut n = Node::new(port, data.clone(), postgres_bin("postgres"), args);
+            n.as_postgres = true;
+            n
+        };
+        let mut primary = node(
+            &data1,
+            p1,
+            &["-c", &format!("synchronous_standby_names={STANDBY_NAME}")],
+        );
+        primary.start();
+        wait_for(
+            "the primary to accept connections",
+            Duration::from_secs(30),
+            || psql(p1, "SELECT 1").is_some(),
+        );
+        run(
+            "pg_basebackup",
+            &[
+                "-D",
+                &data2.display().to_string(),
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "-d",
+                &format!("host=127.0.0.1 port={p1} user=postgres application_name={STANDBY_NAME}"),
+            ],
+        );
+        // The primary's log went along with the backup: start afresh.
+        let _ = std::fs::remove_file(data2.join("server.log"));
+        let mut standby = node(&data2, p2, &[]);
+        standby.start();
+        wait_for(
+            "the standby to be synchronous",
+            Duration::from_secs(30),
+            || {
+                psql(
+                p1,
+                &format!(
+                    "SELECT sync_state FROM pg_stat_replication WHERE application_name = '{STANDBY_NAME}'"
+                ),
+            )
+            .as_deref()
+                == Some("sync")
+            },
+        );
+        PostgresStandby {
+            dir,
+            primary,
+            standby,
+        }
+    }
+
+    /// The `--store` URL: both hosts, the writable one chosen.
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+            self.primary.port, self.standby.port
+        )
+    }
+
+    /// `pg_ctl promote` of the standby; waits until it takes writes.
+    pub fn promote(&self) {
+        let out = as_postgres(&postgres_bin("pg_ctl"))
+            .arg("-D")
+            .arg(&self.standby.dir)
+            .args(["-w", "promote"])
+            .output()
+            .expect("run pg_ctl promote");
+        assert!(
+            out.status.success(),
+            "pg_ctl promote: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        wait_for(
+            "the standby to leave recovery",
+            Duration::from_secs(30),
+            || psql(self.standby.port, "SELECT pg_is_in_recovery()").as_deref() == Some("f"),
+        );
+    }
+
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+/// One query through psql on the server at `port`: its one value, or
+/// `None` if it fails.
+fn psql(port: u16, sql: &str) -> Option<String> {
+    let out = Command::new(postgres_bin("psql"))
+        .args(["-XAtq", "-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-U", "postgres", "-d", "postgres", "-c", sql])
+        .env("PGCONNECT_TIMEOUT", "2")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// A three-member etcd on loopback, with quick elections (heartbeat 50 ms,
+/// election timeout 250 ms).
+pub struct EtcdCluster {
+    _dir: tempfile::TempDir,
+    pub members: Vec<Node>,
+}
+
+impl EtcdCluster {
+    pub fn start() -> EtcdCluster {
+        let bin = PathBuf::from(require("etcd", "etcd-server"));
+        let dir = scratch_dir();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let cluster: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut members: Vec<Node> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (client, peer))| {
+                let d = dir.path().join(format!("m{i}"));
+                let args = [
+                    "--name".to_string(),
+                    format!("m{i}"),
+                    "--data-dir".into(),
+                    d.join("data").display().to_string(),
+                    "--listen-client-urls".into(),
+                    format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls".into(),
+                    format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls".into(),
+                    format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls".into(),
+                    format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster".into(),
+                    cluster.join(","),
+                    "--initial-cluster-state".into(),
+                    "new".into(),
+                    "--initial-cluster-token".into(),
+                    "fencegate-test".into(),
+                    "--heartbeat-interval".into(),
+                    "50".into(),
+                    "--election-timeout".into(),
+                    "250".into(),
+                ];
+                Node::new(*client, d, bin.clone(), args.to_vec())
+            })
+            .collect();
+        // Each member waits for the others before it serves: start all,
+        // then wait.
+        for m in &mut members {
+            let log = std::fs::File::create(m.dir.join("server.log")).unwrap();
+            let child = Command::new(&m.program)
+                .args(&m.args)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("start etcd");
+            m.child = Some(child);
+        }
+        for m in &mut members {
+            m.wait_listening();
+        }
+        let c = EtcdCluster { _dir: dir, members };
+        wait_for("an etcd leader", Duration::from_secs(30), || {
+            c.leader().is_some()
+        });
+        c
+    }
+
+    /// The `--store` URL: every member.
+    pub fn url(&self) -> String {
+        let eps: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.port))
+            .collect();
+        format!("etcd://{}", eps.join(","))
+    }
+
+    /// The index of the member that is leader, as a live member reports.
+    pub fn leader(&self) -> Option<usize> {
+        let statuses: Vec<(String, String)> = self
+            .members
+            .iter()
+            .map(|m| {
+                let s = etcd_status(m.port).unwrap_or_default();
+                (json_field(&s, "member_id"), json_field(&s, "leader"))
+            })
+            .collect();
+        let leader = statuses.iter().find(|(_, l)| !l.is_empty())?.1.clone();
+        statuses.iter().position(|(id, _)| *id == leader)
+    }
+
+    /// Waits until a leader other than `old` (or any, for `None`) is
+    /// elected; returns it.
+    pub fn wait_leader(&self, not: Option<usize>) -> usize {
+        let mut found = None;
+        wait_for("an etcd leader", Duration::from_secs(30), || {
+            found = self.leader().filter(|l| Some(*l) != not);
+            found.is_some()
+        });
+        found.unwrap()
+    }
+}
+
+/// `/v3/maintenance/status` of the member on `port`.
+fn etcd_status(port: u16) -> Option<String> {
+    let out = Command::new(require("curl", "curl"))
+        .args(["-s", "-m", "1", "-X", "POST", "-d", "{}"])
+        .arg(format!("http://127.0.0.1:{port}/v3/maintenance/status"))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+/// A string field of a flat JSON answer (`"name":"value"`), or "".
+fn json_field(json: &str, name: &str) -> String {
+    let key = format!("\"{name}\":\"");
+    json.find(&key)
+        .map(|i| &json[i + key.len()..])
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or("")
+        .to_string()
 }

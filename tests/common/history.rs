@@ -389,9 +389,15 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
 /// milliseconds, so the longest is the fault's. `None`: no write sent
 /// after the fault was admitted.
 pub fn outage(attempts: &[Attempt], at: Instant) -> Option<Duration> {
+    outage_until(attempts, at, None)
+}
+
+/// [`outage`] counting only writes sent before `until` (the next fault).
+pub fn outage_until(attempts: &[Attempt], at: Instant, until: Option<Instant>) -> Option<Duration> {
     let mut admitted: Vec<Instant> = attempts
         .iter()
-        .filter(|a| a.sent >= at && (200..300).contains(&a.status))
+        .filter(|a| a.sent >= at && until.is_none_or(|u| a.sent < u))
+        .filter(|a| (200..300).contains(&a.status))
         .map(|a| a.sent)
         .collect();
     admitted.sort();

@@ -907,6 +907,7 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--upstream", Some("http://127.0.0.1:7002")),
         ("--store", Some("/nonexistent/f.redb")),
         ("--store-timeout", Some("3s")),
+        ("--store-replicas-to-wait", Some("2")),
         ("--store-ca", Some("/nonexistent/ca.pem")),
         ("--store-client-cert", Some("/nonexistent/c.pem")),
         ("--store-client-key", Some("/nonexistent/k.pem")),
@@ -980,7 +981,10 @@ async fn every_flag_works_as_a_fencegate_variable() {
         // is read by the server, not by check-config (which names its file).
         let shared = matches!(
             flag,
-            "--store-timeout" | "--accept-store-reset" | "--store-state-file"
+            "--store-timeout"
+                | "--accept-store-reset"
+                | "--store-state-file"
+                | "--store-replicas-to-wait"
         );
         let run = |extra: &[&str], env: Option<(&str, &str)>| {
             let mut c = std::process::Command::new(bin());

@@ -489,23 +489,36 @@ impl RedisBackend {
             .get_multiplexed_async_connection_with_config(&config)
             .await
             .map_err(|e| connect_failed(e, "redis"))?;
-        let info: String = redis::cmd("INFO")
+        let info: redis::RedisResult<String> = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut c)
-            .await
-            .map_err(unavailable)?;
-        let (role, online) = replication(&info);
-        if role != "master" {
-            return Err(unavailable(format!(
-                "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
-            )));
-        }
-        self.online_replicas.store(online, Ordering::Relaxed);
+            .await;
+        let online = match info {
+            Ok(info) => {
+                let (role, online) = replication(&info);
+                if role != "master" {
+                    return Err(unavailable(format!(
+                        "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
+                    )));
+                }
+                self.online_replicas.store(online, Ordering::Relaxed);
+                if self.replicas_to_wait.is_none() && online == 0 {
+                    tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
+                }
+                online
+            }
+            // An ACL without INFO (`-@dangerous`): the role is found by the
+            // first write (READONLY), the replicas are not known.
+            Err(e) if e.code() == Some("NOPERM") => {
+                if self.replicas_to_wait.is_none() {
+                    tracing::warn!("redis refuses INFO to fencegate's user: the replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
+                }
+                0
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
         warn_if_not_durable(&mut c).await;
         let wanted = self.replicas_wanted();
-        if self.replicas_to_wait.is_none() && online == 0 {
-            tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
-        }
         tracing::info!(
             online_replicas = online,
             waits_for = wanted,
@@ -859,17 +872,20 @@ impl Backend for RedisBackend {
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
         if self.replicas_to_wait.is_none() {
             // The heartbeat reads the marker every second: how many
-            // replicas a change waits for follows the ones online.
-            let info: String = self
+            // replicas a change waits for follows the ones online. (Not
+            // known without INFO: the count from the connect stays.)
+            let info: Result<String, _> = self
                 .run(|mut c| async move {
                     redis::cmd("INFO")
                         .arg("replication")
                         .query_async(&mut c)
                         .await
                 })
-                .await?;
-            self.online_replicas
-                .store(replication(&info).1, Ordering::Relaxed);
+                .await;
+            if let Ok(info) = info {
+                self.online_replicas
+                    .store(replication(&info).1, Ordering::Relaxed);
+            }
         }
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(MARKER).arg("epoch").arg("seq");

@@ -8,6 +8,9 @@
 #   newkey      through fencegate, a new key per request (a durable advance)
 #   steady-redis, newkey-redis, steady-postgres, newkey-postgres,
 #   steady-etcd, newkey-etcd   the same on shared stores
+#   steady-redis-replica, newkey-redis-replica   on a second Redis with a
+#               replica attached: every call waits for it (WAIT 1), what
+#               a failover that loses nothing costs
 #   nginx-tls   nginx terminating TLS (HTTP/1.1, keep-alive) in front of
 #               the upstream
 #   steady-tls  fencegate's TLS listener, steady token (same certificate)
@@ -34,7 +37,7 @@ cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 SECS=${2:-8}
 missing=()
-for t in wrk h2load nginx haproxy taskset python3 curl redis-server runuser openssl etcd; do command -v "$t" >/dev/null || missing+=("$t"); done
+for t in wrk h2load nginx haproxy taskset python3 curl redis-server redis-cli runuser openssl etcd; do command -v "$t" >/dev/null || missing+=("$t"); done
 PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1)
 [ -n "$PGBIN" ] && [ -x "$PGBIN/initdb" ] || missing+=(postgresql)
 if ((${#missing[@]})); then
@@ -113,6 +116,14 @@ taskset -c 1 haproxy -f "$WORK/haproxy.cfg" -D -p "$WORK/haproxy.pid"; HAPROXY_P
 REDIS_PORT=$(port)
 taskset -c 1 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --dir "$WORK" >/dev/null &
 REDIS_PID=$!; PIDS+=($!)
+# A second Redis with a replica (both on the store's core): fencegate waits
+# for the replica after each call.
+REDIS2_PORT=$(port); REDIS2_REPLICA_PORT=$(port)
+mkdir -p "$WORK/redis2" "$WORK/redis2-replica"
+taskset -c 1 redis-server --port "$REDIS2_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --repl-diskless-sync-delay 0 --dir "$WORK/redis2" >/dev/null &
+REDIS2_PID=$!; PIDS+=($!)
+taskset -c 1 redis-server --port "$REDIS2_REPLICA_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --replicaof 127.0.0.1 "$REDIS2_PORT" --dir "$WORK/redis2-replica" >/dev/null &
+PIDS+=($!)
 PG_PORT=$(port)
 mkdir -p "$WORK/pg"; chown -R postgres "$WORK/pg"; chmod 777 "$WORK"
 runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
@@ -124,7 +135,11 @@ taskset -c 1 etcd --name compare --data-dir "$WORK/etcd" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
   --initial-cluster "compare=http://127.0.0.1:$ETCD_PEER" >/dev/null 2>&1 &
 ETCD_PID=$!; PIDS+=($!)
-for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
+for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $REDIS2_PORT $REDIS2_REPLICA_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
+for _ in $(seq 100); do
+  redis-cli -p "$REDIS2_PORT" info replication 2>/dev/null | grep -q 'state=online' && break; sleep 0.1
+done
+redis-cli -p "$REDIS2_PORT" info replication | grep -q 'state=online' || { echo "the Redis replica never came online" >&2; exit 1; }
 
 start_fencegate() { # name store [extra flags...]
   local name=$1 store=$2; shift 2
@@ -141,11 +156,13 @@ init_store() { for _ in $(seq 100); do "$BIN" init-store --store "$1" >/dev/null
 init_store "redis://127.0.0.1:$REDIS_PORT/0"
 init_store "postgres://postgres@127.0.0.1:$PG_PORT/postgres"
 read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_PORT/0")
+init_store "redis://127.0.0.1:$REDIS2_PORT/0"
+read -r FGRR_PID FGRR_ADDR < <(start_fencegate redis-replica "redis://127.0.0.1:$REDIS2_PORT/0" --store-replicas-to-wait 1)
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
 init_store "etcd://127.0.0.1:$ETCD_PORT"
 read -r FGE_PID FGE_ADDR < <(start_fencegate etcd "etcd://127.0.0.1:$ETCD_PORT")
 # start_fencegate runs in a subshell here: its PIDS+= never reached us.
-PIDS+=("$FG_PID" "$FGR_PID" "$FGP_PID" "$FGE_PID")
+PIDS+=("$FG_PID" "$FGR_PID" "$FGRR_PID" "$FGP_PID" "$FGE_PID")
 if [ -n "${BASELINE_BIN:-}" ]; then
   read -r FGB_PID FGB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate baseline "$WORK/baseline.redb")
   PIDS+=("$FGB_PID")
@@ -166,7 +183,7 @@ treecpu() {
 }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-redis-replica newkey-redis-replica steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
 # ONLY="steady steady-redis ...": just these rows (a quick look; the docs
 # quote full runs).
 [ -n "${ONLY:-}" ] && read -r -a SYSTEMS <<< "$ONLY"
@@ -192,6 +209,8 @@ for r in $(seq "$ROUNDS"); do
       newkey) url="http://$FG_ADDR/new/$r-$sys/"; script=newkey; pid=$FG_PID;;
       steady-redis) url="http://$FGR_ADDR/k"; script=steady; pid=$FGR_PID;;
       newkey-redis) url="http://$FGR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGR_PID;;
+      steady-redis-replica) url="http://$FGRR_ADDR/k"; script=steady; pid=$FGRR_PID;;
+      newkey-redis-replica) url="http://$FGRR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGRR_PID;;
       steady-postgres) url="http://$FGP_ADDR/k"; script=steady; pid=$FGP_PID;;
       newkey-postgres) url="http://$FGP_ADDR/new/$r-$sys/"; script=newkey; pid=$FGP_PID;;
       steady-etcd) url="http://$FGE_ADDR/k"; script=steady; pid=$FGE_PID;;
@@ -208,7 +227,7 @@ for r in $(seq "$ROUNDS"); do
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     # The store server's own CPU on the shared-store rows (it runs on the
     # proxy's core: what it spends per write is what the proxy cannot).
-    case $sys in *-redis) spid=$REDIS_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
+    case $sys in *-redis) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
     s0=0; [ -n "$spid" ] && s0=$(treecpu "$spid")
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"

@@ -24,6 +24,8 @@ LABELS = {
     "newkey": "fencegate, new key per request (durable advance)",
     "steady-redis": "fencegate on Redis, steady token",
     "newkey-redis": "fencegate on Redis, new key per request",
+    "steady-redis-replica": "fencegate on Redis waiting for its replica, steady token",
+    "newkey-redis-replica": "fencegate on Redis waiting for its replica, new key per request",
     "steady-postgres": "fencegate on PostgreSQL, steady token",
     "newkey-postgres": "fencegate on PostgreSQL, new key per request",
     "steady-etcd": "fencegate on etcd, steady token",
@@ -102,6 +104,8 @@ def main():
         f"Redis {ratio('steady-redis', 'steady')} / {ratio('newkey-redis', 'newkey')}, "
         f"PostgreSQL {ratio('steady-postgres', 'steady')} / {ratio('newkey-postgres', 'newkey')}, "
         f"etcd {ratio('steady-etcd', 'steady')} / {ratio('newkey-etcd', 'newkey')}",
+        f"- waiting for a Redis replica (WAIT 1 after each call) vs a lone Redis (steady / new key): "
+        f"{ratio('steady-redis-replica', 'steady-redis')} / {ratio('newkey-redis-replica', 'newkey-redis')}",
         "- store server CPU per request, same rounds (µs; it runs on the proxy's core): "
         + ", ".join(
             f"{name} {fmt(med(f'steady-{s}@store', 'value'), 0)} steady / "

@@ -299,8 +299,9 @@ pub struct RedisBackend {
     timeout: Duration,
     /// `store_replicas_to_wait`, if set.
     replicas_to_wait: Option<u32>,
-    /// Replicas the primary reported online at the latest connect or marker
-    /// read: without a setting, a change waits for one of them, if any.
+    /// Replicas the primary reported online at the latest connect, or more
+    /// seen since by a marker read: without a setting, a change waits for
+    /// one of them, if any.
     online_replicas: AtomicU32,
     acquire: Script,
     poll: Script,
@@ -871,9 +872,13 @@ impl Backend for RedisBackend {
 
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
         if self.replicas_to_wait.is_none() {
-            // The heartbeat reads the marker every second: how many
-            // replicas a change waits for follows the ones online. (Not
-            // known without INFO: the count from the connect stays.)
+            // The heartbeat reads the marker every second: a replica that
+            // came online is waited for from then on. The count only goes
+            // down at a connect (a wait that failed drops the connections):
+            // a primary that lost its replica because it was cut off and
+            // replaced (a failover while it was stopped or partitioned) must
+            // not start taking writes unwaited on this connection, writes
+            // that the promoted replica will never have.
             let info: Result<String, _> = self
                 .run(|mut c| async move {
                     redis::cmd("INFO")
@@ -884,7 +889,7 @@ impl Backend for RedisBackend {
                 .await;
             if let Ok(info) = info {
                 self.online_replicas
-                    .store(replication(&info).1, Ordering::Relaxed);
+                    .fetch_max(replication(&info).1, Ordering::Relaxed);
             }
         }
         let mut cmd = redis::cmd("HMGET");

@@ -141,7 +141,7 @@ struct Opts {
     #[arg(long, env = "FENCEGATE_STORE_TIMEOUT", global = true)]
     store_timeout: Option<String>,
     /// Redis: how many replicas must have a change before it counts as
-    /// stored (WAIT after each batch); 0 never waits. Default: one while the
+    /// stored (WAIT after each call); 0 never waits. Default: one while the
     /// primary has a replica online, else none (docs/stores.md).
     #[arg(long, env = "FENCEGATE_STORE_REPLICAS_TO_WAIT", global = true)]
     store_replicas_to_wait: Option<u32>,

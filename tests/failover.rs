@@ -129,8 +129,7 @@ async fn redis_waiting_for_a_replica_refuses_what_a_failover_would_lose() {
     let refused = put(&r.a.url("/k"), "10").await;
     assert_eq!(refused.status, 503, "{}", refused.text());
     assert!(
-        r.a.stderr()
-            .contains("0 of 1 replicas confirmed the change"),
+        r.a.stderr().contains("0 of 1 replicas confirmed the call"),
         "{}",
         r.a.stderr()
     );

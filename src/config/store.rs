@@ -481,7 +481,12 @@ fn sentinel(rest: &str) -> Result<Sentinel, ConfigError> {
     let mut addrs = Vec::new();
     for h in hosts.split(',') {
         let h = h.trim();
-        let (host, port) = match h.rsplit_once(':').filter(|(host, _)| !host.ends_with(':')) {
+        // `[::1]` alone is a host without a port.
+        let bracketed = h.starts_with('[') && h.ends_with(']');
+        let (host, port) = match h
+            .rsplit_once(':')
+            .filter(|(host, _)| !host.ends_with(':') && !bracketed)
+        {
             Some((host, port)) if !host.is_empty() => (
                 host,
                 port.parse::<u16>()
@@ -961,13 +966,15 @@ mod tests {
             SharedEngine::Redis { sentinel: Some(s) } => s,
             other => panic!("{url}: {other:?}"),
         };
-        let s = sentinel("redis+sentinel://fg:p%40ss@10.0.0.1:26380,10.0.0.2,[::1]:5/fg-main/3");
+        let s =
+            sentinel("redis+sentinel://fg:p%40ss@10.0.0.1:26380,10.0.0.2,[::1]:5,[::2]/fg-main/3");
         assert_eq!(
             s.addrs,
             vec![
                 ("10.0.0.1".to_string(), 26380),
                 ("10.0.0.2".to_string(), 26379),
-                ("::1".to_string(), 5)
+                ("::1".to_string(), 5),
+                ("::2".to_string(), 26379)
             ]
         );
         assert_eq!((s.master.as_str(), s.db), ("fg-main", 3));

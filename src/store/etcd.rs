@@ -268,14 +268,22 @@ impl EtcdBackend {
     ) -> Result<A, StoreError> {
         // One bound for the whole call, whatever endpoints and re-logins it
         // takes: leases count on a store call answering within it.
+        let first = self.current.load(Ordering::Relaxed);
         match tokio::time::timeout(self.timeout, self.call_once(method, request)).await {
             Ok(answer) => answer,
             Err(_) => {
                 // The endpoint's own timeout in `send` may not have run
                 // (a login or another endpoint came first): same remedies,
                 // and the next call starts at the next member.
+                // (Unless the call, or another, moved on already: calls
+                // timing out together move it once.)
                 if self.endpoints.len() > 1 {
-                    self.current.fetch_add(1, Ordering::Relaxed);
+                    let _ = self.current.compare_exchange(
+                        first,
+                        first + 1,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
                 }
                 self.failing.store(true, Ordering::Release);
                 self.timed_out(

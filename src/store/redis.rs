@@ -543,22 +543,25 @@ impl RedisBackend {
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let mut conn = self.connection().await?;
-        let e = match f(conn.clone()).await {
-            Ok(v) => return Ok(v),
-            Err(e) => e,
-        };
-        if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) {
-            self.load_scripts(&mut conn).await?;
-        } else if !e.is_connection_dropped() || e.is_timeout() {
-            return Err(self.failed(e).await);
-        } else {
-            // The other runtimes' connections went with the server.
-            self.drop_connections().await;
-            conn = self.connection().await?;
-        }
-        match f(conn).await {
-            Ok(v) => Ok(v),
-            Err(e) => Err(self.failed(e).await),
+        let (mut reconnected, mut loaded) = (false, false);
+        loop {
+            let e = match f(conn.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            if !loaded && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) {
+                // (A server that restarted lost its scripts as well as the
+                // connection: both may happen to one call.)
+                loaded = true;
+                self.load_scripts(&mut conn).await?;
+            } else if !reconnected && e.is_connection_dropped() && !e.is_timeout() {
+                // The other runtimes' connections went with the server.
+                reconnected = true;
+                self.drop_connections().await;
+                conn = self.connection().await?;
+            } else {
+                return Err(self.failed(e).await);
+            }
         }
     }
 
@@ -617,32 +620,33 @@ impl RedisBackend {
     /// call, and the next one reconnects (and sees how many replicas are
     /// online then).
     async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
-        let wanted = self.replicas_wanted();
-        if wanted == 0 {
-            let cmd = &cmd;
-            return self
-                .run(|mut c| async move { cmd.query_async(&mut c).await })
-                .await;
-        }
-        let mut p = redis::pipe();
-        p.add_command(cmd)
-            .cmd("SET")
-            .arg(SYNC)
-            .arg(1)
-            .ignore()
-            .cmd("WAIT")
-            .arg(wanted)
-            .arg(self.wait_ms());
-        let p = &p;
-        let (v, confirmed): (T, u32) = self
-            .run(|mut c| async move { p.query_async(&mut c).await })
+        let (cmd, wait_ms) = (&cmd, self.wait_ms());
+        let (v, wanted, confirmed) = self
+            .run(|mut c| async move {
+                // Read once this runtime is connected: after a failover,
+                // the count the new primary reported, not the old one's.
+                let wanted = self.replicas_wanted();
+                if wanted == 0 {
+                    return cmd.query_async(&mut c).await.map(|v| (v, 0, 0));
+                }
+                let mut p = redis::pipe();
+                p.add_command(cmd.clone())
+                    .cmd("SET")
+                    .arg(SYNC)
+                    .arg(1)
+                    .ignore()
+                    .cmd("WAIT")
+                    .arg(wanted)
+                    .arg(wait_ms);
+                let (v, confirmed): (T, u32) = p.query_async(&mut c).await?;
+                Ok((v, wanted, confirmed))
+            })
             .await?;
         if confirmed < wanted {
             self.drop_connections().await;
             *self.last_failure.lock().expect("lock") = Some(Instant::now());
             return Err(unavailable(format!(
-                "{confirmed} of {wanted} replicas confirmed the change within {} ms (store_replicas_to_wait, docs/stores.md)",
-                self.wait_ms()
+                "{confirmed} of {wanted} replicas confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
             )));
         }
         Ok(v)
@@ -888,8 +892,18 @@ impl Backend for RedisBackend {
                 })
                 .await;
             if let Ok(info) = info {
-                self.online_replicas
-                    .fetch_max(replication(&info).1, Ordering::Relaxed);
+                let (role, online) = replication(&info);
+                if role != "master" {
+                    // Demoted without its clients being cut (a REPLICAOF by
+                    // hand or by a tool other than Sentinel): its answers
+                    // are a copy that may lag.
+                    self.drop_connections().await;
+                    *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                    return Err(unavailable(format!(
+                        "the server became a {role}: reconnecting to the primary"
+                    )));
+                }
+                self.online_replicas.fetch_max(online, Ordering::Relaxed);
             }
         }
         let mut cmd = redis::cmd("HMGET");

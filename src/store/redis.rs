@@ -269,8 +269,8 @@ const BACKOFF: Duration = Duration::from_millis(200);
 /// Where the primary is.
 enum Source {
     Direct(Client),
-    /// Asked of Sentinel at every connect.
-    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    /// Asked of Sentinel at every connect; the master name.
+    Sentinel(tokio::sync::Mutex<SentinelClient>, String),
 }
 
 /// How to reach Redis and how much to wait for its replicas.
@@ -366,7 +366,10 @@ impl RedisBackend {
     /// `sentinel` was parsed from. Connects lazily.
     pub fn new(url: &str, o: Options<'_>) -> Result<Self, String> {
         let source = match o.sentinel {
-            Some(s) => Source::Sentinel(tokio::sync::Mutex::new(sentinel_client(s, o.password)?)),
+            Some(s) => Source::Sentinel(
+                tokio::sync::Mutex::new(sentinel_client(s, o.password)?),
+                s.master.clone(),
+            ),
             None => {
                 let mut info = url
                     .into_connection_info()
@@ -476,7 +479,7 @@ impl RedisBackend {
     async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
         let client = match &self.source {
             Source::Direct(c) => c.clone(),
-            Source::Sentinel(s) => s
+            Source::Sentinel(s, _) => s
                 .lock()
                 .await
                 .async_get_client()
@@ -502,6 +505,14 @@ impl RedisBackend {
                         "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
                     )));
                 }
+                // Replicas that Sentinel sees up count too: an old primary
+                // restarted before Sentinel announced its replica's
+                // promotion has no replica of its own, yet is about to
+                // become one and lose what it takes meanwhile.
+                let online = match self.replicas_to_wait {
+                    None => online.max(self.sentinel_replicas_up().await),
+                    Some(_) => online,
+                };
                 self.online_replicas.store(online, Ordering::Relaxed);
                 if self.replicas_to_wait.is_none() && online == 0 {
                     tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
@@ -526,6 +537,36 @@ impl RedisBackend {
             "connected to redis"
         );
         Ok(c)
+    }
+
+    /// How many replicas of the master Sentinel reports up (not down, not
+    /// disconnected); 0 without Sentinel or when no Sentinel answers.
+    async fn sentinel_replicas_up(&self) -> u32 {
+        let Source::Sentinel(s, master) = &self.source else {
+            return 0;
+        };
+        let ask = async {
+            let client = s.lock().await.async_get_sentinel_client().await.ok()?;
+            let config = AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout));
+            let mut c = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .ok()?;
+            let replicas: Vec<Vec<String>> = redis::cmd("SENTINEL")
+                .arg("REPLICAS")
+                .arg(master)
+                .query_async(&mut c)
+                .await
+                .ok()?;
+            Some(sentinel_up(&replicas))
+        };
+        tokio::time::timeout(self.timeout, ask)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(0)
     }
 
     /// Runs one command. On a broken connection (a restarted server closed
@@ -718,6 +759,23 @@ fn sentinel_client(
         }
     }
     b.build().map_err(|e| e.to_string())
+}
+
+/// How many of `SENTINEL REPLICAS`'s entries (flat field/value lists) are
+/// up: flags without `s_down`, `o_down` or `disconnected`.
+fn sentinel_up(replicas: &[Vec<String>]) -> u32 {
+    replicas
+        .iter()
+        .filter(|r| {
+            r.chunks(2).any(|kv| {
+                kv.len() == 2
+                    && kv[0] == "flags"
+                    && !kv[1]
+                        .split(',')
+                        .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
+            })
+        })
+        .count() as u32
 }
 
 /// `INFO replication`'s role and how many replicas are online (their
@@ -960,4 +1018,45 @@ fn marker(v: Option<Vec<Option<String>>>) -> Result<Option<Marker>, StoreError> 
             _ => None,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replication_reads_the_role_and_the_replicas_online() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\n\
+                    slave0:ip=127.0.0.1,port=1,state=online,offset=5,lag=0\r\n\
+                    slave1:ip=127.0.0.1,port=2,state=wait_bgsave,offset=0,lag=0\r\n\
+                    master_failover_state:no-failover\r\n";
+        assert_eq!(replication(info), ("master".to_string(), 1));
+        assert_eq!(
+            replication("role:slave\r\nmaster_link_status:up\r\n"),
+            ("slave".to_string(), 0)
+        );
+        assert_eq!(replication("").0, "server of unknown role");
+    }
+
+    #[test]
+    fn sentinel_counts_the_replicas_it_sees_up() {
+        let entry = |flags: &str| {
+            vec![
+                "name".to_string(),
+                "127.0.0.1:1".into(),
+                "flags".into(),
+                flags.into(),
+            ]
+        };
+        let replicas = vec![
+            entry("slave"),
+            entry("s_down,slave"),
+            entry("slave,disconnected"),
+            entry("o_down,slave"),
+            entry("slave,promoted"),
+        ];
+        assert_eq!(sentinel_up(&replicas), 2);
+        assert_eq!(sentinel_up(&[]), 0);
+        assert_eq!(sentinel_up(&[vec!["flags".into()]]), 0);
+    }
 }

@@ -131,6 +131,15 @@ stores() {
   return "$status"
 }
 
+# Redis's wait for its replicas and the count it waits for (issue 30):
+# the step-by-step failover tests and the Redis history runs (the Sentinel
+# failover among them) against real servers.
+FAILOVER='replicas_wanted|sentinel_up|fn replication|RedisBackend::query|wait_ms|sentinel_replicas_up'
+failover() {
+  run failover --timeout 300 --file src/store/redis.rs --re "$FAILOVER" "$@" \
+    --cargo-arg=--lib --cargo-arg=--test=failover --cargo-arg=--test=history --cargo-test-arg=redis
+}
+
 case "${1:-all}" in
   core) shift; core "$@" ;;
   shared) shift; shared "$@" ;;
@@ -140,6 +149,7 @@ case "${1:-all}" in
   batch) shift; batch "$@" ;;
   upstream) shift; upstream "$@" ;;
   stores) shift; stores "$@" ;;
+  failover) shift; failover "$@" ;;
   --in-diff)
     # Each part on its own files: a diff that touches neither has no
     # mutant to test, which is a success.
@@ -156,5 +166,5 @@ case "${1:-all}" in
     proxy || status=$?
     exit "$status"
     ;;
-  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|stores|--in-diff FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|stores|failover|--in-diff FILE]" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::cluster::*;
+use common::servers::init_store;
 use common::*;
 
 const ADMIN_TOKEN: &str = "failover-admin-token-0123456789";

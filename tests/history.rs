@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::*;
 use common::history::*;
+use common::servers::init_store;
 use common::servers::{StoreKind, StoreServer};
 use common::*;
 
@@ -515,6 +516,47 @@ async fn until_the_end(run: &Run) {
     }
 }
 
+/// A history run on a replicated store the test started (`cluster`, at
+/// `url`): after 3 s, `fault` (blocking; it returns once the store has
+/// failed over), then writes to the end of the run. No replica needs an
+/// operator afterwards; the outage is reported.
+async fn history_with_one_failover<C: Send + 'static>(
+    name: &'static str,
+    kind: StoreKind,
+    secs: u64,
+    url: String,
+    cluster: C,
+    fault: impl FnOnce(&mut C) + Send + 'static,
+) {
+    init_store(&url);
+    // Held here until the run's checks are done.
+    let cluster = Arc::new(Mutex::new(cluster));
+    let times = Arc::new(Mutex::new(None));
+    let (c, t) = (cluster.clone(), times.clone());
+    let attempts = history(
+        name,
+        Setup {
+            secs,
+            store_url: Some(url),
+            ..Setup::on(kind)
+        },
+        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            let at = Instant::now();
+            tokio::task::spawn_blocking(move || fault(&mut c.lock().unwrap()))
+                .await
+                .unwrap();
+            *t.lock().unwrap() = Some((at, Instant::now()));
+            until_the_end(&run).await;
+            assert_no_amnesia(&proxies).await;
+            (1, proxies, server)
+        },
+    )
+    .await;
+    let (at, recovered) = times.lock().unwrap().unwrap();
+    report_failover(name, &attempts, at, recovered);
+}
+
 /// Redis with a replica and three Sentinels, reached as
 /// `redis+sentinel://` with the default wait (one replica while one is
 /// online): the primary killed with kill -9 under writes through two
@@ -526,37 +568,19 @@ async fn history_redis_sentinel_failover_loses_nothing() {
         .await
         .unwrap();
     let url = cluster.url();
-    init_store(&url);
-    let cluster = Arc::new(Mutex::new(cluster));
-    let times = Arc::new(Mutex::new(None));
-    let (c, t) = (cluster.clone(), times.clone());
-    let attempts = history(
+    history_with_one_failover(
         "redis-sentinel-failover",
-        Setup {
-            secs: 12,
-            store_url: Some(url),
-            ..Setup::on(StoreKind::Redis)
-        },
-        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            let fault = Instant::now();
-            tokio::task::spawn_blocking(move || {
-                let mut c = c.lock().unwrap();
-                let old = c.primary_port().expect("Sentinel names a primary");
-                c.node(old).kill9();
-                c.wait_promoted(old)
-            })
-            .await
-            .unwrap();
-            *t.lock().unwrap() = Some((fault, Instant::now()));
-            until_the_end(&run).await;
-            assert_no_amnesia(&proxies).await;
-            (1, proxies, server)
+        StoreKind::Redis,
+        12,
+        url,
+        cluster,
+        |c| {
+            let old = c.primary_port().expect("Sentinel names a primary");
+            c.node(old).kill9();
+            c.wait_promoted(old);
         },
     )
     .await;
-    let (fault, promoted) = times.lock().unwrap().unwrap();
-    report_failover("redis-sentinel-failover", &attempts, fault, promoted);
 }
 
 /// PostgreSQL with a synchronous standby, reached through a two-host URL
@@ -570,36 +594,18 @@ async fn history_postgres_standby_promotion_loses_nothing() {
         .await
         .unwrap();
     let url = cluster.url();
-    init_store(&url);
-    let cluster = Arc::new(Mutex::new(cluster));
-    let times = Arc::new(Mutex::new(None));
-    let (c, t) = (cluster.clone(), times.clone());
-    let attempts = history(
+    history_with_one_failover(
         "postgres-promotion",
-        Setup {
-            secs: 10,
-            store_url: Some(url),
-            ..Setup::on(StoreKind::Postgres)
-        },
-        move |run: Arc<Run>, proxies: Vec<Proxy>, server: Option<StoreServer>| async move {
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            let fault = Instant::now();
-            tokio::task::spawn_blocking(move || {
-                let mut c = c.lock().unwrap();
-                c.primary.kill9();
-                c.promote();
-            })
-            .await
-            .unwrap();
-            *t.lock().unwrap() = Some((fault, Instant::now()));
-            until_the_end(&run).await;
-            assert_no_amnesia(&proxies).await;
-            (1, proxies, server)
+        StoreKind::Postgres,
+        10,
+        url,
+        cluster,
+        |c| {
+            c.primary.kill9();
+            c.promote();
         },
     )
     .await;
-    let (fault, promoted) = times.lock().unwrap().unwrap();
-    report_failover("postgres-promotion", &attempts, fault, promoted);
 }
 
 /// A three-member etcd under writes through two replicas: the leader

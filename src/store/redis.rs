@@ -486,11 +486,8 @@ impl RedisBackend {
                 .await
                 .map_err(|e| connect_failed(e, "redis sentinel"))?,
         };
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout));
-        let mut c = client
-            .get_multiplexed_async_connection_with_config(&config)
+        let mut c = self
+            .open(&client)
             .await
             .map_err(|e| connect_failed(e, "redis"))?;
         let info: redis::RedisResult<String> = redis::cmd("INFO")
@@ -539,6 +536,17 @@ impl RedisBackend {
         Ok(c)
     }
 
+    /// A connection to `client`'s server, its connect and every answer
+    /// bounded by the store timeout.
+    async fn open(&self, client: &Client) -> redis::RedisResult<MultiplexedConnection> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
     /// How many replicas of the master Sentinel reports up (not down, not
     /// disconnected); 0 without Sentinel or when no Sentinel answers.
     async fn sentinel_replicas_up(&self) -> u32 {
@@ -547,13 +555,7 @@ impl RedisBackend {
         };
         let ask = async {
             let client = s.lock().await.async_get_sentinel_client().await.ok()?;
-            let config = AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(self.timeout))
-                .set_response_timeout(Some(self.timeout));
-            let mut c = client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await
-                .ok()?;
+            let mut c = self.open(&client).await.ok()?;
             let replicas: Vec<Vec<String>> = redis::cmd("SENTINEL")
                 .arg("REPLICAS")
                 .arg(master)

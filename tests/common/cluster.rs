@@ -151,6 +151,16 @@ pub fn scratch_dir() -> tempfile::TempDir {
     }
 }
 
+/// The nodes' loopback addresses, `127.0.0.1:PORT,...` (a store URL's
+/// host list).
+fn addresses(nodes: &[Node]) -> String {
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    addrs.join(",")
+}
+
 /// Polls `f` (a blocking check) for up to `within`.
 fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
@@ -286,12 +296,10 @@ impl RedisSentinels {
 
     /// The `--store` URL.
     pub fn url(&self) -> String {
-        let addrs: Vec<String> = self
-            .sentinels
-            .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port))
-            .collect();
-        format!("redis+sentinel://{}/{SENTINEL_MASTER}", addrs.join(","))
+        format!(
+            "redis+sentinel://{}/{SENTINEL_MASTER}",
+            addresses(&self.sentinels)
+        )
     }
 
     /// The port the Sentinels name as the primary (the first that answers).
@@ -407,26 +415,6 @@ pub fn redis_query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> Opt
         .ok()?;
     c.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
     cmd.query(&mut c).ok()
-}
-
-/// `fencegate init-store` on `url` (retried while the store settles).
-pub fn init_store(url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let out = Command::new(super::bin())
-            .args(["init-store", "--store", url])
-            .output()
-            .expect("run fencegate init-store");
-        if out.status.success() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "fencegate init-store failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// A PostgreSQL primary and a synchronous standby (a commit waits for the
@@ -657,12 +645,7 @@ impl EtcdCluster {
 
     /// The `--store` URL: every member.
     pub fn url(&self) -> String {
-        let eps: Vec<String> = self
-            .members
-            .iter()
-            .map(|m| format!("127.0.0.1:{}", m.port))
-            .collect();
-        format!("etcd://{}", eps.join(","))
+        format!("etcd://{}", addresses(&self.members))
     }
 
     /// The index of the member that is leader, as a live member reports.

@@ -79,6 +79,33 @@ impl Secure {
     }
 }
 
+/// `fencegate init-store` on `url`, as an operator runs it once on a new
+/// store (retried while the server is still starting up or settling).
+pub fn init_store(url: &str) {
+    init_store_with(url, &[]);
+}
+
+/// [`init_store`] with the flags a secure store needs.
+fn init_store_with(url: &str, args: &[String]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = Command::new(super::bin())
+            .args(["init-store", "--store", url])
+            .args(args)
+            .output()
+            .expect("run fencegate init-store");
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fencegate init-store failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -355,23 +382,7 @@ impl StoreServer {
     /// `fencegate init-store`, as an operator runs it once on a new store
     /// (retried while the server is still starting up).
     pub fn initialise(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let out = Command::new(super::bin())
-                .args(["init-store", "--store", &self.url()])
-                .args(self.proxy_args())
-                .output()
-                .expect("run fencegate init-store");
-            if out.status.success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "fencegate init-store failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        init_store_with(&self.url(), &self.proxy_args());
     }
 
     /// The `--store` value.

@@ -542,7 +542,7 @@ impl LeaseError {
                 body.insert("holder".into(), json!(holder));
                 body.insert(
                     "expires_in_ms".into(),
-                    json!(crate::store::millis(*expires_in)),
+                    json!(crate::clock::millis(*expires_in)),
                 );
             }
             Self::BadField(field, _) => {

@@ -32,11 +32,12 @@ use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 use tokio::sync::Notify;
 
+use crate::clock::millis as ms;
 use crate::error::{full, json_response, same_secret, LeaseError, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
-use crate::store::{millis as ms, Claim, Lock};
+use crate::store::{Claim, Lock};
 
 /// Largest request body the API reads.
 const MAX_BODY: usize = 16 * 1024;

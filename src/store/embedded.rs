@@ -22,9 +22,9 @@ use async_trait::async_trait;
 use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 use tokio::sync::oneshot;
 
-use super::{
-    lease_end, wall_ms, Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError,
-};
+use crate::clock::{lease_end, wall_ms};
+
+use super::{Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
@@ -867,7 +867,7 @@ impl Writer {
                                         id: id.to_string(),
                                         token,
                                         holder: holder.to_string(),
-                                        expires_in: super::lease_left(exp, now),
+                                        expires_in: crate::clock::lease_left(exp, now),
                                     },
                                     exp,
                                 )

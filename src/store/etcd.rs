@@ -39,7 +39,9 @@ use crate::config::Secret;
 
 use self::rpc::{CallError, RequestOp, ResponseOp, TxnRequest, TxnResponse};
 use super::shared::{busy, stored_token, Acquire, Backend, LockCall, LockReply, Marker};
-use super::{wall_ms, Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
+use crate::clock::wall_ms;
+
+use super::{Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
 
@@ -884,7 +886,7 @@ impl Backend for EtcdBackend {
                                 id: g["id"].as_str().unwrap_or("").to_string(),
                                 token: parse_token(g["token"].as_str().unwrap_or(""))?,
                                 holder: g["holder"].as_str().unwrap_or("").to_string(),
-                                expires_in: super::lease_left(exp, now),
+                                expires_in: crate::clock::lease_left(exp, now),
                             })
                         })
                         .transpose()?
@@ -895,7 +897,7 @@ impl Backend for EtcdBackend {
                     "id": id,
                     "token": token.to_string(),
                     "holder": holder,
-                    "exp": super::lease_end(now, Duration::from_millis(ttl_ms)),
+                    "exp": crate::clock::lease_end(now, Duration::from_millis(ttl_ms)),
                 })
                 .to_string()
             };

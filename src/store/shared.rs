@@ -200,7 +200,7 @@ impl LockCall<'_> {
     /// The operation's name, lease id, holder and TTL (ms) as scripts and
     /// functions take them.
     pub fn args(&self) -> (&'static str, &str, &str, u64) {
-        let ms = |t: &Duration| super::millis(*t).max(1);
+        let ms = |t: &Duration| crate::clock::millis(*t).max(1);
         match self {
             LockCall::Claim { id, holder, ttl } => ("claim", id, holder, ms(ttl)),
             LockCall::Read => ("read", "", "", 0),

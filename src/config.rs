@@ -21,6 +21,8 @@ pub use store::{
     StoreConfig, StoreTls, TlsVerify,
 };
 
+/// The most workers a config may ask for.
+pub const MAX_WORKERS: usize = 1024;
 /// A configuration error, naming the field at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -328,7 +330,7 @@ pub struct Config {
     pub store: StoreConfig,
     pub highest_cache_entries: usize,
     /// Worker threads; `None`: one per CPU this process may use
-    /// ([`crate::workers::available_cpus`]), decided at start.
+    /// (its affinity mask and cgroup quota, counted by the server), decided at start.
     pub workers: Option<usize>,
     /// Bearer token for mutating admin endpoints (read from the file).
     pub admin_token: Option<String>,
@@ -893,13 +895,13 @@ impl TryFrom<RawConfig> for Config {
         let cache = raw.highest_cache_entries.unwrap_or(1_000_000);
         let workers = match raw.workers {
             None => None,
-            Some(n) if (1..=crate::workers::MAX_WORKERS as u64).contains(&n) => Some(n as usize),
+            Some(n) if (1..=MAX_WORKERS as u64).contains(&n) => Some(n as usize),
             Some(_) => {
                 return Err(invalid(
                     "workers",
                     format!(
                         "must be between 1 and {} (omit it for one per CPU)",
-                        crate::workers::MAX_WORKERS
+                        MAX_WORKERS
                     ),
                 ))
             }

@@ -60,6 +60,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod proxy_protocol;
 pub mod server;
+pub mod slot;
 pub mod store;
 pub mod tls;
 pub mod token;

@@ -41,7 +41,7 @@ pub struct Upstream {
     /// the request's own URI or Host says.
     dial: Uri,
     connector: UpstreamConnector,
-    /// One pool per worker thread ([`crate::workers::current`]).
+    /// One pool per worker thread ([`crate::slot::current`]).
     pools: Box<[Mutex<Pool>]>,
     /// An idle connection older than this is closed, not reused.
     idle_timeout: Duration,
@@ -119,7 +119,7 @@ impl Upstream {
         self: &Arc<Self>,
         mut req: Request<ProxyBody>,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
-        let worker = crate::workers::current() % self.pools.len();
+        let worker = crate::slot::current() % self.pools.len();
         // Each pass takes one idle connection out of the pool or dials a
         // fresh one, which ends the loop.
         loop {
@@ -554,7 +554,7 @@ mod tests {
     async fn a_connection_goes_back_to_its_own_workers_pool_and_is_reused() {
         let srv = server(keep_alive);
         let up = upstream(srv.addr, 2, Duration::from_secs(60));
-        let _worker = crate::workers::become_worker(1);
+        let _worker = crate::slot::become_worker(1);
         assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
         wait_idle(&up, 1).await;
         assert_eq!(up.pool(1).h1.len(), 1, "worker 1's pool");

@@ -13,7 +13,6 @@
 //! `cpu.max`, v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`), so a
 //! container limited to one CPU on a 64-core node runs one worker.
 
-use std::cell::Cell;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -21,40 +20,7 @@ use std::path::Path;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-/// The most workers a config may ask for.
-pub const MAX_WORKERS: usize = 1024;
-
-thread_local! {
-    /// 1 + the worker's index on a worker thread, 0 elsewhere.
-    static WORKER: Cell<usize> = const { Cell::new(0) };
-}
-
-/// The worker running on this thread (0 off the worker threads).
-pub fn current() -> usize {
-    WORKER.with(Cell::get).saturating_sub(1)
-}
-
-/// Makes this thread worker `i` until the guard drops (tests of
-/// per-worker state; the test harness reuses its threads).
-#[cfg(test)]
-pub(crate) fn become_worker(i: usize) -> impl Drop {
-    struct Reset;
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            WORKER.with(|w| w.set(0));
-        }
-    }
-    WORKER.with(|w| w.set(i + 1));
-    Reset
-}
-
-/// This thread's slot for per-runtime state such as store connections: 0
-/// off the worker threads (the main runtime), 1 + the index on a worker.
-/// A connection is best used from the runtime that drives it: no hop
-/// between threads per call.
-pub fn slot() -> usize {
-    WORKER.with(Cell::get)
-}
+use crate::config::MAX_WORKERS;
 
 /// CPUs named by a kernel CPU list such as `0-3,8,10-11`
 /// (`Cpus_allowed_list` in `/proc/self/status`). `None` if it does not
@@ -289,7 +255,7 @@ impl Workers {
                             return;
                         }
                     };
-                    WORKER.with(|w| w.set(i + 1));
+                    crate::slot::enter(i);
                     runtime.block_on(async move {
                         work(i).await;
                         finish.cancelled().await;

@@ -158,7 +158,7 @@ type Courier = tokio::sync::mpsc::UnboundedSender<Answers>;
 /// The redb-backed [`FenceStore`].
 pub struct EmbeddedStore {
     ops: mpsc::Sender<(Op, Option<Courier>)>,
-    /// One courier per runtime slot ([`crate::workers::slot`]).
+    /// One courier per runtime slot ([`crate::slot::slot`]).
     couriers: dashmap::DashMap<usize, Courier>,
     start: StartState,
     /// Keys marked in flight when the last run stopped uncleanly (`None`:
@@ -412,7 +412,7 @@ impl EmbeddedStore {
     /// outside a runtime: the writer then answers directly.
     fn courier(&self) -> Option<Courier> {
         tokio::runtime::Handle::try_current().ok()?;
-        let slot = crate::workers::slot();
+        let slot = crate::slot::slot();
         if let Some(c) = self.couriers.get(&slot) {
             if !c.is_closed() {
                 return Some(c.clone());

@@ -431,9 +431,9 @@ impl RedisBackend {
         (self.timeout.as_millis() as u64 / 2).max(1)
     }
 
-    /// This runtime's connection slot (see [`crate::workers::slot`]).
+    /// This runtime's connection slot (see [`crate::slot::slot`]).
     fn slot(&self) -> Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>> {
-        let slot = crate::workers::slot();
+        let slot = crate::slot::slot();
         // A read lock on the usual path; the entry (a write lock) only the
         // first time a runtime calls.
         if let Some(s) = self.conns.get(&slot) {

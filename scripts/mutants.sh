@@ -94,7 +94,7 @@ config() {
 # forms, request bodies. Its HTTP handling is covered by tests/leases.rs on
 # every store, too slow to mutate here.
 lease() {
-  run lease --timeout 30 --file src/lease.rs \
+  run lease --timeout 30 --file src/lease.rs --file src/bearer.rs \
     --re 'parse_bearers|Bearer::|tag|new_id|id_parts|path_key_is_canonical|millis|text' "$@" --cargo-arg=--lib
 }
 

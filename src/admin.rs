@@ -13,7 +13,8 @@ use hyper::body::Incoming;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{full, json_response, problem_response, same_secret, ProxyBody};
+use crate::bearer::same_secret;
+use crate::error::{full, json_response, problem_response, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -74,7 +75,7 @@ impl Admin {
         let Some(expected) = expected.as_deref() else {
             return false;
         };
-        let Some(got) = crate::error::bearer_credential(req) else {
+        let Some(got) = crate::bearer::bearer_credential(req) else {
             return false;
         };
         same_secret(got, expected)

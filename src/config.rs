@@ -280,7 +280,7 @@ pub struct LeaseConfig {
     pub listen: SocketAddr,
     pub token_file: PathBuf,
     /// The bearer tokens read from `token_file`, with their key scopes.
-    pub tokens: Vec<crate::lease::Bearer>,
+    pub tokens: Vec<crate::bearer::Bearer>,
     /// Bounds `ttl_ms` and `wait_ms`.
     pub max_ttl: Duration,
 }
@@ -741,7 +741,7 @@ fn lease(
         )
     })?;
     let tokens =
-        crate::lease::parse_bearers(&text).map_err(|why| invalid("lease_token_file", why))?;
+        crate::bearer::parse_bearers(&text).map_err(|why| invalid("lease_token_file", why))?;
     Ok(Some(LeaseConfig {
         listen: addr,
         token_file: path.clone(),

@@ -412,37 +412,6 @@ pub fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
     r
 }
 
-/// Compares a presented secret with the expected one in time that does not
-/// depend on where they differ, nor on their lengths (a bearer token must
-/// not leak by timing, its length included): the SHA-256 digests of both,
-/// of fixed size, are compared in full.
-pub fn same_secret(got: &str, expected: &str) -> bool {
-    let digest = |s: &str| ring::digest::digest(&ring::digest::SHA256, s.as_bytes());
-    let (a, b) = (digest(got), digest(expected));
-    a.as_ref()
-        .iter()
-        .zip(b.as_ref())
-        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-        == 0
-}
-
-/// The bearer credential of a request, by one rule for the admin and the
-/// lease listeners: exactly one `Authorization` header, its scheme
-/// `Bearer` in any case (RFC 9110), the token around it trimmed. Two
-/// headers are refused: which one counts would be ambiguous.
-pub fn bearer_credential<B>(req: &http::Request<B>) -> Option<&str> {
-    let mut values = req.headers().get_all(http::header::AUTHORIZATION).iter();
-    let value = values.next()?.to_str().ok()?;
-    if values.next().is_some() {
-        return None;
-    }
-    let (scheme, token) = value.trim().split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
-        .filter(|t| !t.is_empty())
-}
-
 /// A complete in-memory body.
 pub fn full(data: impl Into<Bytes>) -> ProxyBody {
     Full::new(data.into())
@@ -680,37 +649,5 @@ mod tests {
         assert_eq!(grpc_message("a b~"), "a b~");
         assert_eq!(grpc_message("100% é\n"), "100%25 %C3%A9%0A");
         assert_eq!(grpc_message("tab\there"), "tab%09here");
-    }
-
-    #[test]
-    fn secrets_compare_whole_and_of_any_length() {
-        assert!(same_secret("abcdefghijklmnop", "abcdefghijklmnop"));
-        assert!(!same_secret("abcdefghijklmnoq", "abcdefghijklmnop"));
-        assert!(!same_secret("abcdefghijklmno", "abcdefghijklmnop"));
-        assert!(!same_secret("abcdefghijklmnopq", "abcdefghijklmnop"));
-        assert!(!same_secret("", "abcdefghijklmnop"));
-    }
-
-    #[test]
-    fn one_bearer_rule_for_every_listener() {
-        let with = |values: &[&str]| {
-            let mut b = http::Request::builder();
-            for v in values {
-                b = b.header(http::header::AUTHORIZATION, *v);
-            }
-            b.body(()).unwrap()
-        };
-        for ok in ["Bearer tok", "bearer tok", "BEARER  tok ", " Bearer tok"] {
-            assert_eq!(bearer_credential(&with(&[ok])), Some("tok"), "{ok:?}");
-        }
-        for bad in ["Basic tok", "Bearer", "Bearer ", "Bearertok", "tok"] {
-            assert_eq!(bearer_credential(&with(&[bad])), None, "{bad:?}");
-        }
-        assert_eq!(bearer_credential(&with(&[])), None);
-        assert_eq!(
-            bearer_credential(&with(&["Bearer a", "Bearer a"])),
-            None,
-            "two credentials"
-        );
     }
 }

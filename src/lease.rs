@@ -32,8 +32,9 @@ use hyper::body::Incoming;
 use serde_json::{json, Map, Value};
 use tokio::sync::Notify;
 
+use crate::bearer::{same_secret, Bearer};
 use crate::clock::millis as ms;
-use crate::error::{full, json_response, same_secret, LeaseError, ProxyBody};
+use crate::error::{full, json_response, LeaseError, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -49,61 +50,6 @@ const MAX_HOLDER: usize = 256;
 /// seen at the next poll. Many waiters must not load the store much.
 const WAIT_POLL: Duration = Duration::from_millis(50);
 const WAIT_POLL_MAX: Duration = Duration::from_millis(400);
-
-/// One line of the lease token file: a bearer token and the key prefixes
-/// it may lease (none: every key).
-#[derive(Clone, PartialEq, Eq)]
-pub struct Bearer {
-    token: String,
-    prefixes: Vec<String>,
-}
-
-impl std::fmt::Debug for Bearer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Bearer")
-            .field("token", &"****")
-            .field("prefixes", &self.prefixes)
-            .finish()
-    }
-}
-
-impl Bearer {
-    /// Whether this token may lease `key`.
-    pub fn covers(&self, key: &str) -> bool {
-        self.prefixes.is_empty() || self.prefixes.iter().any(|p| key.starts_with(p.as_str()))
-    }
-}
-
-/// Parses the lease token file: one `TOKEN [PREFIX ...]` per line; blank
-/// lines and `#` comments are skipped. Tokens are at least 16 characters.
-pub fn parse_bearers(text: &str) -> Result<Vec<Bearer>, String> {
-    let mut out: Vec<Bearer> = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let mut words = line.split_whitespace();
-        let token = words.next().unwrap_or_default().to_string();
-        if token.len() < 16 {
-            return Err(format!(
-                "line {}: the token must be at least 16 characters",
-                n + 1
-            ));
-        }
-        if out.iter().any(|b| b.token == token) {
-            return Err(format!("line {}: the token is listed twice", n + 1));
-        }
-        out.push(Bearer {
-            token,
-            prefixes: words.map(str::to_string).collect(),
-        });
-    }
-    if out.is_empty() {
-        return Err("holds no token (a line is `TOKEN [KEY-PREFIX ...]`)".into());
-    }
-    Ok(out)
-}
 
 /// Hex digits of the nonce ([`crate::id::unique_id`]) at the start of an id.
 const NONCE_HEX: usize = 32;
@@ -307,7 +253,7 @@ impl Leases {
 
     /// The bearer token the request carries, if it is one of ours.
     fn bearer<B>(&self, req: &Request<B>) -> Option<Bearer> {
-        let got = crate::error::bearer_credential(req)?;
+        let got = crate::bearer::bearer_credential(req)?;
         // Every token is compared in full, whatever matches: no timing leak
         // of how much of a token was right.
         let mut found = None;
@@ -561,22 +507,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bearer_lines_and_scopes() {
-        let b = parse_bearers("# ops\n\nabcdefghijklmnop\nqrstuvwxyz012345 jobs: s3:reports/\n")
-            .unwrap();
-        assert_eq!(b.len(), 2);
-        assert!(b[0].covers("anything"));
-        assert!(b[1].covers("jobs:x") && b[1].covers("s3:reports/a"));
-        assert!(!b[1].covers("s3:other"));
-        assert!(parse_bearers("short").unwrap_err().contains("16"));
-        assert!(parse_bearers("\n# none\n").is_err());
-        assert!(parse_bearers("abcdefghijklmnop\nabcdefghijklmnop x")
-            .unwrap_err()
-            .contains("twice"));
-        assert!(!format!("{:?}", b[0]).contains("abcdefghijklmnop"));
-    }
-
-    #[test]
     fn body_fields_are_typed_and_bounded() {
         let obj = |v: Value| v.as_object().unwrap().clone();
         let o = obj(serde_json::json!({
@@ -631,7 +561,7 @@ mod tests {
 
     #[test]
     fn lease_ids_name_their_key_and_their_bearer() {
-        let b = parse_bearers("abcdefghijklmnop\nqrstuvwxyz012345").unwrap();
+        let b = crate::bearer::parse_bearers("abcdefghijklmnop\nqrstuvwxyz012345").unwrap();
         for key in ["ns:a", "ns:with.dots/and spaces", "ü:ñ"] {
             let id = new_id(&b[0], key);
             let (nonce, t, k64, k) = id_parts(&id).unwrap();

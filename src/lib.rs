@@ -49,6 +49,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod bearer;
 pub mod clock;
 pub mod config;
 pub mod error;

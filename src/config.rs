@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ErrorFormat;
 use crate::key::KeyTemplate;
 
 mod store;
@@ -222,6 +221,37 @@ pub struct UpstreamTls {
     /// from the first byte (h2c, prior knowledge) to an http one, as gRPC
     /// servers expect.
     pub http2: bool,
+}
+
+/// How a route answers the refusals fencegate itself makes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorFormat {
+    /// RFC 9457 `application/problem+json` (gRPC calls get gRPC statuses).
+    #[default]
+    Problem,
+    /// S3's `<Error>` XML, as S3 SDKs read it.
+    S3,
+}
+
+impl ErrorFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Problem => "problem",
+            Self::S3 => "s3",
+        }
+    }
+}
+
+impl std::str::FromStr for ErrorFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "problem" => Ok(Self::Problem),
+            "s3" => Ok(Self::S3),
+            other => Err(format!("`{other}` is not `problem` or `s3`")),
+        }
+    }
 }
 
 /// A validated route.

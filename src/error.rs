@@ -18,7 +18,6 @@ use crate::key::KeyError;
 use crate::token::{TokenError, FENCE_TOKEN_HIGHEST};
 
 mod s3;
-pub use s3::ErrorFormat;
 
 /// The body type of every response fencegate sends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

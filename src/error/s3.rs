@@ -13,37 +13,6 @@ use http::{header, HeaderValue, Response};
 use super::{full, ProxyBody, ProxyError};
 use crate::token::TokenError;
 
-/// How a route answers the refusals fencegate itself makes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum ErrorFormat {
-    /// RFC 9457 `application/problem+json` (gRPC calls get gRPC statuses).
-    #[default]
-    Problem,
-    /// S3's `<Error>` XML, as S3 SDKs read it.
-    S3,
-}
-
-impl ErrorFormat {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Problem => "problem",
-            Self::S3 => "s3",
-        }
-    }
-}
-
-impl std::str::FromStr for ErrorFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "problem" => Ok(Self::Problem),
-            "s3" => Ok(Self::S3),
-            other => Err(format!("`{other}` is not `problem` or `s3`")),
-        }
-    }
-}
-
 impl ProxyError {
     /// The `<Code>` of this refusal in S3's form.
     pub fn s3_code(&self) -> &'static str {
@@ -135,6 +104,7 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ErrorFormat;
     use http_body_util::BodyExt;
 
     async fn body(resp: Response<ProxyBody>) -> String {

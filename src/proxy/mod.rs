@@ -33,8 +33,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Limits, Route, TokenMode};
-use crate::error::{BoxError, ErrorFormat, ProxyBody, ProxyError};
+use crate::config::{Config, ErrorFormat, Limits, Route, TokenMode};
+use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
 use crate::metrics::{Metrics, RouteMetrics};

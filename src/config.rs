@@ -13,11 +13,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::key::KeyTemplate;
+use crate::tls::{TlsConfig, UpstreamTls};
 
 mod store;
 pub use store::{
-    redact_url, store, url_password, Secret, Sentinel, SharedEngine, SharedStoreConfig,
-    StoreConfig, StoreTls, TlsVerify,
+    redact_url, store, url_password, Secret, Sentinel, SharedEngine, SharedStoreConfig, StoreConfig,
 };
 
 /// The most workers a config may ask for.
@@ -193,34 +193,6 @@ impl std::fmt::Display for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}://{}", self.scheme, self.authority)
     }
-}
-
-/// The TLS listener.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsConfig {
-    pub listen: SocketAddr,
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    /// When set, clients must present a certificate these CAs signed.
-    pub client_ca: Option<PathBuf>,
-    /// Certificate files are re-read when they change, checked this often
-    /// (and on SIGHUP).
-    pub watch_interval: Duration,
-    /// Connections start with a PROXY protocol header, read before TLS.
-    pub proxy_protocol: bool,
-}
-
-/// TLS towards an https upstream (all unset for http ones).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UpstreamTls {
-    /// Private CA; `None`: the system's roots.
-    pub ca: Option<PathBuf>,
-    pub client_cert: Option<PathBuf>,
-    pub client_key: Option<PathBuf>,
-    /// HTTP/2 to the upstream: offered in ALPN to an https upstream, spoken
-    /// from the first byte (h2c, prior knowledge) to an http one, as gRPC
-    /// servers expect.
-    pub http2: bool,
 }
 
 /// How a route answers the refusals fencegate itself makes.
@@ -668,7 +640,7 @@ fn upstream_tls(i: usize, r: &RawRoute, upstream: &Upstream) -> Result<UpstreamT
             // Load the files now, so check-config and a reload catch them.
             crate::tls::upstream_connector(
                 &format!("routes[{i}]"),
-                upstream,
+                &upstream.scheme,
                 &tls,
                 hyper_util::client::legacy::connect::HttpConnector::new(),
             )?;

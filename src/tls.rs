@@ -10,7 +10,10 @@
 //!   CA, SNI from the upstream host, optional client certificate, HTTP/2 when
 //!   the upstream offers it) to `https://` ones.
 //!
-//! Every error names the config field whose file is at fault.
+//! Every error names the config field whose file is at fault. The TLS
+//! settings themselves ([`TlsConfig`], [`UpstreamTls`], [`StoreTls`]) are
+//! plain values defined here: the validated config names them and loads
+//! their files through this module, which knows nothing of the config.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -29,7 +32,61 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{StoreTls, TlsConfig, TlsVerify, Upstream, UpstreamTls};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// The TLS listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsConfig {
+    pub listen: SocketAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// When set, clients must present a certificate these CAs signed.
+    pub client_ca: Option<PathBuf>,
+    /// Certificate files are re-read when they change, checked this often
+    /// (and on SIGHUP).
+    pub watch_interval: Duration,
+    /// Connections start with a PROXY protocol header, read before TLS.
+    pub proxy_protocol: bool,
+}
+
+/// TLS towards an https upstream (all unset for http ones).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamTls {
+    /// Private CA; `None`: the system's roots.
+    pub ca: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+    /// HTTP/2 to the upstream: offered in ALPN to an https upstream, spoken
+    /// from the first byte (h2c, prior knowledge) to an http one, as gRPC
+    /// servers expect.
+    pub http2: bool,
+}
+
+/// TLS towards a shared store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreTls {
+    pub verify: TlsVerify,
+    /// PEM CA certificates; `None`: the system's roots.
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) and key, for stores that ask for one.
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+}
+
+/// How much of the store's certificate is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsVerify {
+    /// Chain to a trusted CA and the host name (`rediss://`, `etcds://`,
+    /// PostgreSQL `verify-full`).
+    Full,
+    /// Chain to a trusted CA, any host name (PostgreSQL `verify-ca`).
+    Chain,
+    /// Encrypted, not authenticated (PostgreSQL `require` or `prefer`
+    /// without a CA, as libpq does). Documented as open to a
+    /// man-in-the-middle.
+    None,
+}
 
 /// A TLS file that cannot be used, naming its config field.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -536,12 +593,12 @@ pub type UpstreamConnector = HttpsConnector<HttpConnector>;
 /// (`routes[0]`), for errors.
 pub fn upstream_connector(
     field: &str,
-    upstream: &Upstream,
+    scheme: &http::uri::Scheme,
     tls: &UpstreamTls,
     http: HttpConnector,
 ) -> Result<UpstreamConnector, TlsError> {
     let f = |name: &str| format!("{field}.{name}");
-    let https = upstream.scheme == http::uri::Scheme::HTTPS;
+    let https = *scheme == http::uri::Scheme::HTTPS;
     let roots = match (&tls.ca, https) {
         (Some(ca), _) => Arc::new(roots_from(&f("upstream_ca"), ca)?),
         (None, true) => system_roots().map_err(|e| error(&f("upstream"), e))?,

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{duration, invalid, ConfigError, RawConfig};
+use crate::tls::{StoreTls, TlsVerify};
 
 /// Where fences are kept.
 // Built once at start and read by reference: the size of the shared
@@ -135,31 +136,6 @@ impl std::fmt::Debug for Sentinel {
             .field("sentinel_auth", &self.sentinel_auth)
             .finish_non_exhaustive()
     }
-}
-
-/// TLS towards a shared store.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreTls {
-    pub verify: TlsVerify,
-    /// PEM CA certificates; `None`: the system's roots.
-    pub ca: Option<PathBuf>,
-    /// Client certificate (PEM chain) and key, for stores that ask for one.
-    pub client_cert: Option<PathBuf>,
-    pub client_key: Option<PathBuf>,
-}
-
-/// How much of the store's certificate is checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TlsVerify {
-    /// Chain to a trusted CA and the host name (`rediss://`, `etcds://`,
-    /// PostgreSQL `verify-full`).
-    Full,
-    /// Chain to a trusted CA, any host name (PostgreSQL `verify-ca`).
-    Chain,
-    /// Encrypted, not authenticated (PostgreSQL `require` or `prefer`
-    /// without a CA, as libpq does). Documented as open to a
-    /// man-in-the-middle.
-    None,
 }
 
 /// A password: compared and cloned like a string, never printed.

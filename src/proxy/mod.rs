@@ -267,7 +267,7 @@ impl RouteTable {
             http.enforce_http(false);
             let connector = upstream_connector(
                 &format!("routes[{i}]"),
-                &route.upstream,
+                &route.upstream.scheme,
                 &route.upstream_tls,
                 http,
             )?;

@@ -1450,7 +1450,8 @@ mod tests {
         window: Duration,
     ) -> (Arc<Fence>, Arc<crate::metrics::Metrics>) {
         let metrics = Arc::new(crate::metrics::Metrics::new());
-        let store = crate::metrics::InstrumentedStore::new(Arc::new(store), metrics.clone());
+        let store =
+            crate::store::instrumented::InstrumentedStore::new(Arc::new(store), metrics.clone());
         (Fence::new(Arc::new(store), 10, window), metrics)
     }
 

@@ -8,6 +8,7 @@
 pub mod batch;
 pub mod embedded;
 pub mod etcd;
+pub mod instrumented;
 pub mod postgres;
 mod postgres_tls;
 pub mod redis;

@@ -81,7 +81,7 @@ shared() {
 }
 
 proxy() {
-  run proxy --timeout 300 --file src/proxy/classify.rs --file src/proxy/forward.rs --re "$CLASSIFY" "$@" \
+  run proxy --timeout 300 --file src/routing.rs --file src/proxy/classify.rs --file src/proxy/forward.rs --re "$CLASSIFY" "$@" \
     --cargo-arg=--test=contract --cargo-arg=--test=hostile --cargo-arg=--test=hostile_routes \
     --cargo-arg=--test=reload
 }

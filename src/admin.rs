@@ -17,13 +17,13 @@ use crate::bearer::same_secret;
 use crate::error::{full, json_response, problem_response, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::routing::Explain;
 
 /// State the admin endpoints read.
 pub struct Admin {
     pub fence: Arc<Fence>,
-    /// Its routes answer the lookup by request (`GET /v1/fences?path=`).
-    pub proxy: Arc<Proxy>,
+    /// The proxy's live routes answer the lookup by request (`GET /v1/fences?path=`).
+    pub routes: Arc<dyn Explain>,
     pub metrics: Arc<Metrics>,
     /// Swapped by a reload (token rotation).
     pub admin_token: arc_swap::ArcSwapOption<String>,
@@ -205,7 +205,7 @@ impl Admin {
             let given = match name {
                 "path" => once(&mut path),
                 "host" => once(&mut host),
-                "header" => match crate::proxy::explain::parse_header(&value) {
+                "header" => match crate::routing::parse_header(&value) {
                     Some((n, v)) => {
                         headers.append(n, v);
                         Ok(())
@@ -226,7 +226,7 @@ impl Admin {
                 "give the request's path: /v1/fences?path=/bucket/report.csv (and host=H when routes name hosts)",
             );
         };
-        let explained = match self.proxy.explain(host.as_deref(), &path, &headers) {
+        let explained = match self.routes.explain(host.as_deref(), &path, &headers) {
             Ok(e) => e,
             Err(e) => return problem(e.status(), &e.to_string()),
         };

@@ -37,7 +37,7 @@ use crate::clock::millis as ms;
 use crate::error::{full, json_response, LeaseError, ProxyBody};
 use crate::fence::Fence;
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::routing::Explain;
 use crate::store::{Claim, Lock};
 
 /// Largest request body the API reads.
@@ -111,7 +111,7 @@ fn id_parts(id: &str) -> Option<(&str, Vec<u8>, &str, String)> {
 pub struct Leases {
     pub fence: Arc<Fence>,
     /// Maps a `path` to its key as a write to it would be.
-    pub proxy: Arc<Proxy>,
+    pub routes: Arc<dyn Explain>,
     pub metrics: Arc<Metrics>,
     pub bearers: arc_swap::ArcSwap<Vec<Bearer>>,
     pub max_ttl: Duration,
@@ -361,7 +361,7 @@ impl Leases {
             }
             (None, Some(p)) => {
                 let explained = self
-                    .proxy
+                    .routes
                     .explain(b.host.as_deref(), p, &http::HeaderMap::new())
                     .map_err(|e| LeaseError::BadField("path", e.to_string()))?;
                 explained

@@ -60,6 +60,7 @@ pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod proxy_protocol;
+pub mod routing;
 pub mod server;
 pub mod slot;
 pub mod store;

@@ -586,13 +586,13 @@ fn explain(
 ) -> ExitCode {
     let mut headers = http::HeaderMap::new();
     for h in header_args {
-        let Some((n, v)) = fencegate::proxy::explain::parse_header(h) else {
+        let Some((n, v)) = fencegate::routing::parse_header(h) else {
             eprintln!("fencegate explain: --header {h:?} is not `NAME: VALUE`");
             return ExitCode::from(2);
         };
         headers.append(n, v);
     }
-    let explained = match fencegate::proxy::explain::explain(
+    let explained = match fencegate::routing::explain(
         &config.routes,
         host,
         target,

@@ -271,7 +271,7 @@ impl Server {
         let draining = CancellationToken::new();
         let admin = Arc::new(Admin {
             fence: fence.clone(),
-            proxy: proxy.clone(),
+            routes: proxy.clone(),
             metrics: metrics.clone(),
             admin_token: arc_swap::ArcSwapOption::from_pointee(config.admin_token.clone()),
             draining: draining.clone(),
@@ -283,7 +283,7 @@ impl Server {
         let leases = config.lease.as_ref().map(|l| {
             Arc::new(Leases {
                 fence: fence.clone(),
-                proxy: proxy.clone(),
+                routes: proxy.clone(),
                 metrics: metrics.clone(),
                 bearers: arc_swap::ArcSwap::from_pointee(l.tokens.clone()),
                 max_ttl: l.max_ttl,

@@ -4,6 +4,7 @@
 //! ambiguous framing or hosts.
 
 use super::*;
+use crate::routing::{resolve, route_key, HOST_SPELLING};
 
 /// Headers that name a different method than the request line's.
 pub(super) const OVERRIDE_HEADERS: [&str; 3] = [
@@ -46,10 +47,6 @@ pub(super) fn request_host<B>(req: &Request<B>) -> Result<Option<String>, ProxyE
         (None, None) => Ok(None),
     }
 }
-
-/// Why a request that meets a host route with its host spelled otherwise
-/// is refused.
-pub(super) const HOST_SPELLING: &str = "spell the host as the route names it (lower case, no trailing dot): a backend may read another spelling as another host";
 
 /// Whether every source of a request's host (`Host`, an absolute-form
 /// target, HTTP/2's `:authority`) spells it plainly (see
@@ -175,54 +172,6 @@ pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// The order routes are tried in: most specific first, a host-specific
-/// route before a catch-all host, then the longest prefix.
-pub(crate) fn match_order(route: &Route) -> (bool, std::cmp::Reverse<usize>) {
-    (
-        route.host.is_none(),
-        std::cmp::Reverse(route.path_prefix.trim_end_matches('/').len()),
-    )
-}
-
-/// The route that serves `target` (a path and query as sent) on `host`,
-/// and the target parsed as that route parses it; `None` when no route
-/// serves it. The route is chosen on the decoded path, the one form every
-/// spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`), then
-/// that route's own parse gives the key and the upstream target. A
-/// canonical route refuses what it cannot key unambiguously; the spelling
-/// cannot slip to another route. The proxy, the admin lookup and `fencegate
-/// explain` all take this one path.
-pub(crate) fn resolve<'r, R: AsRef<Route>>(
-    routes: &'r [R],
-    host: Option<&str>,
-    target: &str,
-) -> Result<Option<(&'r R, CanonicalPath)>, KeyError> {
-    let form = key::route_form(target)?;
-    let find = |form: &str| {
-        routes.iter().find(|r| {
-            let route = r.as_ref();
-            route.host.as_deref().is_none_or(|h| Some(h) == host) && route.matches_path(form)
-        })
-    };
-    let Some(found) = find(&form) else {
-        return Ok(None);
-    };
-    // A backend that drops path parameters reads `/api;x/1` as `/api/1`:
-    // a spelling that reads as another route's that way is refused (a
-    // canonical route refuses `;` itself, so this guards the literal ones).
-    if let Some(bare) = key::without_params(&form) {
-        if !find(&bare).is_some_and(|other| std::ptr::eq(other, found)) {
-            return Err(KeyError::PathParameter);
-        }
-    }
-    let path = if found.as_ref().literal_keys {
-        key::literal(target)
-    } else {
-        key::canonicalize(target)
-    }?;
-    Ok(Some((found, path)))
-}
-
 /// For a target that does not parse: whether the route it would most
 /// likely have taken (the first whose host matches and whose prefix starts
 /// its raw path) answers in S3's form, so that an S3 client is told why
@@ -236,28 +185,6 @@ fn s3_route_by_prefix(routes: &[RouteRuntime], host: Option<&str>, raw_path: &st
                 && raw_path.starts_with(&r.path_prefix)
         })
         .is_some_and(|r| r.error_format == ErrorFormat::S3)
-}
-
-/// The fence key (`namespace:resource`) `route` gives a parsed target,
-/// within the key length limit.
-pub(crate) fn route_key(
-    route: &Route,
-    path: &CanonicalPath,
-    headers: &HeaderMap,
-    max_key_bytes: usize,
-) -> Result<String, ProxyError> {
-    let text = route
-        .key
-        .key_text(path, headers)
-        .map_err(ProxyError::BadTarget)?;
-    let len = route.namespace.len() + 1 + text.len();
-    if len > max_key_bytes {
-        return Err(ProxyError::KeyTooLong {
-            len,
-            limit: max_key_bytes,
-        });
-    }
-    Ok(format!("{}:{}", route.namespace, text))
 }
 
 /// What a request is, decided before anything waits or is forwarded.

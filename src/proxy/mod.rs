@@ -38,12 +38,12 @@ use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::fence::{Fence, FenceError, Permit};
 use crate::key::{self, CanonicalPath, KeyError};
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::routing::{match_order, Explain, Explained};
 use crate::tls::{upstream_connector, TlsError};
 use crate::token::{token_from_headers, FENCE_TOKEN};
 use crate::upstream::Upstream;
 
 mod classify;
-pub mod explain;
 mod forward;
 mod linger;
 
@@ -233,6 +233,24 @@ pub struct Proxy {
     workers: usize,
 }
 
+impl Explain for Proxy {
+    /// Under the routes now in force (see [`crate::routing::explain`]).
+    fn explain(
+        &self,
+        host: Option<&str>,
+        target: &str,
+        headers: &HeaderMap,
+    ) -> Result<Explained, ProxyError> {
+        crate::routing::explain(
+            &self.routes.load().routes,
+            host,
+            target,
+            headers,
+            self.limits.max_key_bytes,
+        )
+    }
+}
+
 impl RouteTable {
     /// Builds every route's upstream client. Fails (naming the field) if a
     /// route's TLS files do not load.
@@ -359,23 +377,6 @@ impl Proxy {
             .behind
             .iter()
             .all(|t| t.is_closed() && t.is_empty())
-    }
-
-    /// Where a write to `target` on `host` goes under the routes now in
-    /// force (see [`explain::explain`]).
-    pub fn explain(
-        &self,
-        host: Option<&str>,
-        target: &str,
-        headers: &HeaderMap,
-    ) -> Result<explain::Explained, ProxyError> {
-        explain::explain(
-            &self.routes.load().routes,
-            host,
-            target,
-            headers,
-            self.limits.max_key_bytes,
-        )
     }
 
     /// Builds the routes of `config` and swaps them in: requests that

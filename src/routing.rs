@@ -1,17 +1,24 @@
-//! A request target in the proxy's own terms, for people: which route
+//! Routing shared by the request path and the services beside it: which
+//! route serves a target (`resolve`, in `match_order`), the fence key that
+//! route gives it (`route_key`), and the same classification for people
+//! (`explain`). The proxy classifies writes with these functions; the admin
+//! lookup (`GET /v1/fences?path=`), the lock service and `fencegate explain`
+//! answer through them too, so what they print is what a write gets. The
+//! live route table is the proxy's: the services reach it through the
+//! [`Explain`] trait, which the proxy implements, never through the proxy
+//! itself.
+//!
+//! `explain` gives a request target in the proxy's own terms: which route
 //! serves it, the key template that route applies, the fence key a write
 //! there takes, or why such a write would be refused before anything is
-//! forwarded. The admin lookup (`GET /v1/fences?path=`) and `fencegate
-//! explain` answer through the functions the proxy classifies writes with
-//! ([`resolve`], [`route_key`]), so what they print is what a write gets.
+//! forwarded.
 
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
 use serde_json::json;
 
-use super::classify::{match_order, resolve, route_key, HOST_SPELLING};
 use crate::config::Route;
 use crate::error::ProxyError;
-use crate::key::{self, KeyError};
+use crate::key::{self, CanonicalPath, KeyError};
 
 /// Where a write to a target goes.
 #[derive(Debug)]
@@ -125,4 +132,93 @@ pub fn parse_header(text: &str) -> Option<(HeaderName, HeaderValue)> {
         HeaderName::from_bytes(name.trim().as_bytes()).ok()?,
         HeaderValue::from_str(value.trim()).ok()?,
     ))
+}
+
+/// Why a request that meets a host route with its host spelled otherwise
+/// is refused.
+pub(crate) const HOST_SPELLING: &str = "spell the host as the route names it (lower case, no trailing dot): a backend may read another spelling as another host";
+
+/// The order routes are tried in: most specific first, a host-specific
+/// route before a catch-all host, then the longest prefix.
+pub(crate) fn match_order(route: &Route) -> (bool, std::cmp::Reverse<usize>) {
+    (
+        route.host.is_none(),
+        std::cmp::Reverse(route.path_prefix.trim_end_matches('/').len()),
+    )
+}
+
+/// The route that serves `target` (a path and query as sent) on `host`,
+/// and the target parsed as that route parses it; `None` when no route
+/// serves it. The route is chosen on the decoded path, the one form every
+/// spelling of a resource shares (`/b/r/y`, `/b/r%2Fy`, `/b/%72/y`), then
+/// that route's own parse gives the key and the upstream target. A
+/// canonical route refuses what it cannot key unambiguously; the spelling
+/// cannot slip to another route. The proxy, the admin lookup and `fencegate
+/// explain` all take this one path.
+pub(crate) fn resolve<'r, R: AsRef<Route>>(
+    routes: &'r [R],
+    host: Option<&str>,
+    target: &str,
+) -> Result<Option<(&'r R, CanonicalPath)>, KeyError> {
+    let form = key::route_form(target)?;
+    let find = |form: &str| {
+        routes.iter().find(|r| {
+            let route = r.as_ref();
+            route.host.as_deref().is_none_or(|h| Some(h) == host) && route.matches_path(form)
+        })
+    };
+    let Some(found) = find(&form) else {
+        return Ok(None);
+    };
+    // A backend that drops path parameters reads `/api;x/1` as `/api/1`:
+    // a spelling that reads as another route's that way is refused (a
+    // canonical route refuses `;` itself, so this guards the literal ones).
+    if let Some(bare) = key::without_params(&form) {
+        if !find(&bare).is_some_and(|other| std::ptr::eq(other, found)) {
+            return Err(KeyError::PathParameter);
+        }
+    }
+    let path = if found.as_ref().literal_keys {
+        key::literal(target)
+    } else {
+        key::canonicalize(target)
+    }?;
+    Ok(Some((found, path)))
+}
+
+/// The fence key (`namespace:resource`) `route` gives a parsed target,
+/// within the key length limit.
+pub(crate) fn route_key(
+    route: &Route,
+    path: &CanonicalPath,
+    headers: &HeaderMap,
+    max_key_bytes: usize,
+) -> Result<String, ProxyError> {
+    let text = route
+        .key
+        .key_text(path, headers)
+        .map_err(ProxyError::BadTarget)?;
+    let len = route.namespace.len() + 1 + text.len();
+    if len > max_key_bytes {
+        return Err(ProxyError::KeyTooLong {
+            len,
+            limit: max_key_bytes,
+        });
+    }
+    Ok(format!("{}:{}", route.namespace, text))
+}
+
+/// The live route table as the admin lookup and the lock service see it:
+/// how a write to a target would be classified now. The proxy implements
+/// it (its routes change on reload); a service holds an `Arc<dyn Explain>`
+/// so that it depends on this module, not on the proxy.
+pub trait Explain: Send + Sync {
+    /// The route, key and upstream target a write to `target` on `host`
+    /// with `headers` gets, or why it would be refused before forwarding.
+    fn explain(
+        &self,
+        host: Option<&str>,
+        target: &str,
+        headers: &HeaderMap,
+    ) -> Result<Explained, ProxyError>;
 }

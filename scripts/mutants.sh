@@ -5,7 +5,7 @@
 #
 #   scripts/mutants.sh              the full run (figures: docs/reliability.md)
 #   scripts/mutants.sh core         token, key and fence (unit tests);
-#                                   CORE_FILES="src/fence.rs" narrows it
+#                                   CORE_FILES="src/fence/admit.rs" narrows it
 #   scripts/mutants.sh shared       the fence's shared-store admission
 #   scripts/mutants.sh proxy        the classification in src/proxy/ only
 #   scripts/mutants.sh config       config validation (unit tests)
@@ -45,6 +45,10 @@ command -v cargo-mutants >/dev/null || cargo install --locked cargo-mutants@27.1
 export CARGO_PROFILE_DEV_DEBUG=0
 export CARGO_PROFILE_TEST_DEBUG=0
 
+# The fence's files but its unit tests (fence/tests.rs), active.rs (the
+# shared part's) and grant.rs (the lock service's grants, covered by
+# tests/leases.rs).
+FENCE_FILES='src/fence/mod.rs src/fence/state.rs src/fence/admit.rs src/fence/gate.rs src/fence/cache.rs src/fence/recovery.rs src/fence/shared.rs src/fence/error.rs'
 SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease|Fence::release_active|Fence::spawn_release|Fence::sweep_registrations|Active::|Check'
 CLASSIFY='resolve|route_key|match_order|host_sources_plain|Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
 
@@ -72,12 +76,12 @@ run() {
 
 core() {
   local files=()
-  for f in ${CORE_FILES:-src/token.rs src/key.rs src/fence.rs}; do files+=(--file "$f"); done
+  for f in ${CORE_FILES:-src/token.rs src/key.rs $FENCE_FILES}; do files+=(--file "$f"); done
   run core --timeout 30 "${files[@]}" --exclude-re "$SHARED" "$@" --cargo-arg=--lib
 }
 
 shared() {
-  run shared --timeout 600 --file src/fence.rs --file src/fence/active.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
+  run shared --timeout 600 --file src/fence/shared.rs --file src/fence/active.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
 }
 
 proxy() {

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{joined, Fence, FenceError};
+use super::error::{joined, FenceError};
+use super::state::Fence;
 use crate::store::{Claim, Lock};
 
 impl Fence {

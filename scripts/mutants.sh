@@ -91,7 +91,7 @@ proxy() {
 }
 
 config() {
-  run config --timeout 30 --file src/config.rs --file src/config/store.rs "$@" --cargo-arg=--lib
+  run config --timeout 30 --file src/config/raw.rs --file src/config/route.rs --file src/config/validated.rs --file src/config/parse.rs --file src/config/secret.rs --file src/config/error.rs --file src/config/store/mod.rs "$@" --cargo-arg=--lib
 }
 
 # The lease service's pure parts: bearer lines and scopes, lease ids, key

@@ -1,0 +1,31 @@
+//! Configuration: the raw TOML/flag shape and the validated [`Config`].
+//!
+//! [`RawConfig`] is what a file (or the quick-start flags) says, with every
+//! field optional and unknown fields refused. [`Config`] is built from it
+//! with `TryFrom`, which checks each value and names the field on failure; a
+//! `Config` that exists is one the server can run with.
+
+//!
+//! Files: [`raw`] (the file shape), [`validated`] (the `Config` and its
+//! checks), [`route`] (routes), [`store`] (the store URL and its
+//! settings), [`parse`] (durations, addresses), [`error`].
+
+mod error;
+mod parse;
+mod raw;
+mod route;
+mod secret;
+mod store;
+#[cfg(test)]
+mod tests;
+mod validated;
+
+pub use error::ConfigError;
+pub use parse::{parse_duration, MAX_DURATION};
+pub use raw::{RawConfig, RawLimits, RawRoute, RawTls};
+pub use route::{parse_upstream, ErrorFormat, Route, TokenMode, Upstream, WriteMethods};
+pub use secret::Secret;
+pub use store::{
+    redact_url, store, url_password, Sentinel, SharedEngine, SharedStoreConfig, StoreConfig,
+};
+pub use validated::{Config, LeaseConfig, Limits, MAX_WORKERS};

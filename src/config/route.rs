@@ -1,0 +1,394 @@
+//! A route's settings validated: its match (host, path prefix), its
+//! upstream and TLS towards it, its key template and token mode.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use crate::key::KeyTemplate;
+use crate::tls::UpstreamTls;
+
+use super::error::*;
+use super::parse::*;
+use super::raw::*;
+
+/// Which methods are writes on a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteMethods {
+    /// Everything except exactly `GET`, `HEAD` and `OPTIONS` (so `get`
+    /// spelled in lower case, `MKCOL` or any unknown method is a write).
+    AllButSafe,
+    /// Only these (compared case-insensitively, so `put` is a write when
+    /// `PUT` is listed).
+    Only(BTreeSet<String>),
+}
+
+impl WriteMethods {
+    pub fn is_write(&self, method: &str) -> bool {
+        match self {
+            Self::AllButSafe => !matches!(method, "GET" | "HEAD" | "OPTIONS"),
+            Self::Only(set) => set.contains(&method.to_ascii_uppercase()),
+        }
+    }
+}
+
+/// A validated upstream origin (`http://host:port`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority)
+    }
+}
+
+/// How a route answers the refusals fencegate itself makes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorFormat {
+    /// RFC 9457 `application/problem+json` (gRPC calls get gRPC statuses).
+    #[default]
+    Problem,
+    /// S3's `<Error>` XML, as S3 SDKs read it.
+    S3,
+}
+
+impl ErrorFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Problem => "problem",
+            Self::S3 => "s3",
+        }
+    }
+}
+
+impl std::str::FromStr for ErrorFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "problem" => Ok(Self::Problem),
+            "s3" => Ok(Self::S3),
+            other => Err(format!("`{other}` is not `problem` or `s3`")),
+        }
+    }
+}
+
+/// A validated route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub name: String,
+    /// Lower-case host without port; `None` matches any host.
+    pub host: Option<String>,
+    /// Matched on segment boundaries: `/api` matches `/api` and `/api/x`.
+    pub path_prefix: String,
+    pub upstream: Upstream,
+    pub key: KeyTemplate,
+    /// Tokens from different lock services must not share a key space.
+    pub namespace: String,
+    pub write_methods: WriteMethods,
+    pub literal_keys: bool,
+    pub strip_token: bool,
+    /// Token inflation guard: a write whose token is more than this above
+    /// the key's highest is refused (a holder with a valid lock could
+    /// otherwise lock everyone out with u64::MAX).
+    pub max_token_step: Option<u64>,
+    /// Which tokens a write may carry.
+    pub tokens: TokenMode,
+    /// Append the client address to X-Forwarded-For and set
+    /// X-Forwarded-Proto on requests sent upstream.
+    pub forwarded_headers: bool,
+    /// WebSocket upgrades are passed through: the upgrade request is
+    /// fenced by its method, the messages after it are not. Off, they are
+    /// refused (501) rather than sent on as plain requests.
+    pub websocket: bool,
+    /// How fencegate's own refusals are written on this route.
+    pub error_format: ErrorFormat,
+    pub connect_timeout: Duration,
+    /// From the first byte sent upstream to the response head. Also bounds
+    /// how long a newer write waits behind an older one, and the
+    /// crash-recovery window.
+    pub upstream_timeout: Duration,
+    pub upstream_tls: UpstreamTls,
+}
+
+/// Which tokens a route admits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenMode {
+    /// Any token not below the key's highest (the client's lock service
+    /// hands them out).
+    Any,
+    /// Only a token the lease API granted for the key: equal to the key's
+    /// highest. A higher one was never granted (403, never forwarded), so
+    /// a forged token cannot lock the key.
+    Granted,
+}
+
+impl AsRef<Route> for Route {
+    fn as_ref(&self) -> &Route {
+        self
+    }
+}
+
+impl Route {
+    pub fn matches_path(&self, path: &str) -> bool {
+        let p = self.path_prefix.trim_end_matches('/');
+        p.is_empty()
+            || path == p
+            || (path.starts_with(p) && path.as_bytes().get(p.len()) == Some(&b'/'))
+    }
+}
+
+pub fn parse_upstream(field: &str, text: &str) -> Result<Upstream, ConfigError> {
+    let uri: http::Uri = text
+        .parse()
+        .map_err(|e| invalid(field, format!("`{text}` is not a URL: {e}")))?;
+    let scheme = uri.scheme().cloned().ok_or_else(|| {
+        invalid(
+            field,
+            format!("`{text}` needs a scheme, e.g. http://{text}"),
+        )
+    })?;
+    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+        return Err(invalid(
+            field,
+            format!("`{text}`: the upstream must be http:// or https://"),
+        ));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| invalid(field, format!("`{text}` has no host")))?;
+    if authority.as_str().contains('@') {
+        return Err(invalid(
+            field,
+            "credentials in the upstream URL are not supported",
+        ));
+    }
+    if authority.host().is_empty() {
+        return Err(invalid(field, format!("`{text}` has no host")));
+    }
+    match uri.path_and_query().map(|p| p.as_str()) {
+        None | Some("") | Some("/") => {}
+        Some(p) => {
+            return Err(invalid(
+                field,
+                format!(
+                    "`{text}` has a path ({p}); an upstream is an origin like http://host:port"
+                ),
+            ))
+        }
+    }
+    Ok(Upstream { scheme, authority })
+}
+
+pub(super) fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
+    let f = |name: &str| format!("routes[{i}].{name}");
+    let name = r.name.clone().unwrap_or_else(|| format!("route{i}"));
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(invalid(f("name"), "use letters, digits, '-', '_' or '.'"));
+    }
+    // A route's host is compared with a request's host as
+    // `key::authority_host` spells it; a spelling that could never equal
+    // that is refused rather than left to match nothing.
+    let host = match &r.host {
+        None => None,
+        // An IPv6 address without brackets, as requests' hosts are spelled
+        // once parsed.
+        Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => Some(h.to_ascii_lowercase()),
+        Some(h) => match crate::key::authority_host(h) {
+            Ok((parsed, None)) if parsed == h.to_ascii_lowercase() => Some(parsed),
+            _ => {
+                return Err(invalid(
+                    f("host"),
+                    format!("`{h}` is not a plain lower-case host name or IP address (no port, brackets, trailing dot or user info)"),
+                ))
+            }
+        },
+    };
+    let path_prefix = r.path_prefix.clone().unwrap_or_else(|| "/".into());
+    if !path_prefix.starts_with('/') {
+        return Err(invalid(f("path_prefix"), "must start with '/'"));
+    }
+    // Prefixes are matched on the decoded path: an escape, or a character a
+    // path cannot carry plain, could never match.
+    if !path_prefix
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && !matches!(b, b'%' | b'?' | b'#' | b'\\'))
+    {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` must be a plain decoded path (no escapes, spaces, '?', '#' or '\\')"),
+        ));
+    }
+    // Routes are matched with runs of `/` merged, and a dot segment or a
+    // path parameter (`;`) is refused before it could match: such a prefix
+    // would never match.
+    if path_prefix.contains(';') {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has a path parameter (`;`): no request could match it"),
+        ));
+    }
+    // Without its trailing slashes: "" for "/", else "/" and one segment
+    // or more (two bytes at least).
+    let inner = path_prefix.trim_end_matches('/');
+    if inner.len() >= 2
+        && inner[1..]
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+    {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has an empty or dot segment (`//`, `/./`, `/../`): no request could match it"),
+        ));
+    }
+    let upstream = parse_upstream(
+        &f("upstream"),
+        r.upstream
+            .as_deref()
+            .ok_or_else(|| invalid(f("upstream"), "is required"))?,
+    )?;
+    let upstream_tls = upstream_tls(i, r, &upstream)?;
+    let key =
+        KeyTemplate::parse(r.key.as_deref().unwrap_or("path")).map_err(|e| invalid(f("key"), e))?;
+    let namespace = r.namespace.clone().unwrap_or_else(|| "default".into());
+    if namespace.is_empty() || namespace.contains(':') {
+        return Err(invalid(f("namespace"), "must be non-empty and without ':'"));
+    }
+    let write_methods = match &r.write_methods {
+        None => WriteMethods::AllButSafe,
+        Some(list) => {
+            let mut set = BTreeSet::new();
+            for m in list {
+                if http::Method::from_bytes(m.as_bytes()).is_err() {
+                    return Err(invalid(
+                        f("write_methods"),
+                        format!("`{m}` is not a method token"),
+                    ));
+                }
+                set.insert(m.to_ascii_uppercase());
+            }
+            WriteMethods::Only(set)
+        }
+    };
+    if r.websocket == Some(true) && upstream_tls.http2 {
+        // HTTP/2 has no Upgrade: the handshake would reach the backend as
+        // a plain GET.
+        return Err(invalid(
+            f("websocket"),
+            "cannot go with upstream_http2 (WebSocket handshakes are HTTP/1.1 upgrades)",
+        ));
+    }
+    let literal_keys = r.literal_keys.unwrap_or(false);
+    // Literal keys read `+` as a space; routes are matched on the path as
+    // sent, so a `+` in a literal route's prefix would put `a+b` and `a%20b`
+    // (one name to the key) on two routes.
+    if literal_keys && path_prefix.contains('+') {
+        return Err(invalid(
+            f("path_prefix"),
+            format!("`{path_prefix}` has a `+`, which literal keys read as a space: `+` and `%20` spellings of one name would meet two routes"),
+        ));
+    }
+    Ok(Route {
+        name,
+        host,
+        path_prefix,
+        upstream,
+        key,
+        namespace,
+        write_methods,
+        literal_keys,
+        strip_token: r.strip_token.unwrap_or(false),
+        max_token_step: match r.max_token_step {
+            Some(0) => {
+                return Err(invalid(
+                    f("max_token_step"),
+                    "must be at least 1 (omit it for no limit)",
+                ))
+            }
+            v => v,
+        },
+        tokens: match r.tokens.as_deref() {
+            None | Some("any") => TokenMode::Any,
+            Some("granted") => TokenMode::Granted,
+            Some(other) => {
+                return Err(invalid(
+                    f("tokens"),
+                    format!("`{other}` is not `any` or `granted`"),
+                ))
+            }
+        },
+        forwarded_headers: r.forwarded_headers.unwrap_or(true),
+        websocket: r.websocket.unwrap_or(false),
+        error_format: match r.error_format.as_deref() {
+            None => ErrorFormat::Problem,
+            Some(v) => v
+                .parse()
+                .map_err(|reason: String| invalid(f("error_format"), reason))?,
+        },
+        connect_timeout: duration(
+            &f("connect_timeout"),
+            &r.connect_timeout,
+            Duration::from_secs(5),
+        )?,
+        upstream_timeout: duration(
+            &f("upstream_timeout"),
+            &r.upstream_timeout,
+            Duration::from_secs(60),
+        )?,
+        upstream_tls,
+    })
+}
+
+pub(super) fn upstream_tls(
+    i: usize,
+    r: &RawRoute,
+    upstream: &Upstream,
+) -> Result<UpstreamTls, ConfigError> {
+    let f = |name: &str| format!("routes[{i}].{name}");
+    let tls = UpstreamTls {
+        ca: r.upstream_ca.clone(),
+        client_cert: r.upstream_client_cert.clone(),
+        client_key: r.upstream_client_key.clone(),
+        // Off by default: over HTTP/2 the `:authority` is the upstream's
+        // address while `Host` is the client's (SigV4 signs Host), and a
+        // route would share one multiplexed connection.
+        http2: r.upstream_http2.unwrap_or(false),
+    };
+    if upstream.scheme != http::uri::Scheme::HTTPS {
+        let set = [
+            ("upstream_ca", tls.ca.is_some()),
+            ("upstream_client_cert", tls.client_cert.is_some()),
+            ("upstream_client_key", tls.client_key.is_some()),
+        ];
+        if let Some((name, _)) = set.iter().find(|(_, s)| *s) {
+            return Err(invalid(f(name), "only applies to an https:// upstream"));
+        }
+    }
+    match (&tls.client_cert, &tls.client_key) {
+        (Some(_), None) => Err(invalid(
+            f("upstream_client_key"),
+            "is required with upstream_client_cert",
+        )),
+        (None, Some(_)) => Err(invalid(
+            f("upstream_client_cert"),
+            "is required with upstream_client_key",
+        )),
+        _ => {
+            // Load the files now, so check-config and a reload catch them.
+            crate::tls::upstream_connector(
+                &format!("routes[{i}]"),
+                &upstream.scheme,
+                &tls,
+                hyper_util::client::legacy::connect::HttpConnector::new(),
+            )?;
+            Ok(tls)
+        }
+    }
+}

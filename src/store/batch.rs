@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-use super::StoreError;
+use super::api::StoreError;
 
 /// The most operations in one batch (etcd's default `--max-txn-ops` is 128
 /// per transaction level; a batch is one level).

@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 
 use crate::clock::{lease_end, wall_ms};
 
-use super::{Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError};
+use super::api::{Advance, Claim, CrashedKey, FenceStore, Lock, StartState, StoreError};
 
 const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");

@@ -41,7 +41,7 @@ use self::rpc::{CallError, RequestOp, ResponseOp, TxnRequest, TxnResponse};
 use super::shared::{busy, stored_token, Acquire, Backend, LockCall, LockReply, Marker};
 use crate::clock::wall_ms;
 
-use super::{Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
+use super::api::{Advance, Claim, LeaseOutcome, Lock, StoreError, WriteLease};
 
 const MARKER: &str = "fencegate/marker";
 

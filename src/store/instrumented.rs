@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{
+use super::api::{
     Advance, Claim, CrashedKey, FenceStore, LeaseOutcome, Lock, StartState, StoreError, WriteLease,
 };
 use crate::metrics::Metrics;

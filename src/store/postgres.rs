@@ -17,12 +17,12 @@ use async_trait::async_trait;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
+use super::api::{Advance, LeaseOutcome, StoreError, WriteLease};
 use super::postgres_tls::PgTls;
 use super::shared::{
     advance_answer, lease_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply,
     Marker,
 };
-use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 /// How long after a failed connect the next one waits.
 const BACKOFF: Duration = Duration::from_millis(200);

@@ -44,11 +44,11 @@ use redis::{
     IntoConnectionInfo, Script, TlsCertificates,
 };
 
+use super::api::{Advance, LeaseOutcome, StoreError, WriteLease};
 use super::shared::{
     advance_answer, lease_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply,
     Marker,
 };
-use super::{Advance, LeaseOutcome, StoreError, WriteLease};
 
 const LT: &str = r#"
 local function lt(a, b)

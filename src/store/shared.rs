@@ -17,8 +17,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dashmap::DashMap;
 
+use super::api::{
+    Advance, Claim, FenceStore, LeaseOutcome, Lock, StartState, StoreError, WriteLease,
+};
 use super::batch::{Batcher, Run};
-use super::{Advance, Claim, FenceStore, LeaseOutcome, Lock, StartState, StoreError, WriteLease};
 
 /// How often the marker is re-read even without a reconnect.
 const MARKER_INTERVAL: Duration = Duration::from_secs(1);
@@ -996,7 +998,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         Err(no_marks())
     }
 
-    fn in_flight_at_crash(&self) -> Option<Vec<super::CrashedKey>> {
+    fn in_flight_at_crash(&self) -> Option<Vec<super::api::CrashedKey>> {
         Some(Vec::new())
     }
 

@@ -129,7 +129,11 @@ STORE_LEASES='acquire_many|::poll|::renew|release_many|::lock|lease_outcome|lock
 stores() {
   local status=0 engine
   for engine in ${STORE_ENGINES:-redis postgres}; do
-    run "stores-$engine" --timeout 900 --file "src/store/$engine.rs" --re "$STORE_LEASES" "$@" \
+    local files=() f
+    for f in "src/store/$engine.rs" "src/store/$engine"/*.rs; do
+      [[ -f $f && $f != */tests.rs ]] && files+=(--file "$f")
+    done
+    run "stores-$engine" --timeout 900 "${files[@]}" --re "$STORE_LEASES" "$@" \
       --cargo-arg=--test=shared_stores --cargo-arg=--test=leases --cargo-test-arg="$engine::" || status=$?
   done
   return "$status"

@@ -11,11 +11,47 @@
 //! page of code; the messages are derived with prost, so there is no
 //! protoc in the build.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use prost::Message;
+
+/// The TCP connector, counting the connections it makes.
+#[derive(Clone)]
+pub struct Dialer {
+    pub(super) inner: HttpConnector,
+    pub(super) dials: Arc<AtomicU64>,
+}
+
+impl tower_service::Service<http::Uri> for Dialer {
+    type Response = <HttpConnector as tower_service::Service<http::Uri>>::Response;
+    type Error = <HttpConnector as tower_service::Service<http::Uri>>::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connect = self.inner.call(uri);
+        let dials = self.dials.clone();
+        Box::pin(async move {
+            let stream = connect.await?;
+            dials.fetch_add(1, Ordering::AcqRel);
+            Ok(stream)
+        })
+    }
+}
 
 #[derive(Clone, PartialEq, Message)]
 pub struct ResponseHeader {
@@ -298,7 +334,7 @@ impl std::fmt::Display for CallError {
 /// An HTTP/2-only client to etcd's members: one connection per member
 /// carries every call (gRPC needs HTTP/2; etcd serves it on its client
 /// port, in cleartext with prior knowledge or over TLS with ALPN `h2`).
-pub type Channel = Client<HttpsConnector<super::Dialer>, Full<Bytes>>;
+pub type Channel = Client<HttpsConnector<Dialer>, Full<Bytes>>;
 
 /// One unary call: `method` is `/etcdserverpb.KV/Txn` and the like, `base`
 /// the endpoint (`http://host:port`); `token` is etcd auth's, sent as its

@@ -3,7 +3,20 @@
 //! target, a COPY/MOVE `Destination`), and the header checks that refuse
 //! ambiguous framing or hosts.
 
-use super::*;
+use super::linger::content_length;
+
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Uri};
+use hyper::body::Incoming;
+
+use crate::config::{ErrorFormat, Route};
+use crate::error::ProxyError;
+use crate::key::{self, CanonicalPath, KeyError};
+use crate::token::token_from_headers;
+
+use super::context::*;
+use super::state::*;
+use super::table::*;
 use crate::routing::{resolve, route_key, HOST_SPELLING};
 
 /// Headers that name a different method than the request line's.
@@ -160,16 +173,6 @@ pub(super) fn check_framing(method: &Method, headers: &HeaderMap) -> Result<(), 
         }
     }
     Ok(())
-}
-
-pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// For a target that does not parse: whether the route it would most

@@ -3,7 +3,30 @@
 //! request body guarded by its limits and its write's deadline, and the
 //! exchange with the route's [`Upstream`].
 
-use super::*;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio_util::task::task_tracker::TaskTrackerToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::{BoxError, ProxyBody, ProxyError};
+use crate::key::{CanonicalPath, KeyError};
+use crate::token::FENCE_TOKEN;
+
+use super::classify::*;
+use super::context::*;
+use super::linger::*;
+use super::state::*;
+use super::table::*;
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1), plus `Expect`, which the
 /// proxy answers itself, and `Proxy-Connection`, a common non-standard one.
@@ -98,22 +121,6 @@ pub(super) const BODY_MALFORMED: u8 = 3;
 
 /// The write's deadline passed while its body was still being sent.
 pub(super) const BODY_DEADLINE: u8 = 4;
-
-/// `PREFIX-N` with N in hex, written by hand: this runs for every request
-/// that brings no id of its own. The prefix is at most 40 bytes.
-pub(super) fn request_id(prefix: &str, n: u64) -> HeaderValue {
-    let mut id = [0u8; 64];
-    let prefix = prefix.as_bytes();
-    id[..prefix.len()].copy_from_slice(prefix);
-    id[prefix.len()] = b'-';
-    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1) as usize;
-    let start = prefix.len() + 1;
-    for (i, slot) in id[start..start + digits].iter_mut().enumerate() {
-        let nibble = (n >> (4 * (digits - 1 - i))) & 0xf;
-        *slot = b"0123456789abcdef"[nibble as usize];
-    }
-    HeaderValue::from_bytes(&id[..start + digits]).expect("hex id")
-}
 
 /// Appends the client to `X-Forwarded-For` (as nginx's
 /// `$proxy_add_x_forwarded_for` does) and to `Forwarded` (RFC 7239), and

@@ -29,6 +29,17 @@ pub(super) const LINGER_IDLE: Duration = Duration::from_secs(5);
 /// `Connection: close` (it may not all arrive within [`LINGER_TIME`]).
 pub(super) const LINGER_KEEP_BYTES: u64 = 1 << 20;
 
+/// A request's `Content-Length`, if it has one that parses.
+pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// What becomes of a refused request's unread body.
 pub(super) enum Unread {
     /// Nothing to read: the request has no body (a zero length, or no
@@ -69,7 +80,7 @@ impl Unread {
             // ask for the upload the refusal makes useless.
             return Unread::Close;
         }
-        let declared = super::content_length(headers);
+        let declared = content_length(headers);
         Unread::Linger {
             body,
             close: h1 && declared.is_none_or(|n| n > LINGER_KEEP_BYTES),

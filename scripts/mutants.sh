@@ -76,7 +76,7 @@ run() {
 
 core() {
   local files=()
-  for f in ${CORE_FILES:-src/token.rs src/key.rs $FENCE_FILES}; do files+=(--file "$f"); done
+  for f in ${CORE_FILES:-src/token.rs src/key/mod.rs $FENCE_FILES}; do files+=(--file "$f"); done
   run core --timeout 30 "${files[@]}" --exclude-re "$SHARED" "$@" --cargo-arg=--lib
 }
 

@@ -28,7 +28,7 @@
 //! So a key whose token changes keeps admitting the older token here for at
 //! most [`CHECK_EVERY`] after the change reached the store; those writes
 //! still reach the backend before any newer one. A fence raised without a
-//! write ([`super::Fence::raise`]) waits that long before it answers, so
+//! write (`Fence::raise`) waits that long before it answers, so
 //! that from its answer on no replica admits an older token.
 
 use std::sync::{Arc, Mutex};

@@ -76,7 +76,10 @@ fn source_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 fn module_of(src: &Path, path: &Path) -> Vec<String> {
-    let rel = path.strip_prefix(src).expect("under src/").with_extension("");
+    let rel = path
+        .strip_prefix(src)
+        .expect("under src/")
+        .with_extension("");
     let mut parts: Vec<String> = rel
         .components()
         .map(|c| c.as_os_str().to_string_lossy().into_owned())
@@ -103,10 +106,7 @@ fn inline_supers_to_self(code: &str) -> String {
     let mut from = 0;
     while let Some(at) = out[from..].find("mod ").map(|i| from + i) {
         let line_end = out[at..].find('\n').map_or(out.len(), |e| at + e);
-        let Some(open) = out[at..line_end]
-            .ends_with('{')
-            .then_some(line_end - 1)
-        else {
+        let Some(open) = out[at..line_end].ends_with('{').then_some(line_end - 1) else {
             from = at + 4;
             continue;
         };
@@ -385,7 +385,10 @@ fn the_checker_sees_arrows_and_loops() {
         lines: code.lines().count(),
     };
     let files = vec![
-        file(&["store"], "mod api;\nuse api::{Advance, X};\n/// [`crate::fence::Fence`]\n"),
+        file(
+            &["store"],
+            "mod api;\nuse api::{Advance, X};\n/// [`crate::fence::Fence`]\n",
+        ),
         file(&["store", "api"], "use super::Y;\n"),
         file(&["fence"], "use crate::store::{self, api::Advance};\n"),
     ];
@@ -396,8 +399,14 @@ fn the_checker_sees_arrows_and_loops() {
             .map(|t| t.join("/"))
             .collect::<BTreeSet<_>>()
     };
-    assert_eq!(of(&["store"]), BTreeSet::from(["store/api".into(), "fence".into()]));
+    assert_eq!(
+        of(&["store"]),
+        BTreeSet::from(["store/api".into(), "fence".into()])
+    );
     assert_eq!(of(&["store", "api"]), BTreeSet::from(["store".into()]));
-    assert_eq!(of(&["fence"]), BTreeSet::from(["store".into(), "store/api".into()]));
+    assert_eq!(
+        of(&["fence"]),
+        BTreeSet::from(["store".into(), "store/api".into()])
+    );
     assert!(floor("fence") > floor("store"));
 }

@@ -305,13 +305,11 @@ fn seg_char() -> impl Strategy<Value = String> {
 }
 
 fn path() -> impl Strategy<Value = String> {
-    proptest::collection::vec(proptest::collection::vec(seg_char(), 1..5), 1..4).prop_map(
-        |segs| {
-            segs.iter()
-                .map(|s| format!("/{}", s.concat()))
-                .collect::<String>()
-        },
-    )
+    proptest::collection::vec(proptest::collection::vec(seg_char(), 1..5), 1..4).prop_map(|segs| {
+        segs.iter()
+            .map(|s| format!("/{}", s.concat()))
+            .collect::<String>()
+    })
 }
 
 /// What a decoding backend would see: the path fully percent-decoded.

@@ -1,0 +1,243 @@
+//! The file's layout: its tables (fences, meta, leases, the in-flight
+//! log), the meta keys (format version, clean stop, key mapping, recovery
+//! window), and opening a file: its checks and what it says about the last
+//! run.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
+
+use crate::store::api::{CrashedKey, StartState};
+
+pub(super) const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
+
+pub(super) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// The lock service's leases: key -> (lease id, token, holder, expiry in ms
+/// since the Unix epoch on this host's clock, which must survive a restart).
+pub(super) const LOCKS: TableDefinition<&str, (&str, u64, &str, u64)> =
+    TableDefinition::new("leases");
+
+/// In-flight marks: sequence number -> (the token of the write it was made
+/// for, key). Marks below the watermark ([`WATERMARK_KEY`]) are dead.
+pub(super) const MARKS: TableDefinition<u64, (u64, &str)> = TableDefinition::new("in_flight_log");
+
+pub(super) const WATERMARK_KEY: &str = "in_flight_watermark";
+
+/// Set (1) by every run that keeps in-flight marks. A crashed run that did
+/// not (an older fencegate) recorded none, so every key must wait.
+pub(super) const MARKS_KEY: &str = "in_flight_marks";
+
+pub(super) const FORMAT_VERSION_KEY: &str = "format_version";
+
+pub(super) const CLEAN_KEY: &str = "clean_stop";
+
+/// The fingerprint of the key mapping that writes in flight were admitted
+/// under ([`FenceStore::record_key_mapping`]).
+pub(super) const KEY_MAPPING_KEY: &str = "key_mapping";
+
+/// The crash-recovery window (ms) of the process that has the store open, so
+/// that a restart with a shorter upstream timeout still waits long enough.
+pub(super) const WINDOW_KEY: &str = "recovery_window_ms";
+
+/// Bumped when the on-disk layout changes; a file from a newer version is
+/// refused rather than misread.
+pub const FORMAT_VERSION: u64 = 1;
+
+/// While the store is unhealthy, a readiness probe commits this many bytes
+/// (then removes them) before it says the store takes writes again. A probe
+/// of a few bytes can fit in a file's free pages on a disk that has no room
+/// for a real batch (a long key, its mark), and readiness would say "ready"
+/// while writes still fail.
+pub(super) const PROBE_BYTES: usize = 256 * 1024;
+
+pub(super) const PROBE: TableDefinition<&str, &[u8]> = TableDefinition::new("probe");
+
+/// How often the writer probes by itself while the store is unhealthy.
+pub(super) const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Why the embedded store could not be opened. These stop the start.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("store file {0} is in use by another process (is another fencegate running?)")]
+    Locked(PathBuf),
+    #[error("store file {path} is corrupt or not a fencegate store: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("store file {path} has format version {found}; this fencegate reads version {FORMAT_VERSION} (upgrade fencegate)")]
+    UnknownVersion { path: PathBuf, found: u64 },
+    #[error("cannot open store file {path}: {reason}")]
+    Io { path: PathBuf, reason: String },
+}
+
+pub(super) fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
+    let p = path.to_path_buf();
+    // redb's debug builds assert on some corruptions instead of returning an
+    // error; catch that so a corrupt file is always a clear refusal.
+    let opened =
+        std::panic::catch_unwind(|| Database::builder().set_cache_size(cache_bytes).create(&p));
+    match opened {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(DatabaseError::DatabaseAlreadyOpen)) => Err(OpenError::Locked(p)),
+        Ok(Err(DatabaseError::Storage(redb::StorageError::Io(e))))
+            if e.kind() != std::io::ErrorKind::InvalidData =>
+        {
+            Err(OpenError::Io {
+                path: p,
+                reason: e.to_string(),
+            })
+        }
+        Ok(Err(e)) => Err(OpenError::Corrupt {
+            path: p,
+            reason: e.to_string(),
+        }),
+        Err(_) => Err(OpenError::Corrupt {
+            path: p,
+            reason: "the storage engine rejected the file".into(),
+        }),
+    }
+}
+
+/// What the store file said at open.
+pub(super) struct Found {
+    pub(super) start: StartState,
+    pub(super) in_flight: Option<Vec<CrashedKey>>,
+    /// Marks left in the log.
+    pub(super) marks: u64,
+    pub(super) next_mark: u64,
+    /// The key mapping recorded by the previous run.
+    pub(super) key_mapping: Option<u64>,
+}
+
+/// Reads the format version and clean flag, then marks the store as in use
+/// (durably) so that a crash from here on is detected at the next start.
+/// After an unclean stop it reads the keys marked in flight, and keeps
+/// their marks (a second crash during recovery must still find them);
+/// after a clean one nothing was in flight, and the marks are dropped.
+pub(super) fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, OpenError> {
+    let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let txn = db.begin_write().map_err(|e| corrupt(&e))?;
+    let start;
+    let marked;
+    let key_mapping;
+    {
+        let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
+        let version = meta
+            .get(FORMAT_VERSION_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value());
+        start = match version {
+            Some(v) if v != FORMAT_VERSION => {
+                return Err(OpenError::UnknownVersion {
+                    path: path.to_path_buf(),
+                    found: v,
+                })
+            }
+            Some(_) => match meta.get(CLEAN_KEY).map_err(|e| corrupt(&e))? {
+                Some(v) if v.value() == 1 => StartState::Clean,
+                _ => StartState::Unclean {
+                    previous_window: meta
+                        .get(WINDOW_KEY)
+                        .map_err(|e| corrupt(&e))?
+                        .map(|v| Duration::from_millis(v.value())),
+                },
+            },
+            // A new file: nothing can be in flight.
+            None => StartState::Clean,
+        };
+        meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
+            .map_err(|e| corrupt(&e))?;
+        meta.insert(CLEAN_KEY, 0).map_err(|e| corrupt(&e))?;
+        let previous = match start {
+            StartState::Unclean {
+                previous_window: Some(p),
+            } => p,
+            _ => Duration::ZERO,
+        };
+        // Keep the longer window until a clean stop: a second crash during
+        // recovery must still wait for the first run's writes.
+        let ms = u64::try_from(window.max(previous).as_millis()).unwrap_or(u64::MAX);
+        meta.insert(WINDOW_KEY, ms).map_err(|e| corrupt(&e))?;
+        marked = meta.get(MARKS_KEY).map_err(|e| corrupt(&e))?.is_some();
+        key_mapping = meta
+            .get(KEY_MAPPING_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value());
+        // After an unclean stop of a run that kept no marks, the flag stays
+        // unset until a clean stop: a crash of this run must still hold
+        // every key, as that run's writes may still be in flight.
+        if marked || matches!(start, StartState::Clean) {
+            meta.insert(MARKS_KEY, 1).map_err(|e| corrupt(&e))?;
+        }
+    }
+    let mut in_flight = Vec::new();
+    let mut kept = true;
+    let (left, next_mark);
+    {
+        use redb::ReadableTableMetadata;
+        let fences = txn.open_table(FENCES).map_err(|e| corrupt(&e))?;
+        let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
+        let mut marks = txn.open_table(MARKS).map_err(|e| corrupt(&e))?;
+        let watermark = meta
+            .get(WATERMARK_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map_or(0, |v| v.value());
+        let last = marks
+            .last()
+            .map_err(|e| corrupt(&e))?
+            .map_or(0, |(k, _)| k.value() + 1);
+        next_mark = last.max(watermark);
+        if let StartState::Unclean { .. } = start {
+            kept = marked;
+            // Per key, the lowest token its live marks were made for.
+            let mut lowest = std::collections::HashMap::<String, u64>::new();
+            for entry in marks.range(watermark..).map_err(|e| corrupt(&e))? {
+                let (_, mark) = entry.map_err(|e| corrupt(&e))?;
+                let (token, key) = mark.value();
+                let l = lowest.entry(key.to_string()).or_insert(token);
+                *l = (*l).min(token);
+            }
+            for (key, lowest) in lowest {
+                let highest = fences
+                    .get(key.as_str())
+                    .map_err(|e| corrupt(&e))?
+                    .map(|v| v.value());
+                in_flight.push(CrashedKey {
+                    key,
+                    highest,
+                    lowest,
+                });
+            }
+        } else {
+            // Nothing was in flight at a clean stop.
+            marks.retain(|_, _| false).map_err(|e| corrupt(&e))?;
+            meta.insert(WATERMARK_KEY, next_mark)
+                .map_err(|e| corrupt(&e))?;
+        }
+        left = marks.len().map_err(|e| corrupt(&e))?;
+    }
+    txn.commit().map_err(|e| OpenError::Io {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok(Found {
+        start,
+        in_flight: kept.then_some(in_flight),
+        marks: left,
+        next_mark,
+        key_mapping,
+    })
+}
+
+/// Makes the file look last used by a fencegate that kept no in-flight
+/// marks (for tests of the upgrade path).
+#[cfg(test)]
+pub(crate) fn forget_marks_flag(path: &Path) {
+    let db = Database::create(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    txn.open_table(META).unwrap().remove(MARKS_KEY).unwrap();
+    txn.commit().unwrap();
+}

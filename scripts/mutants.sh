@@ -144,7 +144,7 @@ stores() {
 # failover among them) against real servers.
 FAILOVER='replicas_wanted|sentinel_up|fn replication|RedisBackend::query|wait_ms|sentinel_replicas_up'
 failover() {
-  run failover --timeout 300 --file src/store/redis.rs --re "$FAILOVER" "$@" \
+  run failover --timeout 300 --file src/store/redis/conn.rs --re "$FAILOVER" "$@" \
     --cargo-arg=--lib --cargo-arg=--test=failover --cargo-arg=--test=history --cargo-test-arg=redis
 }
 

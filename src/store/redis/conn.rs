@@ -1,0 +1,554 @@
+//! The connection to Redis: the [`RedisBackend`] with a connection per
+//! runtime slot, the primary found directly or through Sentinel, every call
+//! followed by `WAIT` for the replicas it must reach, and the checks at
+//! connect (durability settings, replication role).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, ConnectionAddr, FromRedisValue,
+    IntoConnectionInfo, Script, TlsCertificates,
+};
+
+use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
+
+use super::scripts::*;
+
+/// How long after a failed connection or call the next connect waits.
+pub(super) const BACKOFF: Duration = Duration::from_millis(200);
+
+/// Where the primary is.
+pub(super) enum Source {
+    Direct(Client),
+    /// Asked of Sentinel at every connect; the master name.
+    Sentinel(tokio::sync::Mutex<SentinelClient>, String),
+}
+
+/// How to reach Redis and how much to wait for its replicas.
+pub struct Options<'a> {
+    /// `redis+sentinel://`: the Sentinels and the master name.
+    pub sentinel: Option<&'a crate::config::Sentinel>,
+    /// Replaces the URL's password.
+    pub password: Option<&'a crate::config::Secret>,
+    /// TLS (`rediss://`): the CA and client certificate, if given.
+    pub pem: Option<crate::tls::StorePem>,
+    /// Bounds connects and every command.
+    pub timeout: Duration,
+    /// Replicas a change must reach (`None`: one while a replica is online).
+    pub replicas_to_wait: Option<u32>,
+}
+
+/// A Redis connection that reconnects (with backoff) after failures.
+pub struct RedisBackend {
+    pub(super) source: Source,
+    /// One connection per runtime (the main one and each worker's): a
+    /// multiplexed connection's driver task lives on the runtime that
+    /// connected it, and a call from another thread would cost two hops.
+    pub(super) conns:
+        dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>>>,
+    pub(super) session: AtomicU64,
+    pub(super) last_failure: Mutex<Option<Instant>>,
+    pub(super) timeout: Duration,
+    /// `store_replicas_to_wait`, if set.
+    pub(super) replicas_to_wait: Option<u32>,
+    /// Replicas the primary reported online at the latest connect, or more
+    /// seen since by a marker read: without a setting, a change waits for
+    /// one of them, if any.
+    pub(super) online_replicas: AtomicU32,
+    pub(super) acquire: Script,
+    pub(super) poll: Script,
+    pub(super) renew: Script,
+    pub(super) advance: Script,
+    pub(super) release: Script,
+    pub(super) lock: Script,
+    pub(super) bump_marker: Script,
+    pub(super) create_marker: Script,
+    pub(super) replace_marker: Script,
+}
+
+pub(super) fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("redis: {e}"))
+}
+
+/// A failed connect: refused (wrong password or user, a certificate that
+/// does not check out) or unavailable.
+pub(super) fn connect_failed(e: redis::RedisError, what: &str) -> StoreError {
+    let auth = matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
+        || e.code()
+            .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
+    if auth || crate::tls::certificate_refused(&e) {
+        StoreError::Refused(format!("{what}: {e}"))
+    } else {
+        StoreError::Unavailable(format!("{what}: {e}"))
+    }
+}
+
+impl RedisBackend {
+    /// `url`: `redis://host:port/db` or `rediss://` (TLS, with the CA and
+    /// client certificate if given), or the `redis+sentinel://` URL that
+    /// `sentinel` was parsed from. Connects lazily.
+    pub fn new(url: &str, o: Options<'_>) -> Result<Self, String> {
+        let source = match o.sentinel {
+            Some(s) => Source::Sentinel(
+                tokio::sync::Mutex::new(sentinel_client(s, o.password)?),
+                s.master.clone(),
+            ),
+            None => {
+                let mut info = url
+                    .into_connection_info()
+                    .map_err(|e| format!("not a Redis URL: {e}"))?;
+                if let Some(pw) = o.password {
+                    let settings = info.redis_settings().clone().set_password(pw.expose());
+                    info = info.set_redis_settings(settings);
+                }
+                Source::Direct(
+                    match o.pem {
+                        Some(pem) => Client::build_with_tls(
+                            info,
+                            TlsCertificates {
+                                client_tls: pem.client.map(|(client_cert, client_key)| {
+                                    ClientTlsConfig {
+                                        client_cert,
+                                        client_key,
+                                    }
+                                }),
+                                root_cert: pem.ca,
+                            },
+                        ),
+                        None => Client::open(info),
+                    }
+                    .map_err(|e| e.to_string())?,
+                )
+            }
+        };
+        let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
+        Ok(Self {
+            source,
+            conns: dashmap::DashMap::new(),
+            session: AtomicU64::new(0),
+            last_failure: Mutex::new(None),
+            timeout: o.timeout,
+            replicas_to_wait: o.replicas_to_wait,
+            online_replicas: AtomicU32::new(0),
+            acquire: with_lib(ACQUIRE),
+            poll: with_lib(POLL),
+            renew: with_lib(RENEW),
+            advance: with_lib(ADVANCE),
+            release: with_lib(RELEASE),
+            lock: with_lib(LOCK),
+            bump_marker: Script::new(BUMP_MARKER),
+            create_marker: Script::new(CREATE_MARKER),
+            replace_marker: Script::new(REPLACE_MARKER),
+        })
+    }
+
+    /// Replicas the next call waits for.
+    pub(super) fn replicas_wanted(&self) -> u32 {
+        self.replicas_to_wait
+            .unwrap_or_else(|| self.online_replicas.load(Ordering::Relaxed).min(1))
+    }
+
+    /// `WAIT`'s own timeout: half the store timeout, so that the reply
+    /// (too few replicas) arrives before the call itself times out.
+    pub(super) fn wait_ms(&self) -> u64 {
+        (self.timeout.as_millis() as u64 / 2).max(1)
+    }
+
+    /// This runtime's connection slot (see [`crate::slot::slot`]).
+    pub(super) fn slot(&self) -> Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>> {
+        let slot = crate::slot::slot();
+        // A read lock on the usual path; the entry (a write lock) only the
+        // first time a runtime calls.
+        if let Some(s) = self.conns.get(&slot) {
+            return s.value().clone();
+        }
+        self.conns.entry(slot).or_default().value().clone()
+    }
+
+    pub(super) async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        let slot = self.slot();
+        let mut slot = slot.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        // Back off after a failure instead of hammering a server that is
+        // down: the call waits out the pause, then tries (a server that
+        // came back, after a restart, answers it).
+        let since = self.last_failure.lock().expect("lock").map(|t| t.elapsed());
+        if let Some(pause) = since.and_then(|e| BACKOFF.checked_sub(e)) {
+            tokio::time::sleep(pause).await;
+        }
+        match tokio::time::timeout(self.timeout, self.connect()).await {
+            Ok(Ok(c)) => {
+                self.session.fetch_add(1, Ordering::AcqRel);
+                *self.last_failure.lock().expect("lock") = None;
+                *slot = Some(c.clone());
+                Ok(c)
+            }
+            Ok(Err(e)) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                Err(e)
+            }
+            Err(_) => {
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                Err(unavailable("connect timed out"))
+            }
+        }
+    }
+
+    /// A new connection to the primary (asked of Sentinel first, with
+    /// `redis+sentinel://`), checked to be one: a replica would refuse
+    /// every write, and a primary demoted by a failover is one.
+    pub(super) async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
+        let client = match &self.source {
+            Source::Direct(c) => c.clone(),
+            Source::Sentinel(s, _) => s
+                .lock()
+                .await
+                .async_get_client()
+                .await
+                .map_err(|e| connect_failed(e, "redis sentinel"))?,
+        };
+        let mut c = self
+            .open(&client)
+            .await
+            .map_err(|e| connect_failed(e, "redis"))?;
+        let info: redis::RedisResult<String> = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut c)
+            .await;
+        let online = match info {
+            Ok(info) => {
+                let (role, online) = replication(&info);
+                if role != "master" {
+                    return Err(unavailable(format!(
+                        "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
+                    )));
+                }
+                // Replicas that Sentinel sees up count too: an old primary
+                // restarted before Sentinel announced its replica's
+                // promotion has no replica of its own, yet is about to
+                // become one and lose what it takes meanwhile.
+                let online = match self.replicas_to_wait {
+                    None => online.max(self.sentinel_replicas_up().await),
+                    Some(_) => online,
+                };
+                self.online_replicas.store(online, Ordering::Relaxed);
+                if self.replicas_to_wait.is_none() && online == 0 {
+                    tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
+                }
+                online
+            }
+            // An ACL without INFO (`-@dangerous`): the role is found by the
+            // first write (READONLY), the replicas are not known.
+            Err(e) if e.code() == Some("NOPERM") => {
+                if self.replicas_to_wait.is_none() {
+                    tracing::warn!("redis refuses INFO to fencegate's user: the replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
+                }
+                0
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        warn_if_not_durable(&mut c).await;
+        let wanted = self.replicas_wanted();
+        tracing::info!(
+            online_replicas = online,
+            waits_for = wanted,
+            "connected to redis"
+        );
+        Ok(c)
+    }
+
+    /// A connection to `client`'s server, its connect and every answer
+    /// bounded by the store timeout.
+    pub(super) async fn open(&self, client: &Client) -> redis::RedisResult<MultiplexedConnection> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
+    /// How many replicas of the master Sentinel reports up (not down, not
+    /// disconnected); 0 without Sentinel or when no Sentinel answers.
+    pub(super) async fn sentinel_replicas_up(&self) -> u32 {
+        let Source::Sentinel(s, master) = &self.source else {
+            return 0;
+        };
+        let ask = async {
+            let client = s.lock().await.async_get_sentinel_client().await.ok()?;
+            let mut c = self.open(&client).await.ok()?;
+            let replicas: Vec<Vec<String>> = redis::cmd("SENTINEL")
+                .arg("REPLICAS")
+                .arg(master)
+                .query_async(&mut c)
+                .await
+                .ok()?;
+            Some(sentinel_up(&replicas))
+        };
+        tokio::time::timeout(self.timeout, ask)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    }
+
+    /// Runs one command. On a broken connection (a restarted server closed
+    /// it; found by this call) it runs once more on a fresh connection, so
+    /// that no request fails for it: every operation of this backend may
+    /// run twice (the fence is a compare-and-raise, leases are named by the
+    /// caller and registered, refreshed or removed by name, the marker's
+    /// bump only rises). So does a script the server no longer has (a
+    /// promoted replica, `SCRIPT FLUSH`), once loaded. Other failures, a
+    /// timeout among them, drop every runtime's connection so the next call
+    /// reconnects.
+    pub(super) async fn run<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: Fn(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let mut conn = self.connection().await?;
+        let (mut reconnected, mut loaded) = (false, false);
+        loop {
+            let e = match f(conn.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            if !loaded && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) {
+                // (A server that restarted lost its scripts as well as the
+                // connection: both may happen to one call.)
+                loaded = true;
+                self.load_scripts(&mut conn).await?;
+            } else if !reconnected && e.is_connection_dropped() && !e.is_timeout() {
+                // The other runtimes' connections went with the server.
+                reconnected = true;
+                self.drop_connections().await;
+                conn = self.connection().await?;
+            } else {
+                return Err(self.failed(e).await);
+            }
+        }
+    }
+
+    pub(super) async fn load_scripts(
+        &self,
+        c: &mut MultiplexedConnection,
+    ) -> Result<(), StoreError> {
+        for script in [
+            &self.acquire,
+            &self.poll,
+            &self.renew,
+            &self.advance,
+            &self.release,
+            &self.lock,
+            &self.bump_marker,
+            &self.create_marker,
+            &self.replace_marker,
+        ] {
+            if let Err(e) = script.load_async(c).await {
+                return Err(self.failed(e).await);
+            }
+        }
+        Ok(())
+    }
+
+    /// A failed call: a connection-level failure (or a primary that became
+    /// a replica) drops every runtime's connection and starts the
+    /// reconnect backoff.
+    pub(super) async fn failed(&self, e: redis::RedisError) -> StoreError {
+        if e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_timeout()
+            || e.is_unrecoverable_error()
+            || e.code() == Some("READONLY")
+        {
+            self.drop_connections().await;
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
+        }
+        if e.code() == Some("NOPERM") {
+            // An ACL user without the commands fencegate runs.
+            return StoreError::Refused(format!(
+                "redis: {e} (docs/stores.md lists the ACL fencegate needs)"
+            ));
+        }
+        unavailable(e)
+    }
+
+    /// Every runtime reconnects on its next call.
+    pub(super) async fn drop_connections(&self) {
+        let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
+        for slot in slots {
+            *slot.lock().await = None;
+        }
+    }
+
+    /// Runs `cmd`; its answer counts once the replicas wanted have
+    /// everything up to it (see the module doc): `SET fencegate:sync` and
+    /// `WAIT` go in the same round trip. Too few confirmations fail the
+    /// call, and the next one reconnects (and sees how many replicas are
+    /// online then).
+    pub(super) async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
+        let (cmd, wait_ms) = (&cmd, self.wait_ms());
+        let (v, wanted, confirmed) = self
+            .run(|mut c| async move {
+                // Read once this runtime is connected: after a failover,
+                // the count the new primary reported, not the old one's.
+                let wanted = self.replicas_wanted();
+                if wanted == 0 {
+                    return cmd.query_async(&mut c).await.map(|v| (v, 0, 0));
+                }
+                let mut p = redis::pipe();
+                p.add_command(cmd.clone())
+                    .cmd("SET")
+                    .arg(SYNC)
+                    .arg(1)
+                    .ignore()
+                    .cmd("WAIT")
+                    .arg(wanted)
+                    .arg(wait_ms);
+                let (v, confirmed): (T, u32) = p.query_async(&mut c).await?;
+                Ok((v, wanted, confirmed))
+            })
+            .await?;
+        if confirmed < wanted {
+            self.drop_connections().await;
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
+            return Err(unavailable(format!(
+                "{confirmed} of {wanted} replicas confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
+            )));
+        }
+        Ok(v)
+    }
+
+    /// Runs one script (EVALSHA) with these keys and arguments.
+    pub(super) async fn script<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<T, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        self.query(cmd).await
+    }
+
+    /// Runs the poll or renew script: both take the fence, lease and
+    /// lease-order keys and (token, lease id, TTL in ms).
+    pub(super) async fn lease_script(
+        &self,
+        script: &Script,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let reply = self
+            .script(
+                script,
+                &[fence_key(key), lease_key(key), lease_order_key(key)],
+                &[
+                    lease.token.to_string(),
+                    lease.id.clone(),
+                    ttl_ms(ttl).to_string(),
+                ],
+            )
+            .await?;
+        lease_outcome(reply, lease.clone())
+    }
+}
+
+/// The Sentinel client for `s`: the data nodes' user and password, and the
+/// Sentinels' own if they ask for the same.
+pub(super) fn sentinel_client(
+    s: &crate::config::Sentinel,
+    password: Option<&crate::config::Secret>,
+) -> Result<SentinelClient, String> {
+    let addrs = s
+        .addrs
+        .iter()
+        .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port));
+    let mut b = SentinelClientBuilder::new(addrs, &s.master, SentinelServerType::Master)
+        .map_err(|e| e.to_string())?
+        .set_client_to_redis_db(s.db);
+    let password = password.or(s.password.as_ref());
+    if let Some(u) = &s.user {
+        b = b.set_client_to_redis_username(u);
+        if s.sentinel_auth {
+            b = b.set_client_to_sentinel_username(u);
+        }
+    }
+    if let Some(pw) = password {
+        b = b.set_client_to_redis_password(pw.expose());
+        if s.sentinel_auth {
+            b = b.set_client_to_sentinel_password(pw.expose());
+        }
+    }
+    b.build().map_err(|e| e.to_string())
+}
+
+/// How many of `SENTINEL REPLICAS`'s entries (flat field/value lists) are
+/// up: flags without `s_down`, `o_down` or `disconnected`.
+pub(super) fn sentinel_up(replicas: &[Vec<String>]) -> u32 {
+    replicas
+        .iter()
+        .filter(|r| {
+            r.chunks(2).any(|kv| {
+                kv.len() == 2
+                    && kv[0] == "flags"
+                    && !kv[1]
+                        .split(',')
+                        .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
+            })
+        })
+        .count() as u32
+}
+
+/// `INFO replication`'s role and how many replicas are online (their
+/// `slaveN:...,state=online,...` lines).
+pub(super) fn replication(info: &str) -> (String, u32) {
+    let mut role = String::from("server of unknown role");
+    let mut online = 0;
+    for line in info.lines() {
+        let line = line.trim();
+        if let Some(r) = line.strip_prefix("role:") {
+            role = r.to_string();
+        } else if line.starts_with("slave") && line.contains("state=online") {
+            online += 1;
+        }
+    }
+    (role, online)
+}
+
+/// Logs a warning unless the server fsyncs every write (`appendonly yes`,
+/// `appendfsync always`). CONFIG may be disabled: then nothing is said.
+pub(super) async fn warn_if_not_durable(c: &mut MultiplexedConnection) {
+    let get = |name: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let v: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg(name)
+                .query_async(&mut c)
+                .await;
+            v.ok().and_then(|v| v.get(1).cloned())
+        }
+    };
+    if let Some(policy) = get("maxmemory-policy").await {
+        if policy != "noeviction" {
+            tracing::warn!(maxmemory_policy = %policy, "redis may evict keys under memory pressure, fences and leases included (set maxmemory-policy noeviction; see docs/stores.md)");
+        }
+    }
+    let (aof, fsync) = (get("appendonly").await, get("appendfsync").await);
+    if let (Some(aof), Some(fsync)) = (aof, fsync) {
+        if aof != "yes" || fsync != "always" {
+            tracing::warn!(appendonly = %aof, appendfsync = %fsync, "redis does not fsync every write: an acknowledged fence can be lost in a redis crash (set appendonly yes, appendfsync always; see docs/stores.md)");
+        }
+    }
+}

@@ -11,7 +11,6 @@ pub mod embedded;
 pub mod etcd;
 pub mod instrumented;
 pub mod postgres;
-mod postgres_tls;
 pub mod redis;
 pub mod shared;
 

@@ -1,0 +1,421 @@
+//! Serving connections: the accept loop of a listener, its connection
+//! budget, the TLS handshake and PROXY protocol header, idle and header
+//! timeouts, and one connection served by hyper until the drain.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::ProxyBody;
+use crate::metrics::Metrics;
+use crate::tls::TlsTerminator;
+
+/// When an accept loop stops and how long it waits for its connections.
+#[derive(Clone)]
+pub(super) struct Gate {
+    pub(super) stop: CancellationToken,
+    pub(super) grace: Duration,
+    /// Cancelled when the grace period is over: connections still open
+    /// (idle, reading, or a peer that never acknowledges the HTTP/2
+    /// shutdown) are closed. Writes already forwarded run on as exchanges.
+    pub(super) kill: CancellationToken,
+    /// Every connection task, so the stop can wait until none is left to
+    /// start a write.
+    pub(super) connections: TaskTracker,
+}
+
+/// The TLS side of a listener.
+#[derive(Clone)]
+pub(super) struct TlsSide {
+    pub(super) terminator: Arc<TlsTerminator>,
+    /// A handshake must finish within this, like a request head.
+    pub(super) timeout: Duration,
+    pub(super) failures: prometheus::IntCounterVec,
+}
+
+impl TlsSide {
+    /// Runs the handshake; `None` if it failed, timed out or the drain
+    /// started meanwhile (a half-open handshake must not hold the drain).
+    pub(super) async fn handshake<I>(
+        &self,
+        stream: I,
+        peer: SocketAddr,
+        stop: &CancellationToken,
+    ) -> Option<tokio_rustls::server::TlsStream<I>>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let accept = self.terminator.acceptor().accept(stream);
+        let reason = tokio::select! {
+            _ = stop.cancelled() => return None,
+            done = tokio::time::timeout(self.timeout, accept) => match done {
+                Ok(Ok(stream)) => return Some(stream),
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    "error"
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "TLS handshake timed out");
+                    "timeout"
+                }
+            },
+        };
+        self.failures.with_label_values(&[reason]).inc();
+        None
+    }
+}
+
+/// Connections a listener may hold: the configured limit, but never more
+/// than the process's file-descriptor limit allows with room to spare, so
+/// that a flood of client connections cannot leave no descriptor for the
+/// upstream connections and the store. Every proxied request may need one
+/// upstream connection besides its client's, so each listener gets a third
+/// of half of what is left after a reserve.
+pub(super) fn connection_budget(configured: usize) -> usize {
+    let nofile = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|soft| soft.parse::<usize>().ok())
+        });
+    let Some(nofile) = nofile else {
+        return configured;
+    };
+    let budget = (nofile.saturating_sub(64) / 2 / 3).max(8);
+    if budget < configured {
+        tracing::info!(
+            configured,
+            budget,
+            nofile,
+            "limiting connections per listener to what the file-descriptor limit allows"
+        );
+    }
+    configured.min(budget)
+}
+
+/// A listener's connection budget and progress rule.
+#[derive(Clone)]
+pub(super) struct Slots {
+    pub(super) name: &'static str,
+    pub(super) free: Arc<tokio::sync::Semaphore>,
+    /// A connection with no request being served that reads and writes
+    /// nothing for this long is closed (HTTP/1 keep-alive, an HTTP/2
+    /// connection without streams, a preface that never completes).
+    pub(super) idle: Duration,
+    pub(super) metrics: Arc<Metrics>,
+    /// Counts this accept loop's connections (a worker's share).
+    pub(super) accepted: Option<prometheus::IntCounter>,
+    /// Connections start with a PROXY protocol header, from these peers
+    /// only (see [`crate::proxy_protocol`]).
+    pub(super) proxy_protocol: Option<Arc<crate::proxy_protocol::TrustedProxies>>,
+}
+
+impl Slots {
+    /// Who the connection is for: the socket's peer, or on a listener
+    /// with `proxy_protocol` the client its PROXY header names. `None`
+    /// (the connection is to be closed, and is counted) if the peer is not
+    /// a trusted proxy or its header does not parse in time.
+    pub(super) async fn client(
+        &self,
+        stream: &mut tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Option<SocketAddr> {
+        let Some(trusted) = &self.proxy_protocol else {
+            return Some(peer);
+        };
+        if !trusted.contains(peer.ip()) {
+            tracing::debug!(%peer, "closed: not in trusted_proxies, so it may not send a PROXY header");
+            self.closed("untrusted_proxy");
+            return None;
+        }
+        match crate::proxy_protocol::read_header(stream, self.idle).await {
+            Ok(client) => Some(client.unwrap_or(peer)),
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "closed: bad PROXY protocol header");
+                self.closed("proxy_protocol");
+                None
+            }
+        }
+    }
+
+    pub(super) fn closed(&self, reason: &str) {
+        self.metrics
+            .connections_closed
+            .with_label_values(&[self.name, reason])
+            .inc();
+    }
+
+    /// Counts an open connection until the guard is dropped.
+    pub(super) fn open(&self) -> impl Drop {
+        struct Open(prometheus::IntGauge);
+        impl Drop for Open {
+            fn drop(&mut self) {
+                self.0.dec();
+            }
+        }
+        let g = self.metrics.connections.with_label_values(&[self.name]);
+        g.inc();
+        Open(g)
+    }
+}
+
+/// Whether a connection makes progress: bytes moved, or a request handler
+/// running (an upstream answer can take a while).
+#[derive(Default)]
+pub(super) struct Activity {
+    pub(super) moved: std::sync::atomic::AtomicBool,
+    pub(super) busy: std::sync::atomic::AtomicUsize,
+}
+
+impl Activity {
+    /// Records that bytes moved, if they did.
+    pub(super) fn note(&self, moved: bool) {
+        if moved {
+            self.moved.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Ends when the connection has been idle for at least `idle` (at most
+    /// half as long again): no bytes either way and no request in hand.
+    pub(super) async fn watch(self: Arc<Self>, idle: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let tick = idle / 2;
+        let mut quiet = Duration::ZERO;
+        loop {
+            tokio::time::sleep(tick).await;
+            let moved = self.moved.swap(false, Relaxed);
+            if moved || self.busy.load(Relaxed) > 0 {
+                quiet = Duration::ZERO;
+            } else {
+                quiet += tick;
+                if quiet >= idle {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A request handler in progress on a connection.
+pub(super) struct Busy(Arc<Activity>);
+
+impl Busy {
+    pub(super) fn new(a: &Arc<Activity>) -> Self {
+        a.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Busy(a.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0.busy.fetch_sub(1, Relaxed);
+        self.0.moved.store(true, Relaxed);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection's socket, noting each time bytes move.
+    struct Tracked<I> {
+        #[pin]
+        inner: I,
+        activity: Arc<Activity>,
+    }
+}
+
+impl<I: tokio::io::AsyncRead> tokio::io::AsyncRead for Tracked<I> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let r = this.inner.poll_read(cx, buf);
+        this.activity.note(buf.filled().len() > before);
+        r
+    }
+}
+
+impl<I: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Tracked<I> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let r = this.inner.poll_write(cx, buf);
+        this.activity
+            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
+        r
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.project();
+        let r = this.inner.poll_write_vectored(cx, bufs);
+        this.activity
+            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().inner.poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
+    }
+}
+
+/// Serves one connection (plain or TLS) under the drain's watch.
+pub(super) async fn serve_connection<I, S>(
+    builder: auto::Builder<TokioExecutor>,
+    io: I,
+    service: S,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = http::Response<ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    // With upgrades: a WebSocket route hands its connections to a tunnel.
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// Accepts connections (TLS ones if `tls` is set) until the gate closes;
+/// then drains them within the grace period. Returns whether every
+/// connection finished in time.
+pub(super) async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    builder: auto::Builder<TokioExecutor>,
+    tls: Option<TlsSide>,
+    gate: Gate,
+    slots: Slots,
+    handler: F,
+) -> bool
+where
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<http::Response<ProxyBody>, std::convert::Infallible>>
+        + Send
+        + 'static,
+{
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            _ = gate.stop.cancelled() => break,
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off
+                        // instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                // A full listener closes the connection at once: a flood of
+                // idle sockets cannot take the descriptors that real
+                // requests need.
+                let Ok(slot) = slots.free.clone().try_acquire_owned() else {
+                    slots.closed("limit");
+                    drop(stream);
+                    continue;
+                };
+                if let Some(c) = &slots.accepted {
+                    c.inc();
+                }
+                let _ = stream.set_nodelay(true);
+                let activity = Arc::new(Activity::default());
+                let mut stream = Tracked { inner: stream, activity: activity.clone() };
+                let handler = handler.clone();
+                let busy = activity.clone();
+                let open = slots.open();
+                let behind = slots.clone();
+                let watchdog = activity.watch(slots.idle);
+                let idle_closed = slots.clone();
+                // Watched from accept on, so the drain also waits for a
+                // connection still in its TLS handshake (which the drain
+                // cuts short).
+                let watcher = graceful.watcher();
+                let builder = builder.clone();
+                let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
+                let mut connection = gate.connections.spawn(async move {
+                    let _held = (open, slot);
+                    let Some(peer) = behind.client(&mut stream.inner, peer).await else {
+                        return;
+                    };
+                    let service = service_fn(move |req| {
+                        let guard = Busy::new(&busy);
+                        let answer = handler(req, peer);
+                        async move {
+                            let answer = answer.await;
+                            drop(guard);
+                            answer
+                        }
+                    });
+                    match tls {
+                        None => serve_connection(builder, stream, service, watcher).await,
+                        Some(tls) => {
+                            if let Some(stream) = tls.handshake(stream, peer, &stop).await {
+                                serve_connection(builder, stream, service, watcher).await;
+                            }
+                        }
+                    }
+                });
+                // A supervisor beside the connection, not around it: it
+                // wakes only on its timer, the stop or the connection's end,
+                // so the request path does not poll it.
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = &mut connection => return,
+                        _ = kill.cancelled() => {}
+                        _ = watchdog => idle_closed.closed("idle"),
+                    }
+                    connection.abort();
+                    let _ = connection.await;
+                });
+            }
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => true,
+        _ = tokio::time::sleep(gate.grace) => false,
+    }
+}

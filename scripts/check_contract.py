@@ -5,7 +5,7 @@ Each row of the contract names the tests that check its promise, in
 backticks. The forms understood:
 
   `hostile.rs::name`               tests/hostile.rs, `fn name`
-  `src/key.rs::name`               src/key.rs, `fn name`
+  `src/key/tests.rs::name`         src/key/tests.rs, `fn name`
   `shared_stores.rs::*::name`      a test inside some module of the file
   `file.rs::module::name`          `mod module` (or a macro-made module
                                    `suite!(module, ...)`) and `fn name`

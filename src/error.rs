@@ -5,7 +5,7 @@
 //! 502/504) and writes an RFC 9457 `application/problem+json` body; the
 //! same refusal takes gRPC's form for gRPC calls
 //! ([`ProxyError::into_grpc_response`]) and S3's on routes in front of
-//! object stores ([`s3`]).
+//! object stores (`error/s3.rs`).
 
 use std::time::Duration;
 

@@ -5,46 +5,41 @@
 //! refuses the rest, so a lock holder that lost its lease cannot overwrite
 //! the work of the next one. `docs/contract.md` is the exact promise.
 //!
-//! Where things live:
+//! Where things live, floor by floor (a module uses only the floors below
+//! it; `docs/architecture.md` draws the house, `tests/layers.rs` checks it):
 //!
-//! - [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
-//!   validated [`config::Config`] built from it with `TryFrom`.
-//! - [`token`]: the `X-Fence-Token` grammar.
-//! - [`key`]: the one canonical parse of the request target that yields both
-//!   the fence key and the target sent upstream.
-//! - [`fence`]: admission and ordering: stale / equal / raise, waiting behind
-//!   older in-flight writes, crash recovery.
-//! - [`store`]: the [`store::FenceStore`] trait and its engines
-//!   ([`store::embedded`], redb with group commit; Redis, PostgreSQL and
-//!   etcd behind [`store::shared`]).
-//! - [`proxy`]: the request path: classifying a request (`proxy/classify.rs`),
-//!   fencing a write (`proxy/mod.rs`), relaying it (`proxy/forward.rs`,
-//!   WebSocket tunnels included), reading a refused body so that the
-//!   client reads its answer (`proxy/linger.rs`), and the same
-//!   classification for people (`proxy/explain.rs`: the admin lookup by
-//!   path and `fencegate explain`).
-//! - [`upstream`]: a route's upstream connections (a pool per worker,
-//!   HTTP/1.1, h2 by ALPN or h2c) and one exchange, with the rule that a
-//!   write is never sent twice.
-//! - [`error`]: the one place where errors become HTTP answers
-//!   (problem+json, or gRPC statuses for gRPC calls).
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/v1/fences/{key}` and
-//!   the lookup by path `/v1/fences?path=`.
-//! - [`lease`]: the lock service (`lease_listen`): leases whose tokens
-//!   are granted by the fence itself, for routes with `tokens = "granted"`.
-//! - [`id`]: identifiers no two processes share (request ids, lease ids).
-//! - [`metrics`]: the Prometheus registry and metric handles.
-//! - [`server`]: listeners (plain and TLS), connection serving, reload,
-//!   graceful shutdown.
-//! - [`proxy_protocol`]: the PROXY protocol header a load balancer puts in
-//!   front of a connection, and the addresses trusted to speak for clients.
-//! - [`workers`]: the worker threads (one runtime, listener and upstream
-//!   pool each) and the CPU count they default to.
-//! - [`tls`]: rustls configs for the TLS listener (reloadable) and for
-//!   https upstreams.
+//! 0. Plain values and parsers:
+//!    [`token`] (the `X-Fence-Token` grammar), [`key`] (the one canonical
+//!    parse of a request target: fence key and upstream target),
+//!    [`id`] (identifiers no two processes share), [`clock`] (milliseconds
+//!    and lease expiry arithmetic), [`slot`] (which worker runtime this
+//!    thread is), [`bearer`] (bearer tokens and the credential rule),
+//!    [`proxy_protocol`] (the PROXY header and who may send it),
+//!    [`metrics`] (the Prometheus registry and handles), [`tls`]
+//!    (certificates and rustls configs; the TLS settings' types).
+//! 1. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
+//!    validated [`config::Config`] built from it with `TryFrom`.
+//! 2. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
+//!    its engines ([`store::embedded`], redb with group commit; Redis,
+//!    PostgreSQL and etcd behind [`store::shared`]).
+//! 3. [`fence`]: admission and ordering (stale / equal / raise, waiting
+//!    behind older in-flight writes, crash recovery), one file per concern.
+//! 4. [`error`]: the one place where errors become HTTP answers
+//!    (problem+json, S3's XML, or gRPC statuses for gRPC calls).
+//! 5. What the services share: [`routing`] (route matching, the fence key
+//!    a route gives, and `explain` for people, reached through the
+//!    [`routing::Explain`] trait) and [`upstream`] (a route's connections,
+//!    a pool per worker, and one exchange, never sent twice).
+//! 6. The services, side by side: [`proxy`] (the request path: classify,
+//!    fence, forward), [`lease`] (the lock service), [`admin`] (metrics,
+//!    health, fence lookups, `confirm-reset`).
+//! 7. [`workers`]: the worker threads (one runtime, listener and upstream
+//!    pool each) and the CPU count they default to.
+//! 8. [`server`]: listeners, connection serving, reload, graceful
+//!    shutdown.
 //!
-//! The binary (`src/main.rs`) only parses flags, sets up logging and signals,
-//! and calls [`server::Server`].
+//! The binary (`src/main.rs`, its command line in `src/cli/`) parses flags,
+//! sets up logging and signals, and calls [`server::Server`].
 
 #![forbid(unsafe_code)]
 

@@ -4,11 +4,10 @@
 //! field optional and unknown fields refused. [`Config`] is built from it
 //! with `TryFrom`, which checks each value and names the field on failure; a
 //! `Config` that exists is one the server can run with.
-
 //!
-//! Files: [`raw`] (the file shape), [`validated`] (the `Config` and its
-//! checks), [`route`] (routes), [`store`] (the store URL and its
-//! settings), [`parse`] (durations, addresses), [`error`].
+//! Files: `raw.rs` (the file shape), `validated.rs` (the `Config` and its
+//! checks), `route.rs` (routes), `store/` (the store URL and its
+//! settings), `parse.rs` (durations, addresses), `error.rs`.
 
 mod error;
 mod parse;

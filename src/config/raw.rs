@@ -10,7 +10,7 @@ use super::error::*;
 use super::secret::Secret;
 
 /// The file format. Every field is optional; defaults are applied in
-/// [`Config::try_from`].
+/// `Config::try_from`.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {

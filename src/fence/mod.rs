@@ -13,7 +13,7 @@
 //! Once a newer token is admitted, every older write, queued or new, is
 //! stale.
 //!
-//! In-memory state is per key ([`KeyGate`]), created on demand; a bounded
+//! In-memory state is per key (`KeyGate` (`gate.rs`)), created on demand; a bounded
 //! cache of highest tokens answers the steady case (token equal to the
 //! highest) without touching the store, but only when the store says this
 //! process is its only writer.
@@ -30,14 +30,13 @@
 //! writes can no longer be in flight, an upstream timeout after the
 //! restart. Every other key, and stale or equal tokens on a held key,
 //! behave as in normal running.
-
 //!
 //! Files, by concern (each an `impl Fence` block or the types it uses):
-//! [`state`] (the `Fence` and `Permit`), [`admit`] (admission and
-//! ordering), [`gate`] (per-key gates), [`cache`] (highest tokens),
-//! [`recovery`] (marks and holds), [`shared`] (shared-store leases) with
-//! [`active`] (registrations) and [`grant`] (lock-service grants), and
-//! [`error`].
+//! `state.rs` (the `Fence` and `Permit`), `admit.rs` (admission and
+//! ordering), `gate.rs` (per-key gates), `cache.rs` (highest tokens),
+//! `recovery.rs` (marks and holds), `shared.rs` (shared-store leases) with
+//! `active.rs` (registrations) and `grant.rs` (lock-service grants), and
+//! `error.rs`.
 
 mod active;
 mod admit;

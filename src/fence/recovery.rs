@@ -24,7 +24,8 @@ impl Fence {
 
     /// Called once at start with the fingerprint of the key mapping this run
     /// admits writes under; returns the fingerprint to record in the store
-    /// ([`FenceStore::record_key_mapping`]). The crashed run's marks name
+    /// ([`FenceStore::record_key_mapping`](crate::store::FenceStore::record_key_mapping)).
+    /// The crashed run's marks name
     /// keys under the mapping it recorded: under another one (a reload or
     /// a changed config before the restart) a resource that had a write in
     /// flight has another key now, so every key is held until the window

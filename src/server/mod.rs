@@ -7,7 +7,6 @@
 //! the drain completed, records a clean stop in the store. [`Reloader`]
 //! applies a new config to the running server (SIGHUP) without touching
 //! connections in flight.
-
 //!
 //! Files: `start.rs` (the [`Server`], its start and drain), `conn.rs`
 //! (accept loops and connections), `reload.rs` (the [`Reloader`]),

@@ -11,7 +11,6 @@
 //! number: a mark is an append at its right edge and marks die wholesale
 //! below a watermark, so a commit touches a few pages of it however random
 //! the keys are.
-
 //!
 //! Files: `store.rs` (the [`EmbeddedStore`]), `writer.rs` (the writer
 //! thread and its commits), `ops.rs` (what is sent to it), `schema.rs`

@@ -19,7 +19,6 @@
 //! (stale); otherwise write the token, register the lease and count older
 //! leases, atomically. A raise is durable once etcd acknowledged it: etcd
 //! commits through its Raft quorum and fsyncs its WAL.
-
 //!
 //! Files: `conn.rs` (the backend and its calls), `backend.rs` (the
 //! admission's operations), `keys.rs` (keyspace and transactions),

@@ -8,7 +8,6 @@
 //! the server's clock (`clock_timestamp()`). A raise is durable when its
 //! transaction commits with `synchronous_commit` on (the default; fencegate
 //! warns at connect when it is off).
-
 //!
 //! Files: `conn.rs` (connections and calls), `backend.rs` (the admission's
 //! operations), `schema.rs` (the schema and its functions), `tls.rs` (TLS

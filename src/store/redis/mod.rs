@@ -31,7 +31,6 @@
 //! confirmations in time fail the call like a store timeout. The primary is
 //! found directly (`redis://`) or asked of Sentinel (`redis+sentinel://`),
 //! again after every connection failure, so a promoted replica is followed.
-
 //!
 //! Files: `conn.rs` (connections, Sentinel, the replica wait),
 //! `backend.rs` (the admission's operations), `scripts.rs` (the Lua

@@ -46,7 +46,7 @@ pub trait Backend: Send + Sync + 'static {
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError>;
     async fn ping(&self) -> Result<(), StoreError>;
     /// One lock-service operation on `key`, atomically (see
-    /// [`FenceStore::claim_lock`] and its kin). May run twice on a broken
+    /// [`FenceStore::claim_lock`](crate::store::api::FenceStore::claim_lock) and its kin). May run twice on a broken
     /// connection: a claim sent again finds its own lease and answers it
     /// granted.
     async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError>;

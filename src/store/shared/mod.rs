@@ -2,14 +2,13 @@
 //! amnesia detection and the per-replica knowledge behind it.
 //!
 //! A backend ([`Backend`]) only speaks its server's protocol. [`SharedStore`]
-//! wraps it into a [`FenceStore`] and refuses writes when the server may have
+//! wraps it into a [`FenceStore`](crate::store::api::FenceStore) and refuses writes when the server may have
 //! lost data: its marker record (written at first start) is missing, was
 //! replaced, or carries a sequence number lower than this replica already
 //! saw (a restored backup, a failover to a lagging replica); or a key's
 //! highest token is lower than one the server acknowledged to this replica.
-//! Writes stay refused until an operator confirms ([`FenceStore::confirm_reset`]),
+//! Writes stay refused until an operator confirms ([`FenceStore::confirm_reset`](crate::store::api::FenceStore::confirm_reset)),
 //! which writes back every fence this replica knows and a new marker.
-
 //!
 //! Files: `backend.rs` (what an engine implements), `store.rs` (the
 //! `SharedStore` and its checks), `fence_store.rs` (the `FenceStore` over

@@ -7,7 +7,8 @@
 //!
 //! Files: `raw.rs` (the file shape), `validated.rs` (the `Config` and its
 //! checks), `route.rs` (routes), `store/` (the store URL and its
-//! settings), `parse.rs` (durations, addresses), `error.rs`.
+//! settings), `parse.rs` (durations, addresses), `secret.rs` (passwords
+//! that never print), `error.rs`.
 
 mod error;
 mod parse;

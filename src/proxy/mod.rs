@@ -10,6 +10,8 @@
 //!   table and its key mapping.
 //! - `forward.rs`: the headers on the way, the guarded request body, and the
 //!   exchange with the route's [`Upstream`](crate::upstream::Upstream).
+//! - `linger.rs`: reading what is left of a refused request's body, so
+//!   that the client reads its answer.
 //!
 //! The order is fixed so that nothing of a refused write leaves the proxy:
 //! route and key first (400), then the body limit (413), the token (428/400),

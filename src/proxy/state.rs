@@ -1,6 +1,8 @@
 //! The [`Proxy`] shared by every connection: its route table, fence and
-//! limits; construction, reload, and the live route table seen by the
-//! admin lookup and the lock service ([`Explain`]).
+//! limits; construction, reload, request ids, and the live route table
+//! seen by the admin lookup and the lock service ([`Explain`]). Also the
+//! small things every file of the proxy uses: the client's [`Peer`], the
+//! `X-Request-Id` and `X-Forwarded-*` header names, a gauge guard.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -25,7 +25,7 @@ pub(crate) fn become_worker(i: usize) -> impl Drop {
             WORKER.with(|w| w.set(0));
         }
     }
-    WORKER.with(|w| w.set(i + 1));
+    enter(i);
     Reset
 }
 

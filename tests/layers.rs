@@ -137,11 +137,17 @@ fn binary(src: &Path, path: &Path) -> bool {
     path == src.join("main.rs") || path.starts_with(src.join("cli"))
 }
 
-/// Every source file, the binary's included, with its line count.
-fn all_lines() -> Vec<(String, usize)> {
+/// `src/` and every `.rs` file under it.
+fn sources() -> (PathBuf, Vec<PathBuf>) {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut paths = Vec::new();
     source_files(&src, &mut paths);
+    (src, paths)
+}
+
+/// Every source file, the binary's included, with its line count.
+fn all_lines() -> Vec<(String, usize)> {
+    let (src, paths) = sources();
     paths
         .iter()
         .map(|p| {
@@ -154,9 +160,7 @@ fn all_lines() -> Vec<(String, usize)> {
 
 /// The library's files, without their unit-test modules.
 fn load() -> Vec<File> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut paths = Vec::new();
-    source_files(&src, &mut paths);
+    let (src, paths) = sources();
     paths
         .iter()
         .filter(|p| !binary(&src, p))

@@ -670,17 +670,42 @@ fn powercut_shim(dir: &std::path::Path) -> std::path::PathBuf {
     out
 }
 
+/// The store's files: the table and the write-ahead log's two files. A
+/// power cut leaves each as of its own last sync (`FILE.synced`).
+fn store_files(store: &std::path::Path) -> [std::path::PathBuf; 3] {
+    [
+        store.to_path_buf(),
+        store.with_extension("redb.wal.0"),
+        store.with_extension("redb.wal.1"),
+    ]
+}
+
+/// Copies what a power cut would leave of `store` to `to` (and `to`'s
+/// log), or removes what is there if nothing was synced. The log first: a
+/// checkpoint between the copies then leaves a table that holds what the
+/// copied log has, where the other order could pair an older table with a
+/// log that moved on.
+fn cut_power(store: &std::path::Path, to: &std::path::Path) {
+    for (from, to) in store_files(store).iter().zip(store_files(to)).rev() {
+        let mut synced = from.clone().into_os_string();
+        synced.push(".synced");
+        if std::fs::copy(&synced, &to).is_err() {
+            let _ = std::fs::remove_file(&to);
+        }
+    }
+}
+
 /// An upstream that, the moment each request head arrives, copies what a
-/// power cut would leave of the store (`synced`) to `cuts/N.redb`, then
-/// answers 200. Requests must have no body.
-async fn cutting_upstream(synced: std::path::PathBuf, cuts: std::path::PathBuf) -> String {
+/// power cut would leave of the store at `store` to `cuts/N.redb` (and its
+/// log), then answers 200. Requests must have no body.
+async fn cutting_upstream(store: std::path::PathBuf, cuts: std::path::PathBuf) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let n = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
-            let (synced, cuts, n) = (synced.clone(), cuts.clone(), n.clone());
+            let (store, cuts, n) = (store.clone(), cuts.clone(), n.clone());
             tokio::spawn(async move {
                 let mut got = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -689,7 +714,7 @@ async fn cutting_upstream(synced: std::path::PathBuf, cuts: std::path::PathBuf) 
                         got.drain(..end + 4);
                         let i = n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         // No snapshot yet means nothing was ever synced.
-                        let _ = std::fs::copy(&synced, cuts.join(format!("{i}.redb")));
+                        cut_power(&store, &cuts.join(format!("{i}.redb")));
                         let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
                         if s.write_all(ok).await.is_err() {
                             return;
@@ -717,11 +742,14 @@ async fn a_power_cut_keeps_every_token_already_forwarded() {
     let store = dir.path().join("fences.redb");
     let cuts = dir.path().join("cuts");
     std::fs::create_dir(&cuts).unwrap();
-    let up = cutting_upstream(dir.path().join("fences.redb.synced"), cuts.clone()).await;
+    let up = cutting_upstream(store.clone(), cuts.clone()).await;
+    let watched = store_files(&store)
+        .map(|f| f.display().to_string())
+        .join(":");
     let mut p = ProxyBuilder::new(&up, dir.path())
         .args(&["--upstream-timeout", "1s"])
         .env("LD_PRELOAD", shim.to_str().unwrap())
-        .env("POWERCUT_FILE", store.to_str().unwrap())
+        .env("POWERCUT_FILE", &watched)
         // A slow disk: a write forwarded before its commit's sync returned
         // would reach the backend while the old snapshot is still in place.
         .env("POWERCUT_DELAY_MS", "40")
@@ -749,7 +777,14 @@ async fn a_power_cut_keeps_every_token_already_forwarded() {
             "nothing was synced when {path} (token {token}) reached the backend"
         );
         let restored = tempfile::tempdir().unwrap();
-        std::fs::copy(&cut, restored.path().join("fences.redb")).unwrap();
+        for (from, to) in store_files(&cut)
+            .iter()
+            .zip(store_files(&restored.path().join("fences.redb")))
+        {
+            if from.exists() {
+                std::fs::copy(from, to).unwrap();
+            }
+        }
         let q = ProxyBuilder::new(&up, restored.path()).spawn();
         let key = format!("default%3A{}", path.replace('/', "%2F"));
         let a = send("GET", &q.admin_url(&format!("/v1/fences/{key}")), &[], "").await;
@@ -765,7 +800,14 @@ async fn a_power_cut_keeps_every_token_already_forwarded() {
     // on what the disk kept; once the recovery window has passed, a token
     // below any forwarded one is refused.
     p.kill9();
-    std::fs::copy(cuts.join(format!("{}.redb", writes.len() - 1)), &store).unwrap();
+    let last = cuts.join(format!("{}.redb", writes.len() - 1));
+    for (from, to) in store_files(&last).iter().zip(store_files(&store)) {
+        if from.exists() {
+            std::fs::copy(from, to).unwrap();
+        } else {
+            let _ = std::fs::remove_file(to);
+        }
+    }
     p.restart();
     tokio::time::sleep(Duration::from_millis(1300)).await;
     for (path, token) in writes.iter().rev().take(6) {

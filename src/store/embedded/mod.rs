@@ -16,14 +16,17 @@
 //! thread and its commits), `ops.rs` (what is sent to it), `schema.rs`
 //! (tables, meta keys, opening a file).
 
+mod checkpoint;
+mod logged;
 mod ops;
 mod schema;
 mod store;
 #[cfg(test)]
 mod tests;
+mod wal;
 mod writer;
 
 #[cfg(test)]
 pub(crate) use schema::forget_marks_flag;
-pub use schema::{OpenError, FORMAT_VERSION};
+pub use schema::{OpenError, FORMAT_VERSION, OLDEST_FORMAT_VERSION};
 pub use store::EmbeddedStore;

@@ -10,6 +10,8 @@ use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 
 use crate::store::api::{CrashedKey, StartState};
 
+use super::wal::Record;
+
 pub(super) const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 
 pub(super) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
@@ -41,9 +43,19 @@ pub(super) const KEY_MAPPING_KEY: &str = "key_mapping";
 /// that a restart with a shorter upstream timeout still waits long enough.
 pub(super) const WINDOW_KEY: &str = "recovery_window_ms";
 
+/// The oldest generation of the write-ahead log (see `wal.rs`) whose
+/// records the table may lack: older ones are in it.
+pub(super) const WAL_GENERATION_KEY: &str = "wal_generation";
+
 /// Bumped when the on-disk layout changes; a file from a newer version is
-/// refused rather than misread.
-pub const FORMAT_VERSION: u64 = 1;
+/// refused rather than misread. Version 2 added the write-ahead log next
+/// to the file: a version-1 file (no log) is upgraded at open, and a
+/// fencegate that reads only version 1 refuses a version-2 file rather
+/// than miss the advances in its log.
+pub const FORMAT_VERSION: u64 = 2;
+
+/// The oldest format version this fencegate upgrades at open.
+pub const OLDEST_FORMAT_VERSION: u64 = 1;
 
 /// While the store is unhealthy, a readiness probe commits this many bytes
 /// (then removes them) before it says the store takes writes again. A probe
@@ -64,7 +76,7 @@ pub enum OpenError {
     Locked(PathBuf),
     #[error("store file {path} is corrupt or not a fencegate store: {reason}")]
     Corrupt { path: PathBuf, reason: String },
-    #[error("store file {path} has format version {found}; this fencegate reads version {FORMAT_VERSION} (upgrade fencegate)")]
+    #[error("store file {path} has format version {found}; this fencegate reads versions {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION} (upgrade fencegate)")]
     UnknownVersion { path: PathBuf, found: u64 },
     #[error("cannot open store file {path}: {reason}")]
     Io { path: PathBuf, reason: String },
@@ -107,14 +119,24 @@ pub(super) struct Found {
     pub(super) next_mark: u64,
     /// The key mapping recorded by the previous run.
     pub(super) key_mapping: Option<u64>,
+    /// The write-ahead log's generation from here on.
+    pub(super) generation: u64,
 }
 
-/// Reads the format version and clean flag, then marks the store as in use
-/// (durably) so that a crash from here on is detected at the next start.
+/// Replays the write-ahead log at `wal` into the table, reads the format
+/// version and clean flag, then marks the store as in use (durably) so
+/// that a crash from here on is detected at the next start. Records found
+/// in the log mean the last run did not stop cleanly (a clean stop
+/// checkpoints the log), whatever the clean flag says.
 /// After an unclean stop it reads the keys marked in flight, and keeps
 /// their marks (a second crash during recovery must still find them);
 /// after a clean one nothing was in flight, and the marks are dropped.
-pub(super) fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<Found, OpenError> {
+pub(super) fn init_meta(
+    db: &Database,
+    path: &Path,
+    wal: &[PathBuf; 2],
+    window: Duration,
+) -> Result<Found, OpenError> {
     let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -123,21 +145,43 @@ pub(super) fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<
     let start;
     let marked;
     let key_mapping;
+    let generation;
     {
         let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
         let version = meta
             .get(FORMAT_VERSION_KEY)
             .map_err(|e| corrupt(&e))?
             .map(|v| v.value());
+        if let Some(v) = version.filter(|v| !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(v)) {
+            return Err(OpenError::UnknownVersion {
+                path: path.to_path_buf(),
+                found: v,
+            });
+        }
+        // A version-1 file has no log (generation 0 finds no records).
+        let logged = meta
+            .get(WAL_GENERATION_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map_or(0, |v| v.value());
+        // A new file has no log yet: one left beside it belonged to a file
+        // that is gone.
+        let records = match version {
+            Some(_) => super::wal::replay(wal, logged).map_err(|e| OpenError::Io {
+                path: wal[0].clone(),
+                reason: e.to_string(),
+            })?,
+            None => Vec::new(),
+        };
+        let replayed = !records.is_empty();
+        replay(&txn, &mut meta, records).map_err(|e| corrupt(&e))?;
+        // Past both generations the log may hold: every record in its
+        // files is in the table now.
+        generation = logged + 2;
+        meta.insert(WAL_GENERATION_KEY, generation)
+            .map_err(|e| corrupt(&e))?;
         start = match version {
-            Some(v) if v != FORMAT_VERSION => {
-                return Err(OpenError::UnknownVersion {
-                    path: path.to_path_buf(),
-                    found: v,
-                })
-            }
             Some(_) => match meta.get(CLEAN_KEY).map_err(|e| corrupt(&e))? {
-                Some(v) if v.value() == 1 => StartState::Clean,
+                Some(v) if v.value() == 1 && !replayed => StartState::Clean,
                 _ => StartState::Unclean {
                     previous_window: meta
                         .get(WINDOW_KEY)
@@ -229,7 +273,39 @@ pub(super) fn init_meta(db: &Database, path: &Path, window: Duration) -> Result<
         marks: left,
         next_mark,
         key_mapping,
+        generation,
     })
+}
+
+/// Applies logged records to the table, in order: a raise never lowers a
+/// key (the table may already hold a higher token), a mark is put back as
+/// it was, a watermark drops the marks below it.
+fn replay(
+    txn: &redb::WriteTransaction,
+    meta: &mut redb::Table<&str, u64>,
+    records: Vec<Record>,
+) -> Result<(), redb::Error> {
+    let mut fences = txn.open_table(FENCES)?;
+    let mut marks = txn.open_table(MARKS)?;
+    for r in records {
+        match r {
+            Record::Raise { key, token } => {
+                let current = fences.get(key.as_str())?.map(|v| v.value());
+                if current.is_none_or(|c| c < token) {
+                    fences.insert(key.as_str(), token)?;
+                }
+            }
+            Record::Mark { seq, key, token } => {
+                marks.insert(seq, (token, key.as_str()))?;
+            }
+            Record::Watermark(w) => {
+                let current = meta.get(WATERMARK_KEY)?.map_or(0, |v| v.value());
+                meta.insert(WATERMARK_KEY, w.max(current))?;
+                marks.retain_in(..w, |_, _| false)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Makes the file look last used by a fencegate that kept no in-flight

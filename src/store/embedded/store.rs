@@ -48,7 +48,13 @@ impl EmbeddedStore {
         recovery_window: Duration,
     ) -> Result<Self, OpenError> {
         let db = open_db(path, cache_bytes)?;
-        let found = init_meta(&db, path, recovery_window)?;
+        let wal_paths = super::wal::paths(path);
+        let found = init_meta(&db, path, &wal_paths, recovery_window)?;
+        let wal =
+            super::wal::Wal::open(&wal_paths, found.generation).map_err(|e| OpenError::Io {
+                path: wal_paths[0].clone(),
+                reason: e.to_string(),
+            })?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));
@@ -57,13 +63,19 @@ impl EmbeddedStore {
         let worker = Writer {
             marks: marks.clone(),
             next_mark: next_mark.clone(),
-            db: Some(db),
+            db: Some(Arc::new(db)),
             path: path.to_path_buf(),
             cache_bytes,
             healthy: healthy.clone(),
             commits: commits.clone(),
             closed: false,
             last_probe: None,
+            wal,
+            logged: Default::default(),
+            frozen: None,
+            checkpointing: None,
+            must_checkpoint: false,
+            dead_counted: 0,
         };
         let handle = std::thread::Builder::new()
             .name("fencegate-store".into())

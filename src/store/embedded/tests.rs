@@ -202,3 +202,216 @@ fn a_second_open_is_refused_while_the_first_is_open() {
         Err(OpenError::Locked(_))
     ));
 }
+
+/// What `table` of the file alone holds for `key` (the log not
+/// applied): opens the file as redb, so the store must be closed.
+fn stored(
+    path: &std::path::Path,
+    table: redb::TableDefinition<&str, u64>,
+    key: &str,
+) -> Option<u64> {
+    use redb::ReadableDatabase;
+    let db = Database::create(path).unwrap();
+    let read = db.begin_read().unwrap();
+    let t = read.open_table(table).unwrap();
+    let v = t.get(key).unwrap().map(|v| v.value());
+    v
+}
+
+fn table_value(path: &std::path::Path, key: &str) -> Option<u64> {
+    stored(path, FENCES, key)
+}
+
+fn meta_value(path: &std::path::Path, key: &str) -> Option<u64> {
+    stored(path, META, key)
+}
+
+/// Advances and marks are made durable by the log, not by a commit of the
+/// table: after a crash the table alone lacks them, and the replay at
+/// open puts them back, never lowering a key. A second crash right after
+/// that open loses nothing either (the replay was committed).
+#[tokio::test]
+async fn advances_live_in_the_log_until_a_checkpoint_and_a_crash_replays_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    let before = s.commit_count();
+    assert!(matches!(
+        s.advance("a", 5).await.unwrap(),
+        Advance::Raised { previous: None }
+    ));
+    assert_eq!(s.commit_count() - before, 1, "one sync for the advance");
+    s.advance("a", 9).await.unwrap();
+    assert_eq!(
+        s.advance("a", 8).await.unwrap(),
+        Advance::Stale { highest: 9 }
+    );
+    let (_, seq) = s.advance_marked("b", 4).await.unwrap();
+    assert_eq!(s.highest("a").await.unwrap(), Some(9), "read from the log");
+    drop(s); // a crash
+    assert_eq!(table_value(&path, "a"), None, "the table was not committed");
+    let s = open(&dir);
+    assert!(matches!(s.start_state(), StartState::Unclean { .. }));
+    assert_eq!(s.highest("a").await.unwrap(), Some(9));
+    assert_eq!(s.highest("b").await.unwrap(), Some(4));
+    assert_eq!(
+        s.in_flight_at_crash(),
+        Some(vec![CrashedKey {
+            key: "b".into(),
+            highest: Some(4),
+            lowest: 4
+        }])
+    );
+    assert!(s.next_mark() > seq, "mark numbers are not handed out again");
+    drop(s); // a second crash, before anything else was written
+    assert_eq!(table_value(&path, "a"), Some(9), "the replay was committed");
+    let s = open(&dir);
+    assert_eq!(s.highest("a").await.unwrap(), Some(9));
+    s.close_clean().await.unwrap();
+    drop(s);
+    let s = open(&dir);
+    assert_eq!(
+        s.start_state(),
+        StartState::Clean,
+        "a clean stop checkpoints"
+    );
+}
+
+/// A lease operation (or anything else that is not an advance, a mark, a
+/// rotation or a read) checkpoints the log into the table first, in its
+/// own commit; after it the log starts over under a new generation, and
+/// what the table holds is never lowered by what the log held.
+#[tokio::test]
+async fn other_operations_checkpoint_the_log_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    s.advance("a", 5).await.unwrap();
+    s.record_key_mapping(42).await.unwrap();
+    s.advance("b", 1).await.unwrap();
+    drop(s);
+    assert_eq!(table_value(&path, "a"), Some(5), "checkpointed");
+    assert_eq!(table_value(&path, "b"), None, "logged after it");
+    let generation = meta_value(&path, WAL_GENERATION_KEY).unwrap();
+    let s = open(&dir);
+    assert_eq!(s.highest("a").await.unwrap(), Some(5));
+    assert_eq!(s.highest("b").await.unwrap(), Some(1));
+    drop(s);
+    assert!(
+        meta_value(&path, WAL_GENERATION_KEY).unwrap() > generation,
+        "each open moves the log to a new generation"
+    );
+}
+
+/// A log grown past its checkpoint size is checkpointed (on a thread of
+/// its own, while the next generation is logged in the other file), so it
+/// stays bounded however long the store runs without a lease operation or
+/// a stop.
+#[tokio::test]
+async fn a_long_log_is_checkpointed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    let key = |i: usize| format!("{i}:{}", "k".repeat(64 << 10));
+    let n = (super::wal::CHECKPOINT_BYTES / (64 << 10)) as usize + 8;
+    for i in 0..n {
+        s.advance(&key(i), 1).await.unwrap();
+    }
+    drop(s);
+    assert_eq!(table_value(&path, &key(0)), Some(1), "checkpointed");
+    for log in super::wal::paths(&path) {
+        let len = std::fs::metadata(&log).unwrap().len();
+        assert!(
+            len <= super::wal::CHECKPOINT_BYTES + 2 * super::wal::GROW,
+            "{} grew to {len} bytes",
+            log.display()
+        );
+    }
+    let s = open(&dir);
+    assert_eq!(s.highest(&key(n - 1)).await.unwrap(), Some(1));
+}
+
+/// A torn or overwritten tail of the log is dropped at open, and what
+/// precedes it is kept; the store opens either way.
+#[tokio::test]
+async fn a_torn_log_tail_is_dropped_not_misread() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    s.advance("a", 5).await.unwrap();
+    s.advance("b", 7).await.unwrap();
+    drop(s);
+    // b's record is the last of the first generation logged (in the
+    // first file): damage its final byte (the end of its key).
+    let log = &super::wal::paths(&path)[0];
+    let mut bytes = std::fs::read(log).unwrap();
+    let end = bytes.iter().rposition(|b| *b != 0).unwrap();
+    bytes[end] ^= 0xff;
+    std::fs::File::options()
+        .write(true)
+        .open(log)
+        .unwrap()
+        .write_all_at(&bytes[end..=end], end as u64)
+        .unwrap();
+    let s = open(&dir);
+    assert_eq!(s.highest("a").await.unwrap(), Some(5));
+    assert_eq!(s.highest("b").await.unwrap(), None, "the torn record");
+}
+
+/// A store written by the previous release (format version 1: no log,
+/// no generation), left by a crash with a write in flight, opens: its
+/// fences, marks and crash are found, and it is upgraded to the current
+/// version.
+#[tokio::test]
+async fn a_version_1_store_is_upgraded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    {
+        let db = Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut meta = txn.open_table(META).unwrap();
+            meta.insert(FORMAT_VERSION_KEY, 1).unwrap();
+            meta.insert(CLEAN_KEY, 0).unwrap();
+            meta.insert(MARKS_KEY, 1).unwrap();
+            meta.insert(WATERMARK_KEY, 10).unwrap();
+            meta.insert(WINDOW_KEY, 3000).unwrap();
+            let mut fences = txn.open_table(FENCES).unwrap();
+            fences.insert("a", 9).unwrap();
+            fences.insert("b", 3).unwrap();
+            let mut marks = txn.open_table(MARKS).unwrap();
+            marks.insert(11, (9, "a")).unwrap();
+            txn.open_table(LOCKS).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let s = open(&dir);
+    assert_eq!(
+        s.start_state(),
+        StartState::Unclean {
+            previous_window: Some(Duration::from_secs(3))
+        }
+    );
+    assert_eq!(
+        s.in_flight_at_crash(),
+        Some(vec![CrashedKey {
+            key: "a".into(),
+            highest: Some(9),
+            lowest: 9
+        }])
+    );
+    assert_eq!(s.highest("b").await.unwrap(), Some(3));
+    assert!(s.next_mark() >= 12);
+    s.advance("b", 4).await.unwrap();
+    s.close_clean().await.unwrap();
+    drop(s);
+    assert_eq!(
+        meta_value(&path, FORMAT_VERSION_KEY),
+        Some(FORMAT_VERSION),
+        "upgraded"
+    );
+    let s = open(&dir);
+    assert_eq!(s.start_state(), StartState::Clean);
+    assert_eq!(s.highest("b").await.unwrap(), Some(4));
+}

@@ -1,10 +1,16 @@
-//! The writer thread: takes everything queued, applies it in one write
-//! transaction and commits once (group commit); a batch that raised
-//! nothing is aborted. Probes the disk when a commit fails.
+//! The writer thread: takes everything queued and makes it durable at
+//! once (group commit). A batch of advances, marks, rotations and reads is
+//! logged (`logged.rs`). Anything else (leases, forgets, a clean stop), a
+//! log grown far past its size, or a failure first waits for a running
+//! checkpoint, then writes what is logged into a write transaction of the
+//! table, applies the batch in it and commits once
+//! ([`Writer::try_apply`]); a batch that changed nothing is aborted.
+//! Probes the disk when a commit fails.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use redb::{Database, ReadableTable};
@@ -12,12 +18,15 @@ use redb::{Database, ReadableTable};
 use crate::clock::{lease_end, wall_ms};
 use crate::store::api::{Advance, Claim, Lock, StoreError};
 
+use super::checkpoint::Logged;
 use super::ops::*;
 use super::schema::*;
+use super::wal::Wal;
 
 pub(super) struct Writer {
-    /// `None` after a failed commit until a reopen succeeds.
-    pub(super) db: Option<Database>,
+    /// `None` after a failed commit until a reopen succeeds. Shared with
+    /// a running checkpoint.
+    pub(super) db: Option<Arc<Database>>,
     pub(super) path: PathBuf,
     pub(super) cache_bytes: usize,
     pub(super) healthy: Arc<AtomicBool>,
@@ -28,6 +37,19 @@ pub(super) struct Writer {
     pub(super) closed: bool,
     /// When the store last probed for room (while unhealthy).
     pub(super) last_probe: Option<Instant>,
+    pub(super) wal: Wal,
+    /// Logged in the current generation.
+    pub(super) logged: Logged,
+    /// The previous generation, while its checkpoint runs (or failed).
+    pub(super) frozen: Option<Arc<Logged>>,
+    pub(super) checkpointing: Option<JoinHandle<Result<(), StoreError>>>,
+    /// A commit, an append or a checkpoint failed: part of it may be on
+    /// disk, so nothing is logged again before a commit of the writer's
+    /// own has moved the log to a new generation.
+    pub(super) must_checkpoint: bool,
+    /// The table's marks below this are already counted as gone from
+    /// [`marks`](Self::marks).
+    pub(super) dead_counted: u64,
 }
 
 impl Writer {
@@ -42,13 +64,18 @@ impl Writer {
             } else {
                 rx.recv_timeout(PROBE_EVERY)
             };
+            self.finish_checkpoint(false);
             let (op, courier) = match next {
                 Ok(next) => next,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     let _ = self.probe();
                     continue;
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // The file lock goes with the last handle.
+                    self.finish_checkpoint(true);
+                    break;
+                }
             };
             batch.push(op);
             couriers.push(courier);
@@ -73,12 +100,37 @@ impl Writer {
 
     /// After an I/O failure redb refuses further work on the handle; reopen
     /// the file so the store heals when the disk does.
-    pub(super) fn db(&mut self) -> Result<&Database, StoreError> {
+    pub(super) fn db(&mut self) -> Result<&Arc<Database>, StoreError> {
         if self.db.is_none() {
+            // A running checkpoint holds the old handle (and the lock).
+            self.finish_checkpoint(true);
             let db = open_db(&self.path, self.cache_bytes).map_err(|e| self.fail(e))?;
-            self.db = Some(db);
+            self.db = Some(Arc::new(db));
         }
         Ok(self.db.as_ref().expect("just set"))
+    }
+
+    /// Reaps a checkpoint that has ended (or waits for it): the frozen
+    /// generation is then in the table, or, if it failed, left for the
+    /// writer's next commit.
+    pub(super) fn finish_checkpoint(&mut self, wait: bool) {
+        let Some(handle) = self.checkpointing.take_if(|h| wait || h.is_finished()) else {
+            return;
+        };
+        match handle.join() {
+            Ok(Ok(())) => {
+                self.frozen = None;
+                self.commits.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "fence store checkpoint failed");
+                self.must_checkpoint = true;
+            }
+            Err(_) => {
+                tracing::error!("fence store checkpoint panicked");
+                self.must_checkpoint = true;
+            }
+        }
     }
 
     /// Proves that the disk takes writes again: [`PROBE_BYTES`] committed,
@@ -87,6 +139,7 @@ impl Writer {
     /// batch down with it.
     pub(super) fn probe(&mut self) -> Result<(), StoreError> {
         self.last_probe = Some(Instant::now());
+        self.finish_checkpoint(true);
         let result = (|| {
             let db = self.db()?;
             let txn = db.begin_write().map_err(|e| self.fail(e))?;
@@ -115,7 +168,12 @@ impl Writer {
 
     /// Each operation's answer, in batch order.
     pub(super) fn apply(&mut self, batch: &[Op]) -> Vec<Result<Answer, StoreError>> {
-        match self.try_apply(batch) {
+        let result = if self.loggable(batch) {
+            self.try_log(batch)
+        } else {
+            self.try_apply(batch)
+        };
+        match result {
             Ok(answers) => {
                 // While the store is unhealthy, a readiness check probes at
                 // once, and the writer itself once a second, so the store
@@ -141,6 +199,8 @@ impl Writer {
                 // Every waiter gets the real cause (it reaches the log and
                 // the 503's detail), not a closed channel.
                 tracing::error!(error = %e, ops = batch.len(), "fence store commit failed");
+                self.must_checkpoint = true;
+                self.finish_checkpoint(true);
                 self.db = None;
                 batch.iter().map(|_| Err(e.clone())).collect()
             }
@@ -161,6 +221,8 @@ impl Writer {
                 )
             });
         let closed = self.closed;
+        // Generations are committed in order, one writer at a time.
+        self.finish_checkpoint(true);
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
         let mut answers = Vec::with_capacity(batch.len());
@@ -172,6 +234,7 @@ impl Writer {
         // Marks added and removed by this batch.
         let (mut added, mut removed) = (0u64, 0u64);
         let mut next = self.next_mark.load(Ordering::Relaxed);
+        let mut rotated: Option<u64> = None;
         {
             let mut table = txn.open_table(FENCES).map_err(|e| self.fail(e))?;
             let mut meta = txn.open_table(META).map_err(|e| self.fail(e))?;
@@ -186,6 +249,17 @@ impl Writer {
             } else {
                 None
             };
+            // The checkpoint: what was logged goes into this transaction
+            // first (the frozen generation, then the current one), so
+            // that the batch reads it there. Its marks were counted when
+            // they were logged.
+            let checkpoint =
+                self.frozen.is_some() || !self.logged.is_empty() || self.must_checkpoint;
+            for part in self.frozen.as_deref().into_iter().chain([&self.logged]) {
+                part.write_to(&mut table, &mut marks, &mut meta)
+                    .map_err(|e| self.fail(e))?;
+            }
+            raised |= checkpoint;
             // Lease expiry is the only use of the wall clock here.
             let now = if locks.is_some() { wall_ms() } else { 0 };
             // Appends a mark and returns its sequence number.
@@ -251,6 +325,7 @@ impl Writer {
                         }
                         meta.insert(WATERMARK_KEY, *watermark)
                             .map_err(|e| self.fail(e))?;
+                        rotated = rotated.max(Some(*watermark));
                         marks
                             .retain_in(..*watermark, |_, _| {
                                 removed += 1;
@@ -382,6 +457,11 @@ impl Writer {
                 // front of this batch's clean stop is covered by its drain.
                 meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
             }
+            if raised || needs_write {
+                // The log's records are in the table from this commit on.
+                meta.insert(WAL_GENERATION_KEY, self.wal.generation + 1)
+                    .map_err(|e| self.fail(e))?;
+            }
             if needs_write && !raised {
                 // A write of its own, so that the commit reaches the disk.
                 let n = meta
@@ -397,8 +477,18 @@ impl Writer {
         // batch that failed before this never wrote them.)
         self.next_mark.store(next, Ordering::Release);
         if raised || needs_write {
-            txn.commit().map_err(|e| self.fail(e))?;
+            if let Err(e) = txn.commit() {
+                self.must_checkpoint = true;
+                return Err(self.fail(e));
+            }
             self.commits.fetch_add(1, Ordering::Relaxed);
+            self.logged = Logged::default();
+            self.frozen = None;
+            if let Some(w) = rotated {
+                self.dead_counted = self.dead_counted.max(w);
+            }
+            self.wal.restart(self.wal.generation + 1);
+            self.must_checkpoint = false;
             let now = self.marks.load(Ordering::Relaxed) + added;
             self.marks
                 .store(now.saturating_sub(removed), Ordering::Relaxed);

@@ -1,0 +1,351 @@
+//! The write-ahead log of advances: a batch of raises and in-flight marks
+//! is made durable by one append and one `fdatasync` of a preallocated
+//! file, instead of a B-tree commit that rewrites several pages.
+//!
+//! The redb file stays the table. The writer applies logged changes to it
+//! with non-durable commits (memory and page cache only), and a durable
+//! commit of the table (a *checkpoint*) makes everything logged so far
+//! redundant: it bumps the log's *generation*, stored in the table's meta,
+//! and the log starts again at offset 0. Each record carries its
+//! generation and a CRC-32 of its body, so replay at open takes the
+//! records of the current generation up to the first that is torn,
+//! zeroed, or left over from an earlier generation, and drops the rest:
+//! a half-written tail is never read as a lower token (a dropped record was
+//! never acknowledged: its batch's sync had not returned).
+//!
+//! Record: `len: u32 | crc32(body): u32 | body`, with body =
+//! `generation: u64 | kind: u8 | token: u64 | seq: u64 | key bytes`
+//! (little-endian; `seq` is 0 for a raise; a watermark has its value in
+//! `seq`, token 0 and no key).
+
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// The log grows by this many bytes of zeros at a time, ahead of its
+/// appends, so that most appends overwrite allocated blocks and their sync
+/// writes no file metadata (a growing file, or fallocate's unwritten
+/// extents, would). A log that was once this long stays so: the next
+/// generations overwrite it.
+pub(super) const GROW: u64 = 1 << 20;
+
+/// A log past this many bytes is checkpointed before the next batch: it
+/// bounds the log's size on disk, the memory of what it holds, and the
+/// replay at a start after a crash.
+pub(super) const CHECKPOINT_BYTES: u64 = 16 << 20;
+
+const HEADER: usize = 8;
+const BODY_FIXED: usize = 8 + 1 + 8 + 8;
+
+/// One logged change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Record {
+    /// `key`'s highest is now `token` (replay takes the larger).
+    Raise { key: String, token: u64 },
+    /// In-flight mark `seq` of `key`, for a write of `token`.
+    Mark { seq: u64, key: String, token: u64 },
+    /// The marks below this are dead (a rotation).
+    Watermark(u64),
+}
+
+/// The log's two files next to the store file, `<store>.wal.0` and
+/// `<store>.wal.1`: generation `g` is written from the start of file
+/// `g % 2`, so the next generation can be logged while the previous one is
+/// checkpointed.
+pub(super) fn paths(store: &Path) -> [PathBuf; 2] {
+    [0, 1].map(|i| {
+        let mut p = store.as_os_str().to_owned();
+        p.push(format!(".wal.{i}"));
+        PathBuf::from(p)
+    })
+}
+
+/// Appends `record` of `generation` to `buf`.
+pub(super) fn encode(buf: &mut Vec<u8>, generation: u64, record: &Record) {
+    let (kind, key, token, seq) = match record {
+        Record::Raise { key, token } => (1u8, key.as_str(), *token, 0),
+        Record::Mark { seq, key, token } => (2u8, key.as_str(), *token, *seq),
+        Record::Watermark(w) => (3u8, "", 0, *w),
+    };
+    let start = buf.len();
+    let body_len = BODY_FIXED + key.len();
+    buf.extend_from_slice(&(body_len as u32).to_le_bytes());
+    buf.extend_from_slice(&[0; 4]);
+    buf.extend_from_slice(&generation.to_le_bytes());
+    buf.push(kind);
+    buf.extend_from_slice(&token.to_le_bytes());
+    buf.extend_from_slice(&seq.to_le_bytes());
+    buf.extend_from_slice(key.as_bytes());
+    let crc = crc32fast::hash(&buf[start + HEADER..]);
+    buf[start + 4..start + HEADER].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// The records of `generation` at the start of `bytes`, up to the first
+/// that does not check out.
+pub(super) fn decode(bytes: &[u8], generation: u64) -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(header) = bytes.get(at..at + HEADER) {
+        let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
+        let Some(body) = bytes.get(at + HEADER..(at + HEADER).saturating_add(len)) else {
+            break;
+        };
+        if len < BODY_FIXED || crc32fast::hash(body) != crc {
+            break;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
+        if u64_at(0) != generation {
+            break;
+        }
+        let (token, seq) = (u64_at(9), u64_at(17));
+        let Ok(key) = std::str::from_utf8(&body[BODY_FIXED..]) else {
+            break;
+        };
+        let key = key.to_string();
+        out.push(match body[8] {
+            1 => Record::Raise { key, token },
+            2 => Record::Mark { seq, key, token },
+            3 => Record::Watermark(seq),
+            _ => break,
+        });
+        at += HEADER + len;
+    }
+    out
+}
+
+/// The records not yet in the table, in order: those of `generation` (the
+/// oldest the table lacks) and of the generation after it, which was
+/// logged while `generation` was being checkpointed.
+pub(super) fn replay(paths: &[PathBuf; 2], generation: u64) -> std::io::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    for g in [generation, generation + 1] {
+        let mut bytes = Vec::new();
+        match File::open(&paths[(g % 2) as usize]) {
+            Ok(mut f) => f.read_to_end(&mut bytes)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        out.extend(decode(&bytes, g));
+    }
+    Ok(out)
+}
+
+/// The open log: where the next batch goes, and under which generation.
+pub(super) struct Wal {
+    files: [File; 2],
+    /// Bytes of each file allocated (written) so far.
+    allocated: [u64; 2],
+    pub(super) generation: u64,
+    /// Where the next append goes, in the generation's file.
+    pub(super) len: u64,
+    buf: Vec<u8>,
+}
+
+impl Wal {
+    /// Opens (or creates) the log, to be written from the start of
+    /// `generation`'s file. The records already in both files must have
+    /// been replayed and checkpointed: they are overwritten.
+    pub(super) fn open(paths: &[PathBuf; 2], generation: u64) -> std::io::Result<Self> {
+        let open = |p: &PathBuf| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(p)
+        };
+        let files = [open(&paths[0])?, open(&paths[1])?];
+        let allocated = [files[0].metadata()?.len(), files[1].metadata()?.len()];
+        let mut wal = Self {
+            files,
+            allocated,
+            generation,
+            len: 0,
+            buf: Vec::with_capacity(64 << 10),
+        };
+        for i in 0..2 {
+            wal.grow(i, GROW)?;
+            wal.files[i].sync_all()?;
+        }
+        Ok(wal)
+    }
+
+    fn current(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    /// Writes zeros up to at least `to` bytes of file `i`, in steps of
+    /// [`GROW`]. The next sync makes the new size durable with the records.
+    fn grow(&mut self, i: usize, to: u64) -> std::io::Result<()> {
+        if to <= self.allocated[i] {
+            return Ok(());
+        }
+        let end = to.div_ceil(GROW) * GROW;
+        let zeros = vec![0u8; (end - self.allocated[i]) as usize];
+        self.files[i].write_all_at(&zeros, self.allocated[i])?;
+        self.allocated[i] = end;
+        Ok(())
+    }
+
+    /// Appends the records and syncs them: once this returns `Ok`, a
+    /// replay finds them. On an error some of them may be on disk; the
+    /// caller must checkpoint before logging again.
+    pub(super) fn append(&mut self, records: &[Record]) -> std::io::Result<()> {
+        self.buf.clear();
+        for r in records {
+            encode(&mut self.buf, self.generation, r);
+        }
+        let i = self.current();
+        self.grow(i, self.len + self.buf.len() as u64)?;
+        self.files[i].write_all_at(&self.buf, self.len)?;
+        self.len += self.buf.len() as u64;
+        self.files[i].sync_data()
+    }
+
+    /// The log goes on under `generation`, from the start of its file:
+    /// after a checkpoint of everything before it, or while a checkpoint
+    /// of the generation before it runs.
+    pub(super) fn restart(&mut self, generation: u64) {
+        self.generation = generation;
+        self.len = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Vec<Record> {
+        vec![
+            Record::Raise {
+                key: "ns:a".into(),
+                token: 7,
+            },
+            Record::Mark {
+                seq: 3,
+                key: "ns:ü".into(),
+                token: u64::MAX,
+            },
+            Record::Watermark(12),
+            Record::Raise {
+                key: String::new(),
+                token: 0,
+            },
+        ]
+    }
+
+    fn encoded(generation: u64, records: &[Record]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for r in records {
+            encode(&mut buf, generation, r);
+        }
+        buf
+    }
+
+    #[test]
+    fn records_read_back_as_written() {
+        let buf = encoded(5, &sample());
+        assert_eq!(decode(&buf, 5), sample());
+    }
+
+    #[test]
+    fn another_generation_is_not_read() {
+        let buf = encoded(5, &sample());
+        assert!(decode(&buf, 6).is_empty());
+        assert!(decode(&buf, 4).is_empty());
+    }
+
+    #[test]
+    fn a_torn_tail_is_dropped_and_what_precedes_it_kept() {
+        let buf = encoded(1, &sample());
+        let whole = decode(&buf, 1);
+        // Every cut inside the last record keeps exactly the ones before.
+        let last_start = encoded(1, &sample()[..3]).len();
+        for cut in last_start..buf.len() {
+            assert_eq!(decode(&buf[..cut], 1), whole[..3], "cut at {cut}");
+        }
+        let second_end = encoded(1, &sample()[..2]).len();
+        // A flipped bit anywhere in a record drops it and all after it.
+        for i in 0..second_end {
+            let mut bad = buf.clone();
+            bad[i] ^= 0x10;
+            assert!(decode(&bad, 1).len() < 2, "flip at byte {i} went unseen");
+        }
+    }
+
+    #[test]
+    fn records_of_a_new_generation_over_old_ones_stop_where_the_new_end() {
+        // The log restarts at offset 0 after a checkpoint: what follows the
+        // new records is the old generation's, and must not be read.
+        let mut buf = encoded(1, &sample());
+        buf.extend(encoded(1, &sample()));
+        let new = encoded(2, &sample()[..1]);
+        buf[..new.len()].copy_from_slice(&new);
+        assert_eq!(decode(&buf, 2), sample()[..1]);
+        // Zeros (the preallocated part) end the log too.
+        let mut z = encoded(3, &sample());
+        z.extend([0u8; 64]);
+        assert_eq!(decode(&z, 3), sample());
+    }
+
+    #[test]
+    fn a_log_appends_and_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = paths(&dir.path().join("f.redb"));
+        assert_eq!(paths[1].file_name().unwrap(), "f.redb.wal.1");
+        let mut w = Wal::open(&paths, 1).unwrap();
+        assert_eq!(std::fs::metadata(&paths[1]).unwrap().len(), GROW);
+        w.append(&sample()[..2]).unwrap();
+        w.append(&sample()[2..]).unwrap();
+        assert_eq!(replay(&paths, 1).unwrap(), sample());
+        // The next generation goes to the other file: a replay from
+        // generation 1 (not yet checkpointed) reads both, in order.
+        w.restart(2);
+        w.append(&sample()[..1]).unwrap();
+        let both: Vec<_> = sample().into_iter().chain(sample()[..1].to_vec()).collect();
+        assert_eq!(replay(&paths, 1).unwrap(), both);
+        assert_eq!(replay(&paths, 2).unwrap(), sample()[..1]);
+        // Generation 3 overwrites generation 1's file.
+        w.restart(3);
+        w.append(&sample()[1..2]).unwrap();
+        assert_eq!(
+            replay(&paths, 2).unwrap(),
+            [&sample()[..1], &sample()[1..2]].concat()
+        );
+        assert!(replay(&paths, 4).unwrap().is_empty());
+        assert!(replay(&super::paths(&dir.path().join("none")), 1)
+            .unwrap()
+            .is_empty());
+    }
+}
+
+#[cfg(test)]
+mod growth {
+    use super::*;
+
+    #[test]
+    fn the_log_grows_ahead_of_its_appends_and_keeps_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = paths(&dir.path().join("f.redb"));
+        let path = paths[1].clone();
+        let mut w = Wal::open(&paths, 1).unwrap();
+        let big = Record::Raise {
+            key: "k".repeat(300 << 10),
+            token: 1,
+        };
+        for _ in 0..5 {
+            w.append(std::slice::from_ref(&big)).unwrap();
+        }
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(size, 2 * GROW, "grown in steps, ahead of the appends");
+        assert_eq!(replay(&paths, 1).unwrap().len(), 5);
+        drop(w);
+        // Reopened under a new generation that uses the same file: the
+        // old records are not read, and the file keeps its size.
+        let _w = Wal::open(&paths, 3).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), size);
+        assert!(replay(&paths, 3).unwrap().is_empty());
+    }
+}

@@ -86,6 +86,11 @@ pub(super) fn start(
                     .map_err(|e| fail(&e))?;
                 meta.insert(WAL_GENERATION_KEY, next_generation)
                     .map_err(|e| fail(&e))?;
+                // Raises and marks in the table: a crash from here on must
+                // be seen, even after a clean-stop mark whose commit
+                // failed but reached the disk (no clean stop can have
+                // succeeded: it waits for this checkpoint first).
+                meta.insert(CLEAN_KEY, 0).map_err(|e| fail(&e))?;
             }
             txn.commit().map_err(|e| fail(&e))
         })

@@ -1,20 +1,30 @@
-//! The default store: a redb file on local disk, with group commit.
+//! The default store: a redb file on local disk and its write-ahead log,
+//! with group commit.
 //!
-//! Every operation goes to one writer thread. It takes everything queued,
-//! applies it in a single write transaction and commits once, so concurrent
-//! advances on many keys share one fsync. A batch that raised nothing is
-//! aborted: steady tokens cost no disk write. The file is locked by redb
+//! Every operation goes to one writer thread. It takes everything queued
+//! and makes it durable at once, so concurrent advances on many keys share
+//! one sync. A batch that raised nothing writes nothing: steady tokens
+//! cost no disk write. The file is locked by redb
 //! against a second process; a `meta` table carries our format version and a
 //! clean-stop flag used for crash recovery, and an `in_flight_log` table the
 //! keys that may have a write in flight, so that after a crash only those
-//! keys wait for the crashed run's writes. The log is keyed by a sequence
+//! keys wait for the crashed run's writes. That table is keyed by a sequence
 //! number: a mark is an append at its right edge and marks die wholesale
 //! below a watermark, so a commit touches a few pages of it however random
 //! the keys are.
 //!
+//! Advances are made durable by a write-ahead log, not by a commit of
+//! the table: a batch of advances, marks, rotations and reads is answered
+//! from memory and the table, and its raises and marks are appended to the
+//! log with one `fdatasync` (a few hundred bytes, where a B-tree commit
+//! rewrites several pages). The table catches up by checkpoints, on a
+//! thread of their own, and the log is replayed at open after a crash.
+//!
 //! Files: `store.rs` (the [`EmbeddedStore`]), `writer.rs` (the writer
-//! thread and its commits), `ops.rs` (what is sent to it), `schema.rs`
-//! (tables, meta keys, opening a file).
+//! thread and its commits), `logged.rs` (its logged fast path),
+//! `checkpoint.rs` (the logged changes and their checkpoints), `wal.rs`
+//! (the log's records and files, and replay), `ops.rs` (what is sent to
+//! it), `schema.rs` (tables, meta keys, opening a file).
 
 mod checkpoint;
 mod logged;

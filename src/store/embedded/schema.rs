@@ -163,14 +163,19 @@ pub(super) fn init_meta(
             .get(WAL_GENERATION_KEY)
             .map_err(|e| corrupt(&e))?
             .map_or(0, |v| v.value());
-        // A new file has no log yet: one left beside it belonged to a file
-        // that is gone.
+        let io = |e: std::io::Error| OpenError::Io {
+            path: wal[0].clone(),
+            reason: e.to_string(),
+        };
+        // A new file, or one of version 1, has no log yet: log files left
+        // beside it belonged to a file that is gone, and are emptied before
+        // this file's first generation is committed.
         let records = match version {
-            Some(_) => super::wal::replay(wal, logged).map_err(|e| OpenError::Io {
-                path: wal[0].clone(),
-                reason: e.to_string(),
-            })?,
-            None => Vec::new(),
+            Some(v) if v > OLDEST_FORMAT_VERSION => super::wal::replay(wal, logged).map_err(io)?,
+            _ => {
+                super::wal::discard(wal).map_err(io)?;
+                Vec::new()
+            }
         };
         let replayed = !records.is_empty();
         replay(&txn, &mut meta, records).map_err(|e| corrupt(&e))?;

@@ -415,3 +415,26 @@ async fn a_version_1_store_is_upgraded() {
     assert_eq!(s.start_state(), StartState::Clean);
     assert_eq!(s.highest("b").await.unwrap(), Some(4));
 }
+
+/// Log files left beside a store file that was deleted belong to that
+/// file: a new file at the same path empties them first, so none of their
+/// records (whose generations the new file reuses) is replayed into it.
+#[tokio::test]
+async fn the_log_of_a_deleted_store_file_is_not_replayed_into_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    s.advance("a", 5).await.unwrap();
+    s.advance("c", 6).await.unwrap();
+    drop(s); // a crash: both live only in the log
+    std::fs::remove_file(&path).unwrap();
+    let s = open(&dir);
+    assert_eq!(s.start_state(), StartState::Clean, "a new file");
+    // Same length as a's record: without the emptying, c's would follow it.
+    s.advance("b", 1).await.unwrap();
+    drop(s);
+    let s = open(&dir);
+    assert_eq!(s.highest("b").await.unwrap(), Some(1));
+    assert_eq!(s.highest("a").await.unwrap(), None);
+    assert_eq!(s.highest("c").await.unwrap(), None, "the old log's record");
+}

@@ -132,6 +132,31 @@ pub(super) fn replay(paths: &[PathBuf; 2], generation: u64) -> std::io::Result<V
     Ok(out)
 }
 
+/// Empties both log files, durably. For a store file that is new (or
+/// has no log yet): log files left beside it belonged to a file that is
+/// gone, and their generations would collide with the new file's.
+pub(super) fn discard(paths: &[PathBuf; 2]) -> std::io::Result<()> {
+    for p in paths {
+        match OpenOptions::new().write(true).open(p) {
+            Ok(f) => {
+                f.set_len(0)?;
+                f.sync_all()?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Makes the log files' directory entries durable.
+fn sync_dir(file: &Path) -> std::io::Result<()> {
+    match file.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) => File::open(dir)?.sync_all(),
+        None => File::open(".")?.sync_all(),
+    }
+}
+
 /// The open log: where the next batch goes, and under which generation.
 pub(super) struct Wal {
     files: [File; 2],
@@ -169,7 +194,19 @@ impl Wal {
             wal.grow(i, GROW)?;
             wal.files[i].sync_all()?;
         }
+        sync_dir(&paths[0])?;
         Ok(wal)
+    }
+
+    /// Makes sure the next append has [`GROW`] bytes of room without
+    /// growing the file: a disk that was full has room for the log again.
+    pub(super) fn reserve(&mut self) -> std::io::Result<()> {
+        let i = self.current();
+        if self.allocated[i] >= self.len + GROW {
+            return Ok(());
+        }
+        self.grow(i, self.len + GROW)?;
+        self.files[i].sync_data()
     }
 
     fn current(&self) -> usize {

@@ -125,10 +125,14 @@ impl Writer {
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "fence store checkpoint failed");
                 self.must_checkpoint = true;
+                // redb refuses further work on a handle after an I/O
+                // failure: the next commit reopens the file.
+                self.db = None;
             }
             Err(_) => {
                 tracing::error!("fence store checkpoint panicked");
                 self.must_checkpoint = true;
+                self.db = None;
             }
         }
     }
@@ -154,7 +158,8 @@ impl Writer {
             txn.delete_table(PROBE).map_err(|e| self.fail(e))?;
             txn.commit().map_err(|e| self.fail(e))?;
             self.commits.fetch_add(2, Ordering::Relaxed);
-            Ok(())
+            // The log needs room too: the next append may grow it.
+            self.wal.reserve().map_err(|e| self.fail(e))
         })();
         match &result {
             Ok(()) => self.healthy.store(true, Ordering::Release),
@@ -260,6 +265,10 @@ impl Writer {
                     .map_err(|e| self.fail(e))?;
             }
             raised |= checkpoint;
+            // Logged raises and marks in the table: a crash from here on
+            // must be seen (a clean-stop mark whose commit failed may be
+            // on disk).
+            arm |= checkpoint;
             // Lease expiry is the only use of the wall clock here.
             let now = if locks.is_some() { wall_ms() } else { 0 };
             // Appends a mark and returns its sequence number.

@@ -65,9 +65,7 @@ impl Writer {
         let read = db.begin_read().map_err(|e| self.fail(e))?;
         let table = read.open_table(FENCES).map_err(|e| self.fail(e))?;
         let mut answers = Vec::with_capacity(batch.len());
-        let mut records = Vec::new();
-        // Undone if the append fails: the raises' previous logged values.
-        let mut undo: Vec<(String, Option<u64>)> = Vec::new();
+        self.wal.clear_staged();
         let marks_before = self.logged.marks.len();
         let mut next = self.next_mark.load(Ordering::Relaxed);
         let mut rotated: Option<u64> = None;
@@ -79,24 +77,25 @@ impl Writer {
                         Some(h) if h > token => Advance::Stale { highest: h },
                         Some(h) if h == token => Advance::Equal,
                         previous => {
-                            let was = self.logged.raised.insert(key.clone(), token);
-                            undo.push((key.clone(), was));
-                            records.push(Record::Raise {
-                                key: key.clone(),
+                            // Kept if the append fails: a raise that may
+                            // be on disk anyway is kept, as a failed
+                            // commit's is (the write was refused, not
+                            // forwarded).
+                            self.logged.raised.insert(key.clone(), token);
+                            self.wal.stage(&Record::Raise {
+                                key: key.as_str(),
                                 token,
                             });
                             Advance::Raised { previous }
                         }
                     };
                     if let Op::AdvanceMarked { .. } = op {
-                        Answer::Marked(advance, self.log_mark(&mut records, &mut next, key, token))
+                        Answer::Marked(advance, self.log_mark(&mut next, key, token))
                     } else {
                         Answer::Advance(advance)
                     }
                 }
-                Op::Mark { key, token, .. } => {
-                    Answer::Seq(self.log_mark(&mut records, &mut next, key, *token))
-                }
+                Op::Mark { key, token, .. } => Answer::Seq(self.log_mark(&mut next, key, *token)),
                 Op::Rotate {
                     keys, watermark, ..
                 } => {
@@ -105,9 +104,9 @@ impl Writer {
                     // dropped once the append is durable.
                     let seqs = keys
                         .iter()
-                        .map(|(key, token)| self.log_mark(&mut records, &mut next, key, *token))
+                        .map(|(key, token)| self.log_mark(&mut next, key, *token))
                         .collect();
-                    records.push(Record::Watermark(*watermark));
+                    self.wal.stage(&Record::<&str>::Watermark(*watermark));
                     rotated = rotated.max(Some(*watermark));
                     Answer::Seqs(seqs)
                 }
@@ -119,16 +118,10 @@ impl Writer {
         // Published before the sync, as in `try_apply`: an append that
         // fails may still have reached the disk.
         self.next_mark.store(next, Ordering::Release);
-        if records.is_empty() {
+        if !self.wal.has_staged() {
             return Ok(answers);
         }
-        if let Err(e) = self.wal.append(&records) {
-            for (key, previous) in undo.into_iter().rev() {
-                match previous {
-                    Some(t) => self.logged.raised.insert(key, t),
-                    None => self.logged.raised.remove(&key),
-                };
-            }
+        if let Err(e) = self.wal.append_staged() {
             self.logged.marks.truncate(marks_before);
             self.must_checkpoint = true;
             return Err(self.fail(e));
@@ -189,20 +182,10 @@ impl Writer {
     }
 
     /// Logs a mark of `key` and returns its sequence number.
-    fn log_mark(
-        &mut self,
-        records: &mut Vec<Record>,
-        next: &mut u64,
-        key: &str,
-        token: u64,
-    ) -> u64 {
+    fn log_mark(&mut self, next: &mut u64, key: &str, token: u64) -> u64 {
         let seq = *next;
         *next += 1;
-        records.push(Record::Mark {
-            seq,
-            key: key.to_string(),
-            token,
-        });
+        self.wal.stage(&Record::Mark { seq, key, token });
         self.logged.marks.push((seq, token, key.to_string()));
         seq
     }

@@ -38,13 +38,13 @@ pub(super) const CHECKPOINT_BYTES: u64 = 16 << 20;
 const HEADER: usize = 8;
 const BODY_FIXED: usize = 8 + 1 + 8 + 8;
 
-/// One logged change.
+/// One logged change: keys borrowed when it is written, owned when read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Record {
+pub(super) enum Record<K = String> {
     /// `key`'s highest is now `token` (replay takes the larger).
-    Raise { key: String, token: u64 },
+    Raise { key: K, token: u64 },
     /// In-flight mark `seq` of `key`, for a write of `token`.
-    Mark { seq: u64, key: String, token: u64 },
+    Mark { seq: u64, key: K, token: u64 },
     /// The marks below this are dead (a rotation).
     Watermark(u64),
 }
@@ -62,10 +62,10 @@ pub(super) fn paths(store: &Path) -> [PathBuf; 2] {
 }
 
 /// Appends `record` of `generation` to `buf`.
-pub(super) fn encode(buf: &mut Vec<u8>, generation: u64, record: &Record) {
+pub(super) fn encode<K: AsRef<str>>(buf: &mut Vec<u8>, generation: u64, record: &Record<K>) {
     let (kind, key, token, seq) = match record {
-        Record::Raise { key, token } => (1u8, key.as_str(), *token, 0),
-        Record::Mark { seq, key, token } => (2u8, key.as_str(), *token, *seq),
+        Record::Raise { key, token } => (1u8, key.as_ref(), *token, 0),
+        Record::Mark { seq, key, token } => (2u8, key.as_ref(), *token, *seq),
         Record::Watermark(w) => (3u8, "", 0, *w),
     };
     let start = buf.len();
@@ -226,19 +226,45 @@ impl Wal {
         Ok(())
     }
 
-    /// Appends the records and syncs them: once this returns `Ok`, a
-    /// replay finds them. On an error some of them may be on disk; the
-    /// caller must checkpoint before logging again.
-    pub(super) fn append(&mut self, records: &[Record]) -> std::io::Result<()> {
+    /// Adds a record to the next append.
+    pub(super) fn stage<K: AsRef<str>>(&mut self, record: &Record<K>) {
+        encode(&mut self.buf, self.generation, record);
+    }
+
+    /// Whether anything is staged.
+    pub(super) fn has_staged(&self) -> bool {
+        !self.buf.is_empty()
+    }
+
+    /// Drops what is staged (a batch that failed before its append).
+    pub(super) fn clear_staged(&mut self) {
         self.buf.clear();
-        for r in records {
-            encode(&mut self.buf, self.generation, r);
-        }
+    }
+
+    /// Appends the staged records and syncs them: once this returns `Ok`,
+    /// a replay finds them. On an error some of them may be on disk; the
+    /// caller must checkpoint before logging again.
+    pub(super) fn append_staged(&mut self) -> std::io::Result<()> {
+        let result = self.write_staged();
+        self.buf.clear();
+        result
+    }
+
+    fn write_staged(&mut self) -> std::io::Result<()> {
         let i = self.current();
         self.grow(i, self.len + self.buf.len() as u64)?;
         self.files[i].write_all_at(&self.buf, self.len)?;
         self.len += self.buf.len() as u64;
         self.files[i].sync_data()
+    }
+
+    /// Stages `records` and appends them.
+    #[cfg(test)]
+    pub(super) fn append(&mut self, records: &[Record]) -> std::io::Result<()> {
+        for r in records {
+            self.stage(r);
+        }
+        self.append_staged()
     }
 
     /// The log goes on under `generation`, from the start of its file:

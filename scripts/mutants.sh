@@ -12,6 +12,9 @@
 #   scripts/mutants.sh lease        the lock service's parsing, scopes
 #                                   and ids (unit tests)
 #   scripts/mutants.sh batch        the stores' group commit (unit tests)
+#   scripts/mutants.sh wal          the embedded store's write-ahead log,
+#                                   its logged path and checkpoints (unit
+#                                   tests)
 #   scripts/mutants.sh upstream     the upstream pool and the rule that a
 #                                   write is never sent twice
 #                                   (tests/upstream_pool.rs)
@@ -106,6 +109,14 @@ batch() {
   run batch --timeout 60 --file src/store/batch.rs "$@" --cargo-arg=--lib
 }
 
+# The embedded store's write-ahead log (issue 33): its records, replay,
+# the writer's logged path and the checkpoints, by the store's unit tests
+# (src/store/embedded/tests.rs, wal.rs's own).
+wal() {
+  run wal --timeout 120 --file src/store/embedded/wal.rs --file src/store/embedded/logged.rs \
+    --file src/store/embedded/checkpoint.rs "$@" --cargo-arg=--lib
+}
+
 # The pool's unit tests (src/upstream.rs: idle expiry, the reaper, each
 # worker's pool, request forms, body hints) with the suites that use the
 # pool through the binary: keep-alive limits and closes, TLS and HTTP/2.
@@ -157,6 +168,7 @@ case "${1:-all}" in
   config) shift; config "$@" ;;
   lease) shift; lease "$@" ;;
   batch) shift; batch "$@" ;;
+  wal) shift; wal "$@" ;;
   upstream) shift; upstream "$@" ;;
   stores) shift; stores "$@" ;;
   failover) shift; failover "$@" ;;
@@ -176,5 +188,5 @@ case "${1:-all}" in
     proxy || status=$?
     exit "$status"
     ;;
-  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|upstream|stores|failover|--in-diff FILE]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|shared|proxy|config|lease|batch|wal|upstream|stores|failover|--in-diff FILE]" >&2; exit 2 ;;
 esac

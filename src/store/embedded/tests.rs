@@ -289,13 +289,17 @@ async fn other_operations_checkpoint_the_log_first() {
     s.advance("a", 5).await.unwrap();
     s.record_key_mapping(42).await.unwrap();
     s.advance("b", 1).await.unwrap();
+    // A lease read writes nothing of its own, and still checkpoints.
+    assert_eq!(s.read_lock("x").await.unwrap(), None);
+    s.advance("c", 1).await.unwrap();
     drop(s);
     assert_eq!(table_value(&path, "a"), Some(5), "checkpointed");
-    assert_eq!(table_value(&path, "b"), None, "logged after it");
+    assert_eq!(table_value(&path, "b"), Some(1), "checkpointed by the read");
+    assert_eq!(table_value(&path, "c"), None, "logged after it");
     let generation = meta_value(&path, WAL_GENERATION_KEY).unwrap();
     let s = open(&dir);
     assert_eq!(s.highest("a").await.unwrap(), Some(5));
-    assert_eq!(s.highest("b").await.unwrap(), Some(1));
+    assert_eq!(s.highest("c").await.unwrap(), Some(1));
     drop(s);
     assert!(
         meta_value(&path, WAL_GENERATION_KEY).unwrap() > generation,

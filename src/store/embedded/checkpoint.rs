@@ -64,6 +64,11 @@ impl Logged {
     }
 }
 
+/// Held by a test, checkpoints wait: what is frozen stays out of the
+/// table, as if a crash came before the checkpoint's commit.
+#[cfg(test)]
+pub(super) static HOLD: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 /// Starts the checkpoint of `frozen` on a thread of its own: its changes
 /// and `next_generation` (the oldest generation the table then lacks) in
 /// one durable commit.
@@ -75,6 +80,8 @@ pub(super) fn start(
     std::thread::Builder::new()
         .name("fencegate-checkpoint".into())
         .spawn(move || {
+            #[cfg(test)]
+            let _held = HOLD.blocking_read();
             let fail = |e: &dyn std::fmt::Display| StoreError::Unavailable(e.to_string());
             let txn = db.begin_write().map_err(|e| fail(&e))?;
             {

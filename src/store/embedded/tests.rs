@@ -335,6 +335,53 @@ async fn a_long_log_is_checkpointed() {
     assert_eq!(s.highest(&key(n - 1)).await.unwrap(), Some(1));
 }
 
+/// A crash while a checkpoint runs loses nothing: the generation being
+/// checkpointed stays in its own file until the table holds it, and the
+/// next one is logged in the other file. A rotation meanwhile counts the
+/// frozen marks it lets die, once.
+#[tokio::test]
+async fn a_crash_during_a_checkpoint_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    let held = super::checkpoint::HOLD.write().await;
+    s.mark_in_flight("m", 1).await.unwrap();
+    let key = |i: usize| format!("{i}:{}", "k".repeat(64 << 10));
+    let n = (super::wal::CHECKPOINT_BYTES / (64 << 10)) as usize + 8;
+    for i in 0..n {
+        s.advance(&key(i), 1).await.unwrap();
+    }
+    s.advance("after", 2).await.unwrap();
+    assert_eq!(s.in_flight_marks(), 1);
+    s.rotate_marks(vec![], s.next_mark()).await.unwrap();
+    assert_eq!(s.in_flight_marks(), 0, "the frozen mark died");
+    // The crash: the files as the disk holds them now.
+    let copy = tempfile::tempdir().unwrap();
+    let copied = copy.path().join("f.redb");
+    std::fs::copy(&path, &copied).unwrap();
+    for (from, to) in super::wal::paths(&path)
+        .iter()
+        .zip(super::wal::paths(&copied).iter())
+    {
+        std::fs::copy(from, to).unwrap();
+    }
+    drop(held);
+    drop(s);
+    assert_eq!(
+        table_value(&copied, &key(0)),
+        None,
+        "the checkpoint was held"
+    );
+    let c = open(&copy);
+    assert_eq!(
+        c.highest(&key(0)).await.unwrap(),
+        Some(1),
+        "the generation being checkpointed"
+    );
+    assert_eq!(c.highest(&key(n - 1)).await.unwrap(), Some(1));
+    assert_eq!(c.highest("after").await.unwrap(), Some(2), "the next one");
+}
+
 /// A torn or overwritten tail of the log is dropped at open, and what
 /// precedes it is kept; the store opens either way.
 #[tokio::test]

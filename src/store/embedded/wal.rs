@@ -382,6 +382,22 @@ mod tests {
             .unwrap()
             .is_empty());
     }
+
+    /// A missing log file has no records; one that cannot be opened for
+    /// any other reason fails the open of the store rather than pass for
+    /// empty (its records may be the only copy of acknowledged advances).
+    #[test]
+    fn a_log_file_that_cannot_be_read_is_an_error_not_an_empty_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = paths(&dir.path().join("f.redb"));
+        // A symbolic link to itself: opening it fails with ELOOP.
+        std::os::unix::fs::symlink(&paths[0], &paths[0]).unwrap();
+        // Generation 1 is in file 1 (missing), generation 2 in file 0.
+        let e = replay(&paths, 1).unwrap_err();
+        assert_ne!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+        // Nor is such a file taken as emptied by a discard.
+        assert!(discard(&paths).is_err());
+    }
 }
 
 #[cfg(test)]
@@ -404,6 +420,15 @@ mod growth {
         let size = std::fs::metadata(&path).unwrap().len();
         assert_eq!(size, 2 * GROW, "grown in steps, ahead of the appends");
         assert_eq!(replay(&paths, 1).unwrap().len(), 5);
+        // The probe after a failed append makes room for the next one
+        // ahead of it (1.5 MiB written, 2 allocated: one step more), and
+        // none when there is room.
+        w.reserve().unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * GROW);
+        w.len = 0;
+        w.reserve().unwrap();
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(size, 3 * GROW);
         drop(w);
         // Reopened under a new generation that uses the same file: the
         // old records are not read, and the file keeps its size.

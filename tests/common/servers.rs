@@ -597,6 +597,9 @@ impl StoreServer {
     }
 
     pub fn kill9(&mut self) {
+        if self.kind == StoreKind::Postgres && self.child.is_some() {
+            self.kill9_postgres_backends();
+        }
         if let Some(mut c) = self.child.take() {
             // runuser forwards nothing on SIGKILL: kill the whole group of
             // processes listening on the port instead.
@@ -615,6 +618,46 @@ impl StoreServer {
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", self.port)).is_ok() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The backends of a killed postmaster live on until they notice, still
+    /// attached to its shared memory, and a restart meanwhile is refused
+    /// ("pre-existing shared memory block is still in use"). So they are
+    /// killed first, with the postmaster stopped so that it forks no more,
+    /// and awaited: a stopped parent leaves them zombies, which hold no
+    /// shared memory.
+    fn kill9_postgres_backends(&self) {
+        let Some(postmaster) = std::fs::read_to_string(self.dir.path().join("pg/postmaster.pid"))
+            .ok()
+            .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
+        else {
+            return;
+        };
+        let _ = Command::new("kill").args(["-STOP", &postmaster]).status();
+        let backends: Vec<String> = Command::new("pgrep")
+            .args(["-P", &postmaster])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !backends.is_empty() {
+            let _ = Command::new("kill").arg("-9").args(&backends).status();
+        }
+        let gone = |pid: &String| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+                // The state follows the command's closing parenthesis.
+                stat.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !backends.iter().all(gone) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 

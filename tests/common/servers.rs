@@ -634,6 +634,13 @@ impl StoreServer {
         else {
             return;
         };
+        // Only that postmaster: a stale file's number may be another's now.
+        let data = self.dir.path().join("pg");
+        let ours = std::fs::read(format!("/proc/{postmaster}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&*data.to_string_lossy()));
+        if !ours {
+            return;
+        }
         let _ = Command::new("kill").args(["-STOP", &postmaster]).status();
         let backends: Vec<String> = Command::new("pgrep")
             .args(["-P", &postmaster])

@@ -597,10 +597,10 @@ impl StoreServer {
     }
 
     pub fn kill9(&mut self) {
-        if self.kind == StoreKind::Postgres && self.child.is_some() {
-            self.kill9_postgres_backends();
-        }
         if let Some(mut c) = self.child.take() {
+            if self.kind == StoreKind::Postgres {
+                self.kill9_postgres_backends();
+            }
             // runuser forwards nothing on SIGKILL: kill the whole group of
             // processes listening on the port instead.
             // (The data directories only: fencegate's own command line
@@ -628,14 +628,14 @@ impl StoreServer {
     /// and awaited: a stopped parent leaves them zombies, which hold no
     /// shared memory.
     fn kill9_postgres_backends(&self) {
-        let Some(postmaster) = std::fs::read_to_string(self.dir.path().join("pg/postmaster.pid"))
+        let data = self.data();
+        let Some(postmaster) = std::fs::read_to_string(data.join("postmaster.pid"))
             .ok()
             .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
         else {
             return;
         };
         // Only that postmaster: a stale file's number may be another's now.
-        let data = self.dir.path().join("pg");
         let ours = std::fs::read(format!("/proc/{postmaster}/cmdline"))
             .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&*data.to_string_lossy()));
         if !ours {

@@ -316,13 +316,9 @@ async fn a_long_log_is_checkpointed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.redb");
     let s = open(&dir);
-    let key = |i: usize| format!("{i}:{}", "k".repeat(64 << 10));
-    let n = (super::wal::CHECKPOINT_BYTES / (64 << 10)) as usize + 8;
-    for i in 0..n {
-        s.advance(&key(i), 1).await.unwrap();
-    }
+    let keys = fill_past_a_checkpoint(&s).await;
     drop(s);
-    assert_eq!(table_value(&path, &key(0)), Some(1), "checkpointed");
+    assert_eq!(table_value(&path, &keys[0]), Some(1), "checkpointed");
     for log in super::wal::paths(&path) {
         let len = std::fs::metadata(&log).unwrap().len();
         assert!(
@@ -332,7 +328,20 @@ async fn a_long_log_is_checkpointed() {
         );
     }
     let s = open(&dir);
-    assert_eq!(s.highest(&key(n - 1)).await.unwrap(), Some(1));
+    assert_eq!(s.highest(keys.last().unwrap()).await.unwrap(), Some(1));
+}
+
+/// Advances keys of 64 KiB each to token 1 until the log has passed its
+/// checkpoint size, and a few more; returns them in order.
+async fn fill_past_a_checkpoint(s: &EmbeddedStore) -> Vec<String> {
+    let n = (super::wal::CHECKPOINT_BYTES / (64 << 10)) as usize + 8;
+    let mut keys = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("{i}:{}", "k".repeat(64 << 10));
+        s.advance(&key, 1).await.unwrap();
+        keys.push(key);
+    }
+    keys
 }
 
 /// A crash while a checkpoint runs loses nothing: the generation being
@@ -346,11 +355,7 @@ async fn a_crash_during_a_checkpoint_loses_nothing() {
     let s = open(&dir);
     let held = super::checkpoint::HOLD.write().await;
     s.mark_in_flight("m", 1).await.unwrap();
-    let key = |i: usize| format!("{i}:{}", "k".repeat(64 << 10));
-    let n = (super::wal::CHECKPOINT_BYTES / (64 << 10)) as usize + 8;
-    for i in 0..n {
-        s.advance(&key(i), 1).await.unwrap();
-    }
+    let keys = fill_past_a_checkpoint(&s).await;
     s.advance("after", 2).await.unwrap();
     assert_eq!(s.in_flight_marks(), 1);
     s.rotate_marks(vec![], s.next_mark()).await.unwrap();
@@ -368,17 +373,17 @@ async fn a_crash_during_a_checkpoint_loses_nothing() {
     drop(held);
     drop(s);
     assert_eq!(
-        table_value(&copied, &key(0)),
+        table_value(&copied, &keys[0]),
         None,
         "the checkpoint was held"
     );
     let c = open(&copy);
     assert_eq!(
-        c.highest(&key(0)).await.unwrap(),
+        c.highest(&keys[0]).await.unwrap(),
         Some(1),
         "the generation being checkpointed"
     );
-    assert_eq!(c.highest(&key(n - 1)).await.unwrap(), Some(1));
+    assert_eq!(c.highest(keys.last().unwrap()).await.unwrap(), Some(1));
     assert_eq!(c.highest("after").await.unwrap(), Some(2), "the next one");
 }
 

@@ -16,7 +16,8 @@
 //!    thread is), [`bearer`] (bearer tokens and the credential rule),
 //!    [`proxy_protocol`] (the PROXY header and who may send it),
 //!    [`metrics`] (the Prometheus registry and handles), [`tls`]
-//!    (certificates and rustls configs; the TLS settings' types).
+//!    (certificates and rustls configs; the TLS settings' types), [`h1`]
+//!    (the HTTP/1.1 heads the request path reads and writes itself).
 //! 1. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
 //!    validated [`config::Config`] built from it with `TryFrom`.
 //! 2. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
@@ -49,6 +50,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod fence;
+pub mod h1;
 pub mod id;
 pub mod key;
 pub mod lease;

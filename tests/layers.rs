@@ -34,6 +34,7 @@ const FLOORS: &[&[&str]] = &[
         "proxy_protocol",
         "metrics",
         "tls",
+        "h1",
     ],
     // The validated configuration, as data.
     &["config"],

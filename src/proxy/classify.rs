@@ -5,9 +5,9 @@
 
 use super::linger::content_length;
 
+use super::body::RequestBody;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Uri};
-use hyper::body::Incoming;
 
 use crate::config::{ErrorFormat, Route};
 use crate::error::ProxyError;
@@ -212,7 +212,7 @@ impl Proxy {
     pub(super) fn classify<'t>(
         &self,
         table: &'t RouteTable,
-        req: &mut Request<Incoming>,
+        req: &mut Request<RequestBody>,
         ctx: &mut RequestContext,
     ) -> Result<Classified<'t>, ProxyError> {
         ctx.method = req.method().clone();

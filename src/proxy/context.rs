@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::body::RequestBody;
 use http::header::HeaderValue;
 use http::{Method, Request};
-use hyper::body::Incoming;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::error::ProxyError;
@@ -92,7 +92,11 @@ pub(super) struct RequestContext {
 impl RequestContext {
     /// Keeps what the refusal of `req` needs of its unread body: the
     /// client must be able to read the answer (see [`linger`]).
-    pub(super) fn refused_unread(&mut self, req: Request<Incoming>, err: ProxyError) -> ProxyError {
+    pub(super) fn refused_unread(
+        &mut self,
+        req: Request<RequestBody>,
+        err: ProxyError,
+    ) -> ProxyError {
         // A gRPC refusal is one HEADERS frame that ends the stream; gRPC
         // clients read it whatever happens to their request stream.
         if !self.grpc {

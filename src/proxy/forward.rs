@@ -14,7 +14,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use tokio_util::either::Either;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
@@ -22,6 +22,7 @@ use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::key::{CanonicalPath, KeyError};
 use crate::token::FENCE_TOKEN;
 
+use super::body::RequestBody;
 use super::classify::*;
 use super::context::*;
 use super::linger::*;
@@ -358,7 +359,7 @@ pin_project_lite::pin_project! {
     /// connection.
     struct GuardedBody {
         #[pin]
-        inner: Incoming,
+        inner: RequestBody,
         // A write's deadline: its body is cut there, even after the
         // upstream answered early, so it cannot outlive its permit.
         cutoff: Option<tokio::time::Instant>,
@@ -498,7 +499,7 @@ impl Proxy {
     pub(super) async fn forward(
         &self,
         rt: &RouteRuntime,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         path: &CanonicalPath,
         hold: Option<Arc<InFlight>>,
         ctx: &mut RequestContext,
@@ -577,29 +578,59 @@ impl Proxy {
             || tokio::time::Instant::now() + route.upstream_timeout,
             |h| h.deadline,
         );
-        let body_state = Arc::new(AtomicU8::new(BODY_OK));
-        let body = GuardedBody {
-            inner: body,
-            cutoff: hold.as_ref().map(|h| h.deadline),
-            hold: hold.clone(),
-            limit: self.limits.max_body_bytes,
-            seen: 0,
-            declared: content_length(&headers),
-            held: None,
-            ended: false,
-            idle: self.limits.body_read_timeout,
-            timer: None,
-            state: body_state.clone(),
+        // A whole body read by the own lane goes to a plain HTTP/1.1
+        // upstream as bytes, on this task (`upstream::h1`).
+        let wire = match &body {
+            RequestBody::Whole(bytes) if rt.upstream.speaks_plain_h1() => {
+                let bytes = bytes.as_deref().unwrap_or_default();
+                // `te: trailers` is an HTTP/2 hop's header (`upstream::h1_form`).
+                headers.remove(header::TE);
+                let mut wire = Vec::with_capacity(512 + bytes.len());
+                crate::h1::write_request_head(
+                    &mut wire,
+                    &parts.method,
+                    path.upstream_target.as_str(),
+                    &headers,
+                );
+                wire.extend_from_slice(bytes);
+                Some((wire, parts.method == http::Method::HEAD))
+            }
+            _ => None,
         };
-        let mut up = Request::new(body.boxed());
-        *up.method_mut() = parts.method;
-        *up.uri_mut() = uri;
-        *up.headers_mut() = headers;
+        let body_state = Arc::new(AtomicU8::new(BODY_OK));
+        let send = match wire {
+            Some(wire) => Either::Left(wire),
+            None => Either::Right({
+                let body = GuardedBody {
+                    inner: body,
+                    cutoff: hold.as_ref().map(|h| h.deadline),
+                    hold: hold.clone(),
+                    limit: self.limits.max_body_bytes,
+                    seen: 0,
+                    declared: content_length(&headers),
+                    held: None,
+                    ended: false,
+                    idle: self.limits.body_read_timeout,
+                    timer: None,
+                    state: body_state.clone(),
+                };
+                let mut up = Request::new(body.boxed());
+                *up.method_mut() = parts.method;
+                *up.uri_mut() = uri;
+                *up.headers_mut() = headers;
+                up
+            }),
+        };
 
         let started = Instant::now();
         let upstream = rt.upstream.clone();
         let exchange = async move {
-            let result = tokio::time::timeout_at(deadline, upstream.send(up)).await;
+            let result = match send {
+                Either::Left((wire, to_head)) => {
+                    tokio::time::timeout_at(deadline, upstream.send_wire(&wire, to_head)).await
+                }
+                Either::Right(up) => tokio::time::timeout_at(deadline, upstream.send(up)).await,
+            };
             if let Some(hold) = hold {
                 // A 408 may not answer this write at all: it may still be
                 // applied, so its keys stay held to its deadline. An early

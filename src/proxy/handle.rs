@@ -6,9 +6,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::body::RequestBody;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Response};
-use hyper::body::Incoming;
 
 use crate::config::TokenMode;
 use crate::error::{ProxyBody, ProxyError};
@@ -82,7 +82,7 @@ impl Proxy {
     /// Serves one request. Never fails: every error becomes an answer.
     pub async fn handle(
         self: Arc<Self>,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         peer: Peer,
     ) -> Result<Response<ProxyBody>, Infallible> {
         // The routes this request lives with, whatever a reload swaps in
@@ -205,7 +205,7 @@ impl Proxy {
     pub(super) async fn serve(
         &self,
         table: &RouteTable,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let Classified { rt, path, write } = match self.classify(table, &mut req, ctx) {

@@ -13,10 +13,10 @@
 
 use std::time::Duration;
 
+use super::body::RequestBody;
 use http::{header, HeaderMap, Method, Version};
 use http_body::Body;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 /// Longest a refused upload is read for (nginx's `lingering_time`).
@@ -51,7 +51,7 @@ pub(super) enum Unread {
     Close,
     /// Read and thrown away beside the answer ([`spawn_drain`]); `close`
     /// says whether the connection should end after it.
-    Linger { body: Incoming, close: bool },
+    Linger { body: RequestBody, close: bool },
 }
 
 impl Unread {
@@ -62,7 +62,7 @@ impl Unread {
         method: &Method,
         version: Version,
         headers: &HeaderMap,
-        body: Incoming,
+        body: RequestBody,
         framing_refused: bool,
     ) -> Self {
         let h1 = version < Version::HTTP_2;
@@ -95,7 +95,7 @@ impl Unread {
 /// It runs beside the answer, not inside its body: hyper drops a response
 /// body as soon as its declared length is written, and a chunked answer
 /// would keep a client that stopped uploading waiting for its end.
-pub(super) fn spawn_drain(mut body: Incoming) {
+pub(super) fn spawn_drain(mut body: RequestBody) {
     // No owner but the connection: the body ends, fails or times out with
     // it, and the task holds nothing else.
     tokio::spawn(async move {

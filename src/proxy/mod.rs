@@ -19,6 +19,7 @@
 //! is not polled before admission, so a client that sent
 //! `Expect: 100-continue` gets the final refusal instead of `100 Continue`.
 
+mod body;
 mod classify;
 mod context;
 mod forward;
@@ -27,5 +28,6 @@ mod linger;
 mod state;
 mod table;
 
+pub use body::RequestBody;
 pub use forward::strip_hop_by_hop;
 pub use state::{Peer, Proxy};

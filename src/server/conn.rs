@@ -1,6 +1,8 @@
 //! Serving connections: the accept loop of a listener, its connection
 //! budget, the TLS handshake and PROXY protocol header, idle and header
-//! timeouts, and one connection served by hyper until the drain.
+//! timeouts, and one connection served until the drain: by the own
+//! HTTP/1.1 lane ([`super::lane`]) on a proxy listener, else (or once the
+//! lane hands it over) by hyper.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -326,6 +328,7 @@ pub(super) async fn accept_loop<F, Fut>(
     tls: Option<TlsSide>,
     gate: Gate,
     slots: Slots,
+    lane: Option<super::lane::Lane>,
     handler: F,
 ) -> bool
 where
@@ -375,11 +378,13 @@ where
                 let watcher = graceful.watcher();
                 let builder = builder.clone();
                 let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
+                let lane = lane.clone();
                 let mut connection = gate.connections.spawn(async move {
                     let _held = (open, slot);
                     let Some(peer) = behind.client(&mut stream.inner, peer).await else {
                         return;
                     };
+                    let activity = busy.clone();
                     let service = service_fn(move |req| {
                         let guard = Busy::new(&busy);
                         let answer = handler(req, peer);
@@ -389,11 +394,24 @@ where
                             answer
                         }
                     });
-                    match tls {
-                        None => serve_connection(builder, stream, service, watcher).await,
-                        Some(tls) => {
-                            if let Some(stream) = tls.handshake(stream, peer, &stop).await {
-                                serve_connection(builder, stream, service, watcher).await;
+                    let hyper = super::lane::Handoff { builder, service, watcher };
+                    match (tls, lane) {
+                        (None, None) => {
+                            serve_connection(hyper.builder, stream, hyper.service, hyper.watcher).await
+                        }
+                        (None, Some(lane)) => lane.serve(stream, peer, activity, stop, hyper).await,
+                        (Some(tls), lane) => {
+                            let Some(stream) = tls.handshake(stream, peer, &stop).await else {
+                                return;
+                            };
+                            // HTTP/2 by ALPN is hyper's from the start.
+                            let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                            match lane.filter(|_| !h2) {
+                                Some(lane) => lane.serve(stream, peer, activity, stop, hyper).await,
+                                None => {
+                                    serve_connection(hyper.builder, stream, hyper.service, hyper.watcher)
+                                        .await
+                                }
                             }
                         }
                     }

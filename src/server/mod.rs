@@ -9,11 +9,13 @@
 //! connections in flight.
 //!
 //! Files: `start.rs` (the [`Server`], its start and drain), `conn.rs`
-//! (accept loops and connections), `reload.rs` (the [`Reloader`]),
+//! (accept loops and connections), `lane.rs` (the own HTTP/1.1 lane of
+//! the proxy listeners), `reload.rs` (the [`Reloader`]),
 //! `error.rs`.
 
 mod conn;
 mod error;
+mod lane;
 mod reload;
 mod start;
 

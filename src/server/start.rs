@@ -29,6 +29,7 @@ use crate::workers::Workers;
 
 use super::conn::*;
 use super::error::*;
+use super::lane::{Lane, MAX_WHOLE_BODY};
 use super::reload::*;
 
 /// A running fencegate.
@@ -338,11 +339,25 @@ impl Server {
         let jobs = Arc::new(std::sync::Mutex::new(
             jobs.into_iter().map(Some).collect::<Vec<_>>(),
         ));
+        // The own HTTP/1.1 lane of the proxy listeners (issue 32), with the
+        // limits hyper's side applies.
+        let lane = Lane {
+            proxy: proxy.clone(),
+            tls: false,
+            max_head: config.limits.max_header_bytes.max(8192),
+            max_body: config
+                .limits
+                .max_body_bytes
+                .map_or(MAX_WHOLE_BODY, |m| m.min(MAX_WHOLE_BODY)),
+            header_timeout: config.limits.header_read_timeout,
+            body_idle: config.limits.body_read_timeout,
+        };
         let worker_threads = {
             let (proxy, builder, gate) = (proxy.clone(), builder.clone(), gate.clone());
             Workers::start(workers, move |i| {
                 let mine = jobs.lock().expect("jobs lock")[i].take().unwrap_or_default();
                 let (proxy, builder, gate) = (proxy.clone(), builder.clone(), gate.clone());
+                let lane = lane.clone();
                 async move {
                     for job in mine {
                         let on_tls = job.tls.is_some();
@@ -369,7 +384,10 @@ impl Server {
                             job.tls,
                             gate.clone(),
                             slots,
-                            move |req, addr| proxy.clone().handle(req, Peer { addr, tls: on_tls }),
+                            Some(Lane { proxy: proxy.clone(), tls: on_tls, ..lane.clone() }),
+                            move |req: http::Request<hyper::body::Incoming>, addr| {
+                                proxy.clone().handle(req.map(Into::into), Peer { addr, tls: on_tls })
+                            },
                         );
                         let done = job.done;
                         tokio::spawn(async move {
@@ -391,6 +409,7 @@ impl Server {
             None,
             gate.clone(),
             slots("admin"),
+            None,
             move |req, _peer| admin_handler.clone().handle(req),
         ));
         listeners.push(Box::pin(async move { admin_loop.await.unwrap_or(false) }));
@@ -404,6 +423,7 @@ impl Server {
                 None,
                 gate,
                 slots("lease"),
+                None,
                 move |req, _peer| leases.clone().handle(req),
             ));
             listeners.push(Box::pin(async move { lease_loop.await.unwrap_or(false) }));

@@ -32,6 +32,8 @@ use tower_service::Service;
 use crate::error::{BoxError, ProxyBody};
 use crate::tls::UpstreamConnector;
 
+mod h1;
+
 /// Idle connections kept per worker and route; the oldest go first.
 const MAX_IDLE: usize = 1024;
 
@@ -61,6 +63,8 @@ struct Pool {
     /// request is usually ready before a new one is, and a dial per waiting
     /// request would storm the upstream.
     waiters: VecDeque<tokio::sync::oneshot::Sender<http1::SendRequest<ProxyBody>>>,
+    /// The own lane's HTTP/1.1 connections ([`h1`]), oldest first.
+    wire: VecDeque<(Instant, tokio::net::TcpStream)>,
 }
 
 /// Why an exchange failed.
@@ -73,6 +77,9 @@ pub enum UpstreamError {
     /// The connection failed once the request may have been sent.
     #[error(transparent)]
     Exchange(#[from] hyper::Error),
+    /// The own lane's exchange failed once the request may have been sent.
+    #[error("{0}")]
+    Wire(String),
 }
 
 impl UpstreamError {
@@ -304,6 +311,13 @@ impl Upstream {
             }
             pool.h1.pop_front();
         }
+        while pool
+            .wire
+            .front()
+            .is_some_and(|(since, _)| now.duration_since(*since) > self.idle_timeout)
+        {
+            pool.wire.pop_front();
+        }
     }
 
     /// Closes the connections that have been idle too long, in every
@@ -317,6 +331,7 @@ impl Upstream {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.is_closed());
+            pool.wire.retain(|(_, io)| h1::still_idle(io));
             if pool.h2.as_ref().is_some_and(http2::SendRequest::is_closed) {
                 pool.h2 = None;
             }
@@ -328,10 +343,8 @@ impl Upstream {
         self.pools
             .iter()
             .map(|p| {
-                p.lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .h1
-                    .len()
+                let p = p.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                p.h1.len() + p.wire.len()
             })
             .sum()
     }

@@ -1,0 +1,356 @@
+//! HTTP/1.1 heads read and written by fencegate itself, on the request
+//! path's own lane (issue 32; `docs/architecture.md`, "The request path's
+//! engine").
+//!
+//! The lane takes only requests that every HTTP/1.1 reader reads one way:
+//! [`parse_request`] says [`Parsed::Other`] for anything else (any
+//! `Transfer-Encoding`, `Upgrade`, `Expect` or `TE`, a repeated or
+//! non-digit `Content-Length`, bare LF, an absolute or asterisk target,
+//! HTTP/1.0, `CONNECT`, a connection option other than `keep-alive` and
+//! `close`, too many headers), and the connection goes to hyper at that
+//! request's first byte, where the hostile-input rules of
+//! `docs/contract.md` are applied as before. So this parser never has to
+//! decide an ambiguous request: it only has to recognise a plain one, and
+//! read it as hyper would (`tests` compare the two on random heads).
+//!
+//! The upstream's answers are read with [`parse_response`] and
+//! [`ChunkedDecoder`]; heads go out through [`write_request_head`] and
+//! [`write_response_head`].
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Uri};
+
+/// Headers in one head, as hyper's HTTP/1.1 server allows by default.
+pub const MAX_HEADERS: usize = 100;
+
+/// A request head this lane serves.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub parts: http::request::Parts,
+    /// Bytes of the head, up to and including its empty line.
+    pub len: usize,
+    /// The body's length (`Content-Length`, else 0).
+    pub body: u64,
+    /// The client asked for the connection to end after this exchange.
+    pub close: bool,
+}
+
+/// What the bytes of a connection start with.
+#[derive(Debug)]
+// Made once per request and moved once: a box would be an allocation more.
+#[allow(clippy::large_enum_variant)]
+pub enum Parsed {
+    /// Not a whole head yet.
+    Partial,
+    /// A plain request this lane serves.
+    Head(RequestHead),
+    /// Anything else, for hyper to read (and refuse, if it must).
+    Other,
+}
+
+/// Reads the request head at the start of `buf` (see the module's rules).
+pub fn parse_request(buf: &[u8]) -> Parsed {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Other,
+    };
+    if req.version != Some(1) || !crlf_only(&buf[..len]) {
+        return Parsed::Other;
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return Parsed::Other;
+    };
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::Other;
+    };
+    if method == Method::CONNECT || !path.starts_with('/') {
+        return Parsed::Other;
+    }
+    let Ok(uri) = Uri::try_from(path) else {
+        return Parsed::Other;
+    };
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    let mut body = None;
+    let mut close = false;
+    for h in req.headers.iter() {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(h.value),
+        ) else {
+            return Parsed::Other;
+        };
+        if name == header::TRANSFER_ENCODING
+            || name == header::UPGRADE
+            || name == header::EXPECT
+            || name == header::TE
+        {
+            return Parsed::Other;
+        }
+        if name == header::CONTENT_LENGTH {
+            match (body, digits(h.value)) {
+                (None, Some(n)) => body = Some(n),
+                _ => return Parsed::Other,
+            }
+        }
+        if name == header::CONNECTION {
+            for option in h.value.split(|b| *b == b',') {
+                let option = option.trim_ascii();
+                if option.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if !option.eq_ignore_ascii_case(b"keep-alive") {
+                    return Parsed::Other;
+                }
+            }
+        }
+        headers.append(name, value);
+    }
+    let mut parts = http::Request::new(()).into_parts().0;
+    parts.method = method;
+    parts.uri = uri;
+    parts.version = http::Version::HTTP_11;
+    parts.headers = headers;
+    Parsed::Head(RequestHead {
+        parts,
+        len,
+        body: body.unwrap_or(0),
+        close,
+    })
+}
+
+/// Every line ends in CRLF: no bare LF, which some readers take as a line
+/// end and others as part of a value.
+fn crlf_only(head: &[u8]) -> bool {
+    let mut prev = 0u8;
+    for &b in head {
+        if (b == b'\n') != (prev == b'\r') {
+            return false;
+        }
+        prev = b;
+    }
+    true
+}
+
+/// A `Content-Length` value: 1 to 18 ASCII digits and nothing else.
+fn digits(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 18 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// How a response's body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// No body (an answer to HEAD, 204, 304).
+    Empty,
+    Length(u64),
+    Chunked,
+    /// Until the upstream closes the connection.
+    Close,
+}
+
+/// An upstream's response head.
+#[derive(Debug)]
+pub struct ResponseHead {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub len: usize,
+    pub framing: Framing,
+    /// The connection cannot carry another request after this one.
+    pub close: bool,
+}
+
+/// Why an upstream's head could not be read.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the upstream's response head is malformed: {0}")]
+pub struct BadResponse(pub &'static str);
+
+/// Reads a response head at the start of `buf`; `Ok(None)` if it is not
+/// whole yet. An interim (1xx) head comes back like any other; the caller
+/// skips it.
+pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>, BadResponse> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut slots);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(BadResponse("it does not parse")),
+    };
+    let status = resp
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or(BadResponse("no status"))?;
+    let mut headers = HeaderMap::with_capacity(resp.headers.len());
+    let mut length: Option<u64> = None;
+    let mut chunked = None;
+    let mut close = resp.version != Some(1);
+    for h in resp.headers.iter() {
+        let name =
+            HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| BadResponse("a header name"))?;
+        let value = HeaderValue::from_bytes(h.value).map_err(|_| BadResponse("a header value"))?;
+        if name == header::CONTENT_LENGTH {
+            // Repeated lines must agree (RFC 9110 section 8.6).
+            for item in h.value.split(|b| *b == b',') {
+                let n = digits(item.trim_ascii()).ok_or(BadResponse("Content-Length"))?;
+                if length.is_some_and(|l| l != n) {
+                    return Err(BadResponse("Content-Length values differ"));
+                }
+                length = Some(n);
+            }
+        } else if name == header::TRANSFER_ENCODING {
+            let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
+            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name == header::CONNECTION {
+            close |= h
+                .value
+                .split(|b| *b == b',')
+                .any(|o| o.trim_ascii().eq_ignore_ascii_case(b"close"));
+        }
+        headers.append(name, value);
+    }
+    let framing = if to_head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        Framing::Empty
+    } else {
+        match (chunked, length) {
+            (Some(_), Some(_)) => {
+                return Err(BadResponse("both Transfer-Encoding and Content-Length"))
+            }
+            (Some(true), None) => Framing::Chunked,
+            (Some(false), None) => Framing::Close,
+            (None, Some(n)) => Framing::Length(n),
+            (None, None) => Framing::Close,
+        }
+    };
+    close |= framing == Framing::Close;
+    Ok(Some(ResponseHead {
+        status,
+        headers,
+        len,
+        framing,
+        close,
+    }))
+}
+
+/// A chunked body's decoder, fed from a buffer that fills as bytes come.
+#[derive(Debug, Default)]
+pub struct ChunkedDecoder {
+    state: Chunk,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+enum Chunk {
+    /// Before a chunk's size line.
+    #[default]
+    Size,
+    /// Data bytes left in the current chunk.
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    /// Trailer lines, up to the empty one.
+    Trailers,
+    Done,
+}
+
+/// Longest chunk-size line or trailer line waited for.
+const MAX_LINE: usize = 64 * 1024;
+
+impl ChunkedDecoder {
+    /// Takes what it can from `buf`: `Ok(Some(data))` (empty when it needs
+    /// more bytes), `Ok(None)` at the body's end (trailers skipped).
+    pub fn next(&mut self, buf: &mut BytesMut) -> Result<Option<Bytes>, BadResponse> {
+        loop {
+            match self.state {
+                Chunk::Done => return Ok(None),
+                Chunk::Data(left) => {
+                    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+                    if n == 0 {
+                        return Ok(Some(Bytes::new()));
+                    }
+                    let left = left - n as u64;
+                    self.state = if left == 0 {
+                        Chunk::DataEnd
+                    } else {
+                        Chunk::Data(left)
+                    };
+                    return Ok(Some(buf.split_to(n).freeze()));
+                }
+                Chunk::DataEnd => {
+                    if buf.len() < 2 {
+                        return Ok(Some(Bytes::new()));
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(BadResponse("a chunk does not end in CRLF"));
+                    }
+                    buf.advance(2);
+                    self.state = Chunk::Size;
+                }
+                Chunk::Size => match httparse::parse_chunk_size(buf) {
+                    Ok(httparse::Status::Complete((used, size))) => {
+                        buf.advance(used);
+                        self.state = if size == 0 {
+                            Chunk::Trailers
+                        } else {
+                            Chunk::Data(size)
+                        };
+                    }
+                    Ok(httparse::Status::Partial) if buf.len() <= MAX_LINE => {
+                        return Ok(Some(Bytes::new()))
+                    }
+                    _ => return Err(BadResponse("a chunk size")),
+                },
+                Chunk::Trailers => {
+                    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+                        if buf.len() > MAX_LINE {
+                            return Err(BadResponse("a trailer line too long"));
+                        }
+                        return Ok(Some(Bytes::new()));
+                    };
+                    buf.advance(end + 2);
+                    if end == 0 {
+                        self.state = Chunk::Done;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Writes a request head: request line, headers as given, empty line.
+pub fn write_request_head(out: &mut Vec<u8>, method: &Method, target: &str, headers: &HeaderMap) {
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    write_headers(out, headers);
+}
+
+/// Writes a response head: status line, headers as given, empty line.
+pub fn write_response_head(out: &mut Vec<u8>, status: StatusCode, headers: &HeaderMap) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    write_headers(out, headers);
+}
+
+fn write_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests;

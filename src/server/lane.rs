@@ -1,0 +1,384 @@
+//! The request path's own HTTP/1.1 lane (issue 32): a connection's plain
+//! requests are read, fenced, forwarded and answered on the connection's
+//! task, with no hyper dispatch and, to a plain HTTP/1.1 upstream, no
+//! connection task in between (`upstream::h1`).
+//!
+//! The lane takes a request only if [`crate::h1::parse_request`] calls it
+//! plain and its whole body (at most [`MAX_WHOLE_BODY`]) is soon there.
+//! At the first request it does not take (HTTP/2's preface, chunked or
+//! large bodies, `Expect`, upgrades, anything the hostile-input rules must
+//! judge) the connection goes to hyper from that request's first byte
+//! ([`Rewind`]), for the rest of its life: nothing of it has been consumed,
+//! so hyper reads it as it would have from the start.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioExecutor;
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio_util::sync::CancellationToken;
+
+use super::conn::{serve_connection, Activity, Busy};
+use crate::error::ProxyBody;
+use crate::h1::{parse_request, Parsed};
+use crate::proxy::{Peer, Proxy, RequestBody};
+
+/// Largest body the lane reads whole before the request is classified;
+/// a longer one goes to hyper, which streams it.
+pub(super) const MAX_WHOLE_BODY: u64 = 64 * 1024;
+
+/// Response bytes gathered before a write: a body's chunks that are
+/// already there go out with the head in one write.
+const WRITE_AT: usize = 64 * 1024;
+
+/// The lane of a proxy listener.
+#[derive(Clone)]
+pub(super) struct Lane {
+    pub(super) proxy: Arc<Proxy>,
+    /// The TLS listener's lane: requests are marked `https`.
+    pub(super) tls: bool,
+    /// A head longer than this goes to hyper (which answers 431).
+    pub(super) max_head: usize,
+    /// The longest body read whole (`MAX_WHOLE_BODY`, or less with
+    /// `limits.max_body_bytes`).
+    pub(super) max_body: u64,
+    /// A head must arrive within this once its first byte has.
+    pub(super) header_timeout: Duration,
+    /// Longest wait for more of a body.
+    pub(super) body_idle: Duration,
+}
+
+/// What the hyper side of a connection needs if it takes over.
+pub(super) struct Handoff<S> {
+    pub(super) builder: auto::Builder<TokioExecutor>,
+    pub(super) service: S,
+    pub(super) watcher: hyper_util::server::graceful::Watcher,
+}
+
+impl Lane {
+    /// Serves a connection until it ends, or hands it to hyper.
+    pub(super) async fn serve<I, S>(
+        &self,
+        mut io: I,
+        peer: std::net::SocketAddr,
+        activity: Arc<Activity>,
+        stop: CancellationToken,
+        hyper: Handoff<S>,
+    ) where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: hyper::service::Service<
+                Request<Incoming>,
+                Response = Response<ProxyBody>,
+                Error = std::convert::Infallible,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        let peer = Peer {
+            addr: peer,
+            tls: self.tls,
+        };
+        let mut buf = BytesMut::with_capacity(8 * 1024);
+        let mut out = Vec::with_capacity(8 * 1024);
+        loop {
+            let Some(next) = self.read_request(&mut io, &mut buf, &stop).await else {
+                return;
+            };
+            let (head, body) = match next {
+                Next::Request(head, body) => (head, body),
+                Next::Hyper => {
+                    let io = Rewind {
+                        pre: buf.freeze(),
+                        io,
+                    };
+                    return serve_connection(hyper.builder, io, hyper.service, hyper.watcher).await;
+                }
+            };
+            let to_head = head.parts.method == Method::HEAD;
+            let req = Request::from_parts(head.parts, RequestBody::Whole(Some(body)));
+            let busy = Busy::new(&activity);
+            let handled = self.proxy.clone().handle(req, peer);
+            tokio::pin!(handled);
+            // The client is watched while its request is served: one that
+            // closes is gone (hyper's rule too), and the request's future
+            // is dropped: it is logged as 499, and a write's exchange runs
+            // on to its end on a task of its own.
+            let mut watch = true;
+            let resp = loop {
+                tokio::select! {
+                    biased;
+                    Ok(resp) = &mut handled => break resp,
+                    read = io.read_buf(&mut buf), if watch => match read {
+                        Ok(n) if n > 0 => {
+                            // Pipelined bytes, kept for the next request;
+                            // past a bound they wait in the socket.
+                            watch = buf.len() <= self.max_head + self.max_body as usize;
+                        }
+                        _ => return,
+                    },
+                }
+            };
+            drop(busy);
+            let close = head.close || stop.is_cancelled();
+            match write_response(&mut io, &mut out, resp, to_head, close).await {
+                Ok(true) => {}
+                Ok(false) | Err(_) => {
+                    let _ = io.shutdown().await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The next request's head and whole body; `None` when the connection
+    /// is to end (closed, timed out, or idle at the drain).
+    async fn read_request<I: AsyncRead + Unpin>(
+        &self,
+        io: &mut I,
+        buf: &mut BytesMut,
+        stop: &CancellationToken,
+    ) -> Option<Next> {
+        let mut head_by = None;
+        let head = loop {
+            match parse_request(buf) {
+                // hyper answers 431 to a head past its buffer.
+                Parsed::Head(head) if head.len > self.max_head => return Some(Next::Hyper),
+                Parsed::Head(head) => break head,
+                Parsed::Other => return Some(Next::Hyper),
+                Parsed::Partial if buf.len() > self.max_head => return Some(Next::Hyper),
+                Parsed::Partial => {}
+            }
+            buf.reserve(4096);
+            let read = if buf.is_empty() {
+                // Idle between requests: the drain ends the connection.
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    read = io.read_buf(buf) => read,
+                }
+            } else {
+                let by = *head_by
+                    .get_or_insert_with(|| tokio::time::Instant::now() + self.header_timeout);
+                tokio::time::timeout_at(by, io.read_buf(buf)).await.ok()?
+            };
+            if !matches!(read, Ok(n) if n > 0) {
+                return None;
+            }
+        };
+        if head.body > self.max_body {
+            return Some(Next::Hyper);
+        }
+        let whole = head.len + head.body as usize;
+        while buf.len() < whole {
+            buf.reserve(whole - buf.len());
+            let read = tokio::time::timeout(self.body_idle, io.read_buf(buf)).await;
+            match read {
+                Ok(Ok(n)) if n > 0 => {}
+                // A body that stalls goes to hyper, which reads it under
+                // the body rules (and answers 408 when they say so).
+                Err(_) => return Some(Next::Hyper),
+                _ => return None,
+            }
+        }
+        let mut request = buf.split_to(whole);
+        let body = request.split_off(head.len).freeze();
+        Some(Next::Request(head, body))
+    }
+}
+
+// Made once per request and moved once: a box would be an allocation more.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Request(crate::h1::RequestHead, Bytes),
+    Hyper,
+}
+
+/// Writes an answer: head, then body as it comes (bytes already there
+/// are gathered into one write). `Ok(false)`: the connection must end
+/// after it.
+async fn write_response<I: AsyncWrite + Unpin>(
+    io: &mut I,
+    out: &mut Vec<u8>,
+    resp: Response<ProxyBody>,
+    to_head: bool,
+    mut close: bool,
+) -> std::io::Result<bool> {
+    let (mut parts, mut body) = resp.into_parts();
+    let status = parts.status;
+    let bodiless = to_head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let headers = &mut parts.headers;
+    close |= headers.get_all(header::CONNECTION).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .any(|o| o.trim_ascii().eq_ignore_ascii_case(b"close"))
+    });
+    let mut length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let mut chunked = false;
+    if !bodiless && length.is_none() {
+        match body.size_hint().exact() {
+            Some(n) => {
+                headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+                length = Some(n);
+            }
+            None => {
+                headers.insert(
+                    header::TRANSFER_ENCODING,
+                    HeaderValue::from_static("chunked"),
+                );
+                chunked = true;
+            }
+        }
+    }
+    if !headers.contains_key(header::DATE) {
+        headers.insert(header::DATE, date());
+    }
+    if close {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    out.clear();
+    crate::h1::write_response_head(out, status, headers);
+    if bodiless {
+        io.write_all(out).await?;
+        return Ok(!close);
+    }
+    let mut sent = 0u64;
+    loop {
+        // A frame that is already there joins the bytes to write; one that
+        // is not makes them go out first.
+        let mut next = body.frame();
+        let frame = match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut next).poll(cx))).await
+        {
+            Poll::Ready(frame) => frame,
+            Poll::Pending => {
+                io.write_all(out).await?;
+                out.clear();
+                next.await
+            }
+        };
+        let data = match frame {
+            None => break,
+            Some(Err(_)) => {
+                // The upstream failed mid-body: the client must not take
+                // what it got as whole, so the connection ends unfinished.
+                io.write_all(out).await?;
+                return Ok(false);
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue,
+            },
+        };
+        sent += data.len() as u64;
+        if length.is_some_and(|n| sent > n) {
+            return Ok(false);
+        }
+        if chunked && !data.is_empty() {
+            out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+            out.extend_from_slice(&data);
+            out.extend_from_slice(b"\r\n");
+        } else {
+            out.extend_from_slice(&data);
+        }
+        if out.len() >= WRITE_AT {
+            io.write_all(out).await?;
+            out.clear();
+        }
+    }
+    if chunked {
+        out.extend_from_slice(b"0\r\n\r\n");
+    }
+    io.write_all(out).await?;
+    out.clear();
+    Ok(!close && length.is_none_or(|n| sent == n))
+}
+
+/// The `Date` header, made once a second per thread.
+fn date() -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<(u64, HeaderValue)> =
+            const { std::cell::RefCell::new((0, HeaderValue::from_static(""))) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    LAST.with_borrow_mut(|(at, value)| {
+        if *at != secs {
+            *value = HeaderValue::from_str(&httpdate::fmt_http_date(now))
+                .expect("an HTTP date is a header value");
+            *at = secs;
+        }
+        value.clone()
+    })
+}
+
+pin_project_lite::pin_project! {
+    /// A connection handed to hyper with the bytes the lane already read
+    /// put back in front.
+    struct Rewind<I> {
+        pre: Bytes,
+        #[pin]
+        io: I,
+    }
+}
+
+impl<I: AsyncRead> AsyncRead for Rewind<I> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.project();
+        if !this.pre.is_empty() {
+            let n = this.pre.len().min(buf.remaining());
+            buf.put_slice(&this.pre[..n]);
+            this.pre.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        this.io.poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite> AsyncWrite for Rewind<I> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().io.poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().io.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.project().io.poll_shutdown(cx)
+    }
+}

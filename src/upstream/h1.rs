@@ -1,0 +1,276 @@
+//! The own lane's exchange with a plain HTTP/1.1 upstream (issue 32): the
+//! request goes out as bytes ([`crate::h1`] wrote its head), and the answer
+//! is read on the task that asked, with no connection task between them.
+//! Idle connections wait in the same per-worker pool as hyper's, under the
+//! same rules: newest first, none older than the idle timeout, and a
+//! request that may have been written is never sent again.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::Response;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tower_service::Service;
+
+use super::{Upstream, UpstreamError, MAX_IDLE};
+use crate::error::{BoxError, ProxyBody};
+use crate::h1::{parse_response, ChunkedDecoder, Framing};
+
+/// Longest response head read from an upstream.
+const MAX_HEAD: usize = 64 * 1024;
+
+/// What one read from an upstream asks the buffer to hold free.
+const READ_AHEAD: usize = 16 * 1024;
+
+impl Upstream {
+    /// Whether the lane's requests can go to this upstream as bytes: plain
+    /// HTTP/1.1 (not TLS, not h2c).
+    pub fn speaks_plain_h1(&self) -> bool {
+        !self.h2c && self.dial.scheme() == Some(&http::uri::Scheme::HTTP)
+    }
+
+    /// Sends a whole request (`wire`: head and body) and returns the
+    /// response head; its body gives the connection back to this worker's
+    /// pool when it ends. `to_head`: the request is a HEAD (no body comes).
+    pub async fn send_wire(
+        self: &Arc<Self>,
+        wire: &[u8],
+        to_head: bool,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        let worker = crate::slot::current() % self.pools.len();
+        loop {
+            let (mut io, fresh) = match self.checkout_wire(worker) {
+                Some(io) => (io, false),
+                None => (self.dial_wire().await?, true),
+            };
+            // A write that fails at once wrote nothing: on a reused
+            // connection (closed while idle) the request goes on the next.
+            let written = match io.write(wire).await {
+                Ok(n) => n,
+                Err(_) if !fresh => continue,
+                Err(e) => {
+                    return Err(UpstreamError::Connect(format!(
+                        "the upstream closed a new connection at once: {e}"
+                    )))
+                }
+            };
+            io.write_all(&wire[written..]).await.map_err(lost)?;
+            return self.read_head(io, worker, to_head).await;
+        }
+    }
+
+    async fn read_head(
+        self: &Arc<Self>,
+        mut io: TcpStream,
+        worker: usize,
+        to_head: bool,
+    ) -> Result<Response<ProxyBody>, UpstreamError> {
+        let mut buf = BytesMut::with_capacity(READ_AHEAD);
+        let head = loop {
+            match parse_response(&buf, to_head).map_err(|e| UpstreamError::Wire(e.to_string()))? {
+                Some(head) if head.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                    return Err(UpstreamError::Wire(
+                        "the upstream answered 101 to a request that asked for no upgrade".into(),
+                    ))
+                }
+                // Interim answers (100, 103) are not passed on, as hyper
+                // does not.
+                Some(head) if head.status.is_informational() => buf.advance(head.len),
+                Some(head) => break head,
+                None if buf.len() > MAX_HEAD => {
+                    return Err(UpstreamError::Wire(
+                        "the upstream's response head is too long".into(),
+                    ))
+                }
+                None => {
+                    buf.reserve(READ_AHEAD);
+                    if io.read_buf(&mut buf).await.map_err(lost)? == 0 {
+                        return Err(UpstreamError::Wire(
+                            "the upstream closed the connection before it answered".into(),
+                        ));
+                    }
+                }
+            }
+        };
+        buf.advance(head.len);
+        let state = match head.framing {
+            Framing::Empty | Framing::Length(0) => State::Length(0),
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::Chunked(ChunkedDecoder::default()),
+            Framing::Close => State::Close,
+        };
+        let mut resp = Response::new(());
+        *resp.status_mut() = head.status;
+        *resp.headers_mut() = head.headers;
+        let body = WireBody {
+            io: Some(io),
+            buf,
+            state,
+            back: (!head.close && !super::retires_connection(head.status))
+                .then(|| (self.clone(), worker)),
+        };
+        Ok(resp.map(|()| body.boxed()))
+    }
+
+    /// An idle connection of this worker, newest first, that has not been
+    /// closed (or sent anything) while it waited.
+    fn checkout_wire(&self, worker: usize) -> Option<TcpStream> {
+        let mut pool = self.pool(worker);
+        let now = Instant::now();
+        while let Some((since, io)) = pool.wire.pop_back() {
+            if now.duration_since(since) > self.idle_timeout {
+                pool.wire.clear();
+                break;
+            }
+            if still_idle(&io) {
+                return Some(io);
+            }
+        }
+        None
+    }
+
+    async fn dial_wire(&self) -> Result<TcpStream, UpstreamError> {
+        let mut connector = self.connector.clone();
+        let connect = |e: BoxError| UpstreamError::Connect(crate::error::error_chain(&*e));
+        std::future::poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(connect)?;
+        match connector.call(self.dial.clone()).await.map_err(connect)? {
+            hyper_rustls::MaybeHttpsStream::Http(io) => Ok(io.into_inner()),
+            hyper_rustls::MaybeHttpsStream::Https(_) => Err(UpstreamError::Connect(
+                "a plain HTTP/1.1 upstream negotiated TLS".into(),
+            )),
+        }
+    }
+
+    fn give_back_wire(&self, worker: usize, io: TcpStream) {
+        let now = Instant::now();
+        let mut pool = self.pool(worker);
+        self.reap(&mut pool, now);
+        if pool.wire.len() >= MAX_IDLE {
+            pool.wire.pop_front();
+        }
+        pool.wire.push_back((now, io));
+    }
+}
+
+/// An idle connection that is not readable: one that is has been closed
+/// by the upstream, or has bytes nobody asked for, and either way is not
+/// one to send on. (Polled with a waker that does nothing: no task waits
+/// on an idle connection.)
+pub(super) fn still_idle(io: &TcpStream) -> bool {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    io.poll_read_ready(&mut cx).is_pending()
+}
+
+/// A failed read or write once the request may have been sent.
+fn lost(e: std::io::Error) -> UpstreamError {
+    UpstreamError::Wire(format!("the upstream connection failed: {e}"))
+}
+
+enum State {
+    /// Bytes of the body still to come.
+    Length(u64),
+    Chunked(ChunkedDecoder),
+    /// Until the upstream closes.
+    Close,
+}
+
+/// A response body read from the upstream connection it owns.
+struct WireBody {
+    io: Option<TcpStream>,
+    /// Bytes read past the head, not yet passed on.
+    buf: BytesMut,
+    state: State,
+    /// Where the connection goes when the body has ended cleanly.
+    back: Option<(Arc<Upstream>, usize)>,
+}
+
+impl WireBody {
+    /// The body ended: the connection goes back to the pool if it can carry
+    /// another exchange (nothing read past this body).
+    fn ended(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let (Some(io), Some((up, worker))) = (self.io.take(), self.back.take()) {
+            if self.buf.is_empty() {
+                up.give_back_wire(worker, io);
+            }
+        }
+        Poll::Ready(None)
+    }
+
+    /// Reads more from the upstream; `Ok(false)` at its end.
+    fn fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, BoxError>> {
+        let Some(io) = self.io.as_mut() else {
+            return Poll::Ready(Ok(false));
+        };
+        self.buf.reserve(READ_AHEAD);
+        match tokio_util::io::poll_read_buf(Pin::new(io), cx, &mut self.buf) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(n)) => Poll::Ready(Ok(n > 0)),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(Box::new(e))),
+        }
+    }
+}
+
+impl Body for WireBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            let data = match &mut this.state {
+                State::Length(0) => return this.ended(),
+                State::Length(left) => {
+                    let n = usize::try_from(*left)
+                        .unwrap_or(usize::MAX)
+                        .min(this.buf.len());
+                    *left -= n as u64;
+                    this.buf.split_to(n).freeze()
+                }
+                State::Chunked(decoder) => match decoder.next(&mut this.buf) {
+                    Ok(Some(data)) => data,
+                    Ok(None) => return this.ended(),
+                    Err(e) => return Poll::Ready(Some(Err(Box::new(e)))),
+                },
+                State::Close => this.buf.split().freeze(),
+            };
+            if !data.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            match std::task::ready!(this.fill(cx)) {
+                Ok(true) => {}
+                Ok(false) if matches!(this.state, State::Close) => {
+                    this.back = None;
+                    return this.ended();
+                }
+                Ok(false) => {
+                    return Poll::Ready(Some(Err(
+                        "the upstream closed the connection before the body's end".into(),
+                    )))
+                }
+                Err(e) => return Poll::Ready(Some(Err(e))),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.state, State::Length(0))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            State::Length(n) => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
+    }
+}

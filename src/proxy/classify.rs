@@ -20,10 +20,11 @@ use super::table::*;
 use crate::routing::{resolve, route_key, HOST_SPELLING};
 
 /// Headers that name a different method than the request line's.
-pub(super) const OVERRIDE_HEADERS: [&str; 3] = [
-    "x-http-method-override",
-    "x-http-method",
-    "x-method-override",
+/// Names made once: a lookup by `&str` parses the name on every request.
+pub(super) static OVERRIDE_HEADERS: [header::HeaderName; 3] = [
+    header::HeaderName::from_static("x-http-method-override"),
+    header::HeaderName::from_static("x-http-method"),
+    header::HeaderName::from_static("x-method-override"),
 ];
 
 /// The host a request names, through one parse whatever carries it (`Host`,
@@ -140,7 +141,7 @@ pub(super) fn is_copy_or_move(method: &Method, headers: &HeaderMap, query: Optio
     named(method.as_str())
         || OVERRIDE_HEADERS
             .iter()
-            .flat_map(|h| headers.get_all(*h))
+            .flat_map(|h| headers.get_all(h))
             .any(|v| v.to_str().is_ok_and(|m| named(m.trim())))
         || query_values(query.unwrap_or(""), "_method").any(|m| m.is_some_and(|m| named(m.trim())))
 }
@@ -315,9 +316,9 @@ impl Proxy {
                 .ok_or_else(|| ProxyError::BadRequest(format!("{what} does not name a method")))
         };
         let mut write = route.write_methods.is_write(method.as_str());
-        for name in OVERRIDE_HEADERS {
+        for name in &OVERRIDE_HEADERS {
             for value in headers.get_all(name) {
-                write |= named(name, value.to_str().ok())?;
+                write |= named(name.as_str(), value.to_str().ok())?;
             }
         }
         for value in query_values(query.unwrap_or(""), "_method") {

@@ -198,6 +198,11 @@ pub(super) fn forwarded_values(
 /// Removes hop-by-hop headers, including those named in `Connection`
 /// (except the fence token and `keep`, which are end to end here).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep: Option<&HeaderName>) {
+    // Most messages carry none: one pass over the names (standard names
+    // compare as numbers) saves nine removals that each hash.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

@@ -286,16 +286,23 @@ async fn write_response<I: AsyncWrite + Unpin>(
         if length.is_some_and(|n| sent > n) {
             return Ok(false);
         }
-        if chunked && !data.is_empty() {
+        if data.is_empty() {
+            continue;
+        }
+        if chunked {
             out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-            out.extend_from_slice(&data);
-            out.extend_from_slice(b"\r\n");
+        }
+        if out.len() + data.len() > WRITE_AT {
+            // A large piece (a download) is written from where it lies,
+            // not copied into the gathered bytes.
+            io.write_all(out).await?;
+            out.clear();
+            io.write_all(&data).await?;
         } else {
             out.extend_from_slice(&data);
         }
-        if out.len() >= WRITE_AT {
-            io.write_all(out).await?;
-            out.clear();
+        if chunked {
+            out.extend_from_slice(b"\r\n");
         }
     }
     if chunked {

@@ -25,8 +25,11 @@ use crate::h1::{parse_response, ChunkedDecoder, Framing};
 /// Longest response head read from an upstream.
 const MAX_HEAD: usize = 64 * 1024;
 
-/// What one read from an upstream asks the buffer to hold free.
+/// What one read of a head from an upstream asks the buffer to hold free.
 const READ_AHEAD: usize = 16 * 1024;
+
+/// The same for a body's reads.
+const BODY_READ: usize = 64 * 1024;
 
 impl Upstream {
     /// Whether the lane's requests can go to this upstream as bytes: plain
@@ -209,7 +212,9 @@ impl WireBody {
         let Some(io) = self.io.as_mut() else {
             return Poll::Ready(Ok(false));
         };
-        self.buf.reserve(READ_AHEAD);
+        // Body reads are larger than head reads: a download goes in few
+        // system calls.
+        self.buf.reserve(BODY_READ);
         match tokio_util::io::poll_read_buf(Pin::new(io), cx, &mut self.buf) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok(n)) => Poll::Ready(Ok(n > 0)),

@@ -12,13 +12,15 @@ use std::time::Duration;
 use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::lane::{serve_connection, Handoff, Lane};
+use super::progress::{Activity, Busy, Tracked};
 use crate::error::ProxyBody;
 use crate::metrics::Metrics;
 use crate::tls::TlsTerminator;
@@ -174,151 +176,6 @@ impl Slots {
     }
 }
 
-/// Whether a connection makes progress: bytes moved, or a request handler
-/// running (an upstream answer can take a while).
-#[derive(Default)]
-pub(super) struct Activity {
-    pub(super) moved: std::sync::atomic::AtomicBool,
-    pub(super) busy: std::sync::atomic::AtomicUsize,
-}
-
-impl Activity {
-    /// Records that bytes moved, if they did.
-    pub(super) fn note(&self, moved: bool) {
-        if moved {
-            self.moved.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// Ends when the connection has been idle for at least `idle` (at most
-    /// half as long again): no bytes either way and no request in hand.
-    pub(super) async fn watch(self: Arc<Self>, idle: Duration) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let tick = idle / 2;
-        let mut quiet = Duration::ZERO;
-        loop {
-            tokio::time::sleep(tick).await;
-            let moved = self.moved.swap(false, Relaxed);
-            if moved || self.busy.load(Relaxed) > 0 {
-                quiet = Duration::ZERO;
-            } else {
-                quiet += tick;
-                if quiet >= idle {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// A request handler in progress on a connection.
-pub(super) struct Busy(Arc<Activity>);
-
-impl Busy {
-    pub(super) fn new(a: &Arc<Activity>) -> Self {
-        a.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Busy(a.clone())
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.0.busy.fetch_sub(1, Relaxed);
-        self.0.moved.store(true, Relaxed);
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A connection's socket, noting each time bytes move.
-    struct Tracked<I> {
-        #[pin]
-        inner: I,
-        activity: Arc<Activity>,
-    }
-}
-
-impl<I: tokio::io::AsyncRead> tokio::io::AsyncRead for Tracked<I> {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let this = self.project();
-        let before = buf.filled().len();
-        let r = this.inner.poll_read(cx, buf);
-        this.activity.note(buf.filled().len() > before);
-        r
-    }
-}
-
-impl<I: tokio::io::AsyncWrite> tokio::io::AsyncWrite for Tracked<I> {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let this = self.project();
-        let r = this.inner.poll_write(cx, buf);
-        this.activity
-            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
-        r
-    }
-
-    fn poll_write_vectored(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let this = self.project();
-        let r = this.inner.poll_write_vectored(cx, bufs);
-        this.activity
-            .note(matches!(r, std::task::Poll::Ready(Ok(n)) if n > 0));
-        r
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        self.project().inner.poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        self.project().inner.poll_shutdown(cx)
-    }
-}
-
-/// Serves one connection (plain or TLS) under the drain's watch.
-pub(super) async fn serve_connection<I, S>(
-    builder: auto::Builder<TokioExecutor>,
-    io: I,
-    service: S,
-    watcher: hyper_util::server::graceful::Watcher,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = http::Response<ProxyBody>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-{
-    // With upgrades: a WebSocket route hands its connections to a tunnel.
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    if let Err(e) = watcher.watch(conn.into_owned()).await {
-        tracing::debug!(error = %e, "connection ended with an error");
-    }
-}
-
 /// Accepts connections (TLS ones if `tls` is set) until the gate closes;
 /// then drains them within the grace period. Returns whether every
 /// connection finished in time.
@@ -328,7 +185,7 @@ pub(super) async fn accept_loop<F, Fut>(
     tls: Option<TlsSide>,
     gate: Gate,
     slots: Slots,
-    lane: Option<super::lane::Lane>,
+    lane: Option<Lane>,
     handler: F,
 ) -> bool
 where
@@ -365,7 +222,7 @@ where
                 }
                 let _ = stream.set_nodelay(true);
                 let activity = Arc::new(Activity::default());
-                let mut stream = Tracked { inner: stream, activity: activity.clone() };
+                let mut stream = Tracked::new(stream, activity.clone());
                 let handler = handler.clone();
                 let busy = activity.clone();
                 let open = slots.open();
@@ -381,7 +238,7 @@ where
                 let lane = lane.clone();
                 let mut connection = gate.connections.spawn(async move {
                     let _held = (open, slot);
-                    let Some(peer) = behind.client(&mut stream.inner, peer).await else {
+                    let Some(peer) = behind.client(stream.inner_mut(), peer).await else {
                         return;
                     };
                     let activity = busy.clone();
@@ -394,7 +251,7 @@ where
                             answer
                         }
                     });
-                    let hyper = super::lane::Handoff { builder, service, watcher };
+                    let hyper = Handoff { builder, service, watcher };
                     match (tls, lane) {
                         (None, None) => {
                             serve_connection(hyper.builder, stream, hyper.service, hyper.watcher).await

@@ -23,12 +23,12 @@ use http::{Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
-use super::conn::{serve_connection, Activity, Busy};
+use super::progress::{Activity, Busy};
 use crate::error::ProxyBody;
 use crate::h1::{parse_request, Parsed};
 use crate::proxy::{Peer, Proxy, RequestBody};
@@ -253,6 +253,11 @@ async fn write_response<I: AsyncWrite + Unpin>(
     crate::h1::write_response_head(out, status, headers);
     if bodiless {
         io.write_all(out).await?;
+        if body.is_end_stream() {
+            // Polled to its end all the same: an upstream connection goes
+            // back to its pool only when its body has been seen to end.
+            let _ = body.frame().await;
+        }
         return Ok(!close);
     }
     let mut sent = 0u64;
@@ -387,5 +392,28 @@ impl<I: AsyncWrite> AsyncWrite for Rewind<I> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         self.project().io.poll_shutdown(cx)
+    }
+}
+
+/// Serves one connection (plain or TLS) under the drain's watch.
+pub(super) async fn serve_connection<I, S>(
+    builder: auto::Builder<TokioExecutor>,
+    io: I,
+    service: S,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = http::Response<ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    // With upgrades: a WebSocket route hands its connections to a tunnel.
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!(error = %e, "connection ended with an error");
     }
 }

@@ -9,13 +9,15 @@
 //! connections in flight.
 //!
 //! Files: `start.rs` (the [`Server`], its start and drain), `conn.rs`
-//! (accept loops and connections), `lane.rs` (the own HTTP/1.1 lane of
+//! (accept loops and connections), `progress.rs` (what the idle watchdog
+//! counts as progress), `lane.rs` (the own HTTP/1.1 lane of
 //! the proxy listeners), `reload.rs` (the [`Reloader`]),
 //! `error.rs`.
 
 mod conn;
 mod error;
 mod lane;
+mod progress;
 mod reload;
 mod start;
 

@@ -18,7 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use super::{Upstream, UpstreamError, MAX_IDLE};
+use super::pool::{retires_connection, still_idle, Upstream, UpstreamError, MAX_IDLE};
 use crate::error::{BoxError, ProxyBody};
 use crate::h1::{parse_response, ChunkedDecoder, Framing};
 
@@ -115,8 +115,7 @@ impl Upstream {
             io: Some(io),
             buf,
             state,
-            back: (!head.close && !super::retires_connection(head.status))
-                .then(|| (self.clone(), worker)),
+            back: (!head.close && !retires_connection(head.status)).then(|| (self.clone(), worker)),
         };
         Ok(resp.map(|()| body.boxed()))
     }
@@ -161,15 +160,6 @@ impl Upstream {
         }
         pool.wire.push_back((now, io));
     }
-}
-
-/// An idle connection that is not readable: one that is has been closed
-/// by the upstream, or has bytes nobody asked for, and either way is not
-/// one to send on. (Polled with a waker that does nothing: no task waits
-/// on an idle connection.)
-pub(super) fn still_idle(io: &TcpStream) -> bool {
-    let mut cx = Context::from_waker(std::task::Waker::noop());
-    io.poll_read_ready(&mut cx).is_pending()
 }
 
 /// A failed read or write once the request may have been sent.

@@ -220,13 +220,21 @@ pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>,
         Framing::Empty
     } else {
         match (chunked, length) {
-            (Some(_), Some(_)) => {
-                return Err(BadResponse("both Transfer-Encoding and Content-Length"))
+            // Both: the transfer coding wins and the length goes (RFC 9112
+            // section 6.3), as hyper reads it; the connection is not
+            // reused after such an answer.
+            (Some(chunked), Some(_)) => {
+                headers.remove(header::CONTENT_LENGTH);
+                close = true;
+                if chunked {
+                    Framing::Chunked
+                } else {
+                    Framing::Close
+                }
             }
             (Some(true), None) => Framing::Chunked,
-            (Some(false), None) => Framing::Close,
+            (Some(false), None) | (None, None) => Framing::Close,
             (None, Some(n)) => Framing::Length(n),
-            (None, None) => Framing::Close,
         }
     };
     close |= framing == Framing::Close;

@@ -555,3 +555,110 @@ async fn upstream_client_certificate_and_http1_only_upstreams() {
     assert_eq!(used.alpn.as_deref(), Some("http/1.1"));
     assert_eq!(up.count(), 1);
 }
+
+/// An upstream that answers every request on a connection with `len`
+/// bytes of `x` (Content-Length), whatever was asked.
+async fn start_big_upstream(len: usize) -> Upstream {
+    start_upstream_with(move |mut s, _| {
+        Box::pin(async move {
+            let mut buf = Vec::new();
+            loop {
+                let mut chunk = [0u8; 4096];
+                let Ok(n) = s.read(&mut chunk).await else {
+                    return;
+                };
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    buf.drain(..end + 4);
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n");
+                    if s.write_all(head.as_bytes()).await.is_err()
+                        || s.write_all(&vec![b'x'; len]).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        })
+    })
+    .await
+}
+
+/// Reads one answer with a Content-Length body from `s`, slowly (a
+/// client on a slow link), and returns its body's length.
+async fn read_answer_slowly<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    buf: &mut Vec<u8>,
+) -> usize {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            assert!(head.starts_with("http/1.1 200"), "{head}");
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .expect("a content-length")
+                .trim()
+                .parse()
+                .unwrap();
+            while buf.len() < end + 4 + len {
+                let mut chunk = vec![0u8; 16 * 1024];
+                let n = s.read(&mut chunk).await.unwrap();
+                assert!(
+                    n > 0,
+                    "the connection ended {} bytes short",
+                    end + 4 + len - buf.len()
+                );
+                buf.extend_from_slice(&chunk[..n]);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            buf.drain(..end + 4 + len);
+            return len;
+        }
+        let mut chunk = vec![0u8; 16 * 1024];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the connection ended before an answer");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The TLS listener's HTTP/1.1 answers reach a slow reader whole, and the
+/// connection carries the next request: what TLS holds back until a
+/// flush is flushed, not left behind until the idle timeout cuts it.
+#[tokio::test(flavor = "multi_thread")]
+async fn large_answers_over_tls_reach_a_slow_reader_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "ca");
+    let leaf = ca.server("proxy");
+    // More than loopback's socket buffers hold, so that the proxy's last
+    // writes meet a full socket.
+    let len = 16 << 20;
+    let up = start_big_upstream(len).await;
+    let args = tls_args(&leaf);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&args)
+        .args(&["--header-read-timeout", "30s"])
+        .spawn();
+    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
+    let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut s = connector.connect(name, tcp).await.unwrap();
+    let mut buf = Vec::new();
+    for _ in 0..2 {
+        s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let got = tokio::time::timeout(
+            Duration::from_secs(20),
+            read_answer_slowly(&mut s, &mut buf),
+        )
+        .await
+        .expect("the answer stalled: bytes held back by TLS were never flushed");
+        assert_eq!(got, len);
+    }
+}

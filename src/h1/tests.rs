@@ -104,9 +104,16 @@ fn responses_are_framed_as_rfc_9112_says() {
         framing("HTTP/1.1 200 OK\r\nContent-Length: 5", false),
         Ok(None)
     );
+    let both = parse_response(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        false,
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!((both.framing, both.close), (Framing::Chunked, true));
+    assert!(!both.headers.contains_key(header::CONTENT_LENGTH));
     for bad in [
         "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
-        "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
         "HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
         "HTTP/1.1 2000 OK\r\n\r\n",
     ] {
@@ -262,6 +269,13 @@ proptest! {
     fn the_lane_takes_only_what_hyper_reads_the_same(bytes in request()) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         if let Parsed::Head(h) = parse_request(&bytes) {
+            // The lane waits for the rest of a body: so does hyper.
+            let mut bytes = bytes.clone();
+            let whole = h.len + usize::try_from(h.body).unwrap();
+            prop_assume!(whole <= 1 << 20);
+            if bytes.len() < whole {
+                bytes.resize(whole, b'z');
+            }
             let (parts, body) = hyper_reads(&rt, &bytes)
                 .unwrap_or_else(|| panic!("hyper refused what the lane took: {:?}", String::from_utf8_lossy(&bytes)));
             prop_assert_eq!(&h.parts.method, &parts.method);

@@ -37,6 +37,11 @@ use crate::proxy::{Peer, Proxy, RequestBody};
 /// a longer one goes to hyper, which streams it.
 pub(super) const MAX_WHOLE_BODY: u64 = 64 * 1024;
 
+/// How long the lane waits for the rest of a small body after its head
+/// (a client that writes head and body apart sends the body at once); a
+/// slower one is hyper's.
+pub(super) const BODY_WAIT: Duration = Duration::from_secs(1);
+
 /// Response bytes gathered before a write: a body's chunks that are
 /// already there go out with the head in one write.
 const WRITE_AT: usize = 64 * 1024;
@@ -54,8 +59,10 @@ pub(super) struct Lane {
     pub(super) max_body: u64,
     /// A head must arrive within this once its first byte has.
     pub(super) header_timeout: Duration,
-    /// Longest wait for more of a body.
-    pub(super) body_idle: Duration,
+    /// How long the rest of a small body is waited for before the request
+    /// goes to hyper ([`BODY_WAIT`], or `limits.body_read_timeout` if
+    /// shorter).
+    pub(super) body_wait: Duration,
 }
 
 /// What the hyper side of a connection needs if it takes over.
@@ -96,6 +103,14 @@ impl Lane {
             };
             let (head, body) = match next {
                 Next::Request(head, body) => (head, body),
+                Next::Hyper if stop.is_cancelled() => {
+                    // hyper would close a connection it meets after the
+                    // drain began without reading it: the client is told.
+                    let resp = crate::error::ProxyError::ShuttingDown.into_response(None);
+                    let _ = write_response(&mut io, &mut out, resp, false, true).await;
+                    let _ = io.shutdown().await;
+                    return;
+                }
                 Next::Hyper => {
                     let io = Rewind {
                         pre: buf.freeze(),
@@ -113,17 +128,15 @@ impl Lane {
             // closes is gone (hyper's rule too), and the request's future
             // is dropped: it is logged as 499, and a write's exchange runs
             // on to its end on a task of its own.
-            let mut watch = true;
+            // Once pipelined bytes are there, no more is read (hyper's rule
+            // too): a client that sent its requests and half-closed gets
+            // its answers.
             let resp = loop {
                 tokio::select! {
                     biased;
                     Ok(resp) = &mut handled => break resp,
-                    read = io.read_buf(&mut buf), if watch => match read {
-                        Ok(n) if n > 0 => {
-                            // Pipelined bytes, kept for the next request;
-                            // past a bound they wait in the socket.
-                            watch = buf.len() <= self.max_head + self.max_body as usize;
-                        }
+                    read = io.read_buf(&mut buf), if buf.is_empty() => match read {
+                        Ok(n) if n > 0 => {}
                         _ => return,
                     },
                 }
@@ -178,13 +191,18 @@ impl Lane {
             return Some(Next::Hyper);
         }
         let whole = head.len + head.body as usize;
+        let body_by = tokio::time::Instant::now() + self.body_wait;
         while buf.len() < whole {
             buf.reserve(whole - buf.len());
-            let read = tokio::time::timeout(self.body_idle, io.read_buf(buf)).await;
+            let read = tokio::select! {
+                _ = stop.cancelled() => return Some(Next::Hyper),
+                read = tokio::time::timeout_at(body_by, io.read_buf(buf)) => read,
+            };
             match read {
                 Ok(Ok(n)) if n > 0 => {}
-                // A body that stalls goes to hyper, which reads it under
-                // the body rules (and answers 408 when they say so).
+                // A body that does not come at once goes to hyper, which
+                // reads it under the body rules (idle limit, 408, the
+                // write's deadline) as it would have from the start.
                 Err(_) => return Some(Next::Hyper),
                 _ => return None,
             }
@@ -253,6 +271,7 @@ async fn write_response<I: AsyncWrite + Unpin>(
     crate::h1::write_response_head(out, status, headers);
     if bodiless {
         io.write_all(out).await?;
+        io.flush().await?;
         if body.is_end_stream() {
             // Polled to its end all the same: an upstream connection goes
             // back to its pool only when its body has been seen to end.
@@ -269,7 +288,9 @@ async fn write_response<I: AsyncWrite + Unpin>(
         {
             Poll::Ready(frame) => frame,
             Poll::Pending => {
+                // Flushed too: TLS keeps what it was given until then.
                 io.write_all(out).await?;
+                io.flush().await?;
                 out.clear();
                 next.await
             }
@@ -289,6 +310,10 @@ async fn write_response<I: AsyncWrite + Unpin>(
         };
         sent += data.len() as u64;
         if length.is_some_and(|n| sent > n) {
+            // More than the declared length: what fits went, the rest
+            // would be read as another answer.
+            io.write_all(out).await?;
+            io.flush().await?;
             return Ok(false);
         }
         if data.is_empty() {
@@ -314,6 +339,7 @@ async fn write_response<I: AsyncWrite + Unpin>(
         out.extend_from_slice(b"0\r\n\r\n");
     }
     io.write_all(out).await?;
+    io.flush().await?;
     out.clear();
     Ok(!close && length.is_none_or(|n| sent == n))
 }

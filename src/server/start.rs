@@ -29,7 +29,7 @@ use crate::workers::Workers;
 
 use super::conn::*;
 use super::error::*;
-use super::lane::{Lane, MAX_WHOLE_BODY};
+use super::lane::{Lane, BODY_WAIT, MAX_WHOLE_BODY};
 use super::reload::*;
 
 /// A running fencegate.
@@ -350,7 +350,7 @@ impl Server {
                 .max_body_bytes
                 .map_or(MAX_WHOLE_BODY, |m| m.min(MAX_WHOLE_BODY)),
             header_timeout: config.limits.header_read_timeout,
-            body_idle: config.limits.body_read_timeout,
+            body_wait: config.limits.body_read_timeout.min(BODY_WAIT),
         };
         let worker_threads = {
             let (proxy, builder, gate) = (proxy.clone(), builder.clone(), gate.clone());

@@ -63,8 +63,16 @@ impl Upstream {
                     )))
                 }
             };
-            io.write_all(&wire[written..]).await.map_err(lost)?;
-            return self.read_head(io, worker, to_head).await;
+            if let Err(e) = io.write_all(&wire[written..]).await {
+                // The upstream may have answered early (413, 401) and
+                // closed: its answer, if one came, is the one to pass on.
+                // The connection is not reused: the request was cut.
+                return self
+                    .read_head(io, worker, to_head, false)
+                    .await
+                    .map_err(|_| lost(e));
+            }
+            return self.read_head(io, worker, to_head, true).await;
         }
     }
 
@@ -73,6 +81,7 @@ impl Upstream {
         mut io: TcpStream,
         worker: usize,
         to_head: bool,
+        reuse: bool,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let mut buf = BytesMut::with_capacity(READ_AHEAD);
         let head = loop {
@@ -115,7 +124,8 @@ impl Upstream {
             io: Some(io),
             buf,
             state,
-            back: (!head.close && !retires_connection(head.status)).then(|| (self.clone(), worker)),
+            back: (reuse && !head.close && !retires_connection(head.status))
+                .then(|| (self.clone(), worker)),
         };
         Ok(resp.map(|()| body.boxed()))
     }

@@ -47,6 +47,9 @@ pub enum Parsed {
     Head(RequestHead),
     /// Anything else, for hyper to read (and refuse, if it must).
     Other,
+    /// Refused with 400 and the connection closed (framing that hyper
+    /// would read, but the hostile-input rules refuse).
+    Refused(&'static str),
 }
 
 /// Reads the request head at the start of `buf` (see the module's rules).
@@ -93,7 +96,10 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
         if name == header::CONTENT_LENGTH {
             match (body, digits(h.value)) {
                 (None, Some(n)) => body = Some(n),
-                _ => return Parsed::Other,
+                // hyper would merge two equal lines into one; the rule is
+                // that a repeated length is refused, whatever its values.
+                (Some(_), _) => return Parsed::Refused("more than one Content-Length header"),
+                (None, None) => return Parsed::Other,
             }
         }
         if name == header::CONNECTION {
@@ -193,13 +199,18 @@ pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>,
             HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| BadResponse("a header name"))?;
         let value = HeaderValue::from_bytes(h.value).map_err(|_| BadResponse("a header value"))?;
         if name == header::CONTENT_LENGTH {
-            // Repeated lines must agree (RFC 9110 section 8.6).
+            // Repeated lines must agree (RFC 9110 section 8.6); the client
+            // gets one.
+            let repeated = length.is_some();
             for item in h.value.split(|b| *b == b',') {
                 let n = digits(item.trim_ascii()).ok_or(BadResponse("Content-Length"))?;
                 if length.is_some_and(|l| l != n) {
                     return Err(BadResponse("Content-Length values differ"));
                 }
                 length = Some(n);
+            }
+            if repeated {
+                continue;
             }
         } else if name == header::TRANSFER_ENCODING {
             let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();

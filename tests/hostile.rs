@@ -83,6 +83,7 @@ fn refused_with(answer: &str, status: u16) -> bool {
 const CASES: &[(&str, &str, bool, u16, bool)] = &[
     // Request smuggling.
     ("two Content-Lengths", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", false, 400, true),
+    ("two equal Content-Lengths", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", false, 400, true),
     ("TE gzip, chunked", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", false, 400, true),
     ("two TE headers", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", false, 400, true),
     ("obs-fold header", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-A: a\r\n\tb\r\nContent-Length: 0\r\n\r\n", false, 400, true),

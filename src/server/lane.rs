@@ -103,6 +103,12 @@ impl Lane {
             };
             let (head, body) = match next {
                 Next::Request(head, body) => (head, body),
+                Next::Refused(why) => {
+                    let resp = crate::error::ProxyError::BadFraming(why.into()).into_response(None);
+                    let _ = write_response(&mut io, &mut out, resp, false, true).await;
+                    let _ = io.shutdown().await;
+                    return;
+                }
                 Next::Hyper if stop.is_cancelled() => {
                     // hyper would close a connection it meets after the
                     // drain began without reading it: the client is told.
@@ -168,6 +174,7 @@ impl Lane {
                 Parsed::Head(head) if head.len > self.max_head => return Some(Next::Hyper),
                 Parsed::Head(head) => break head,
                 Parsed::Other => return Some(Next::Hyper),
+                Parsed::Refused(why) => return Some(Next::Refused(why)),
                 Parsed::Partial if buf.len() > self.max_head => return Some(Next::Hyper),
                 Parsed::Partial => {}
             }
@@ -218,6 +225,8 @@ impl Lane {
 enum Next {
     Request(crate::h1::RequestHead, Bytes),
     Hyper,
+    /// Refused before it is routed: 400, and the connection closed.
+    Refused(&'static str),
 }
 
 /// Writes an answer: head, then body as it comes (bytes already there

@@ -76,8 +76,21 @@ pub(super) async fn bind(
     field: &'static str,
     addr: SocketAddr,
 ) -> Result<TcpListener, ServerError> {
-    TcpListener::bind(addr)
-        .await
+    // tokio's `bind` asks for a backlog of 128: a burst of more new
+    // connections than that (lease clients starting together, scrapers)
+    // would have SYNs dropped and retried a second later. The proxy
+    // listeners ask for 4096 (`workers::bind`).
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    };
+    socket
+        .and_then(|s| {
+            s.set_reuseaddr(true)?;
+            s.bind(addr)?;
+            s.listen(1024)
+        })
         .map_err(|e| ServerError::Bind {
             field,
             addr,

@@ -184,9 +184,7 @@ pub async fn start_upstream() -> Upstream {
 
 /// Starts the recording upstream on `addr`.
 pub async fn start_upstream_on(addr: &str) -> Upstream {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
+    let listener = listen(addr).unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
     serve_upstream(listener, |stream, service| {
         Box::pin(async move {
             let _ = hyper::server::conn::http1::Builder::new()
@@ -202,8 +200,26 @@ pub async fn start_upstream_with<F>(serve: F) -> Upstream
 where
     F: Fn(tokio::net::TcpStream, Recording) -> ConnFuture + Send + 'static,
 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    serve_upstream(listener, serve)
+    serve_upstream(listen("127.0.0.1:0").unwrap(), serve)
+}
+
+/// A listening socket with the accept backlog of a real server (nginx's
+/// is 511): tokio's `bind` asks for 128, and a burst of more new
+/// connections than that (a test's 250 concurrent writes, each on a new
+/// upstream connection) sees SYNs dropped and retried a second later,
+/// which reads as an upstream timeout.
+fn listen(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let addr: SocketAddr = addr
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
 }
 
 pub type ConnFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;

@@ -198,8 +198,11 @@ impl Lane {
             return Some(Next::Hyper);
         }
         let whole = head.len + head.body as usize;
-        let body_by = tokio::time::Instant::now() + self.body_wait;
+        // The clock is read only for a body that is not all there yet.
+        let mut body_by = None;
         while buf.len() < whole {
+            let body_by =
+                *body_by.get_or_insert_with(|| tokio::time::Instant::now() + self.body_wait);
             buf.reserve(whole - buf.len());
             let read = tokio::select! {
                 _ = stop.cancelled() => return Some(Next::Hyper),

@@ -148,8 +148,11 @@ pub(crate) struct Opts {
     /// environment is the other way; a password in the URL the last.
     #[arg(long, env = "FENCEGATE_STORE_PASSWORD_FILE", global = true)]
     pub(crate) store_password_file: Option<PathBuf>,
-    /// Accept a shared store that lost data: write back the fences this
-    /// replica knows and record a new marker (see docs/stores.md).
+    /// Accept a store that lost data. A shared store: write back the fences
+    /// this replica knows and record a new marker. The embedded store: open
+    /// a file whose write-ahead log is missing or not its own, setting the
+    /// log aside and holding every key for the recovery window (see
+    /// docs/stores.md).
     #[arg(long, env = "FENCEGATE_ACCEPT_STORE_RESET", global = true)]
     pub(crate) accept_store_reset: bool,
     /// A file of this replica's own where it keeps the latest shared-store

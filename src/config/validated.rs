@@ -382,11 +382,15 @@ impl Config {
     /// The effective configuration, every default filled in, as TOML.
     pub fn to_toml(&self) -> String {
         let (store, cache_mib, store_timeout, accept, shared) = match &self.store {
-            StoreConfig::Embedded { path, cache_bytes } => (
+            StoreConfig::Embedded {
+                path,
+                cache_bytes,
+                accept_loss,
+            } => (
                 path.display().to_string(),
                 Some((*cache_bytes >> 20) as u64),
                 None,
-                None,
+                accept_loss.then_some(true),
                 None,
             ),
             StoreConfig::Shared(s) => (

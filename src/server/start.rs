@@ -158,13 +158,18 @@ impl Server {
             None => None,
         };
         let store: Arc<dyn FenceStore> = match &config.store {
-            StoreConfig::Embedded { path, cache_bytes } => {
-                let (path, cache) = (path.clone(), *cache_bytes);
+            StoreConfig::Embedded {
+                path,
+                cache_bytes,
+                accept_loss,
+            } => {
+                let (path, cache, accept) = (path.clone(), *cache_bytes, *accept_loss);
                 let window = config.max_upstream_timeout();
-                let opened =
-                    tokio::task::spawn_blocking(move || EmbeddedStore::open(&path, cache, window))
-                        .await
-                        .expect("store open task")?;
+                let opened = tokio::task::spawn_blocking(move || {
+                    EmbeddedStore::open_with(&path, cache, window, accept)
+                })
+                .await
+                .expect("store open task")?;
                 Arc::new(opened)
             }
             StoreConfig::Shared(shared) => {

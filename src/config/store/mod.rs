@@ -33,7 +33,12 @@ use crate::tls::{StoreTls, TlsVerify};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
     /// The local redb file (one fencegate process).
-    Embedded { path: PathBuf, cache_bytes: usize },
+    Embedded {
+        path: PathBuf,
+        cache_bytes: usize,
+        /// Open a file whose write-ahead log is lost (`accept_store_reset`).
+        accept_loss: bool,
+    },
     /// A shared server several replicas use.
     Shared(SharedStoreConfig),
 }
@@ -236,6 +241,7 @@ pub fn store(raw: &RawConfig) -> Result<StoreConfig, ConfigError> {
     Ok(StoreConfig::Embedded {
         path,
         cache_bytes: (mib as usize) << 20,
+        accept_loss: raw.accept_store_reset.unwrap_or(false),
     })
 }
 

@@ -23,10 +23,12 @@
 //! Files: `store.rs` (the [`EmbeddedStore`]), `writer.rs` (the writer
 //! thread and its commits), `logged.rs` (its logged fast path),
 //! `checkpoint.rs` (the logged changes and their checkpoints), `wal.rs`
-//! (the log's records and files, and replay), `ops.rs` (what is sent to
+//! (the log's records and files, and replay), `identity.rs` (which log
+//! belongs to which table: the checks at open), `ops.rs` (what is sent to
 //! it), `schema.rs` (tables, meta keys, opening a file).
 
 mod checkpoint;
+mod identity;
 mod logged;
 mod ops;
 mod schema;

@@ -10,6 +10,7 @@ use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 
 use crate::store::api::{CrashedKey, StartState};
 
+use super::identity::{self, STORE_ID_KEY};
 use super::wal::Record;
 
 pub(super) const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
@@ -52,7 +53,10 @@ pub(super) const WAL_GENERATION_KEY: &str = "wal_generation";
 /// to the file: a version-1 file (no log) is upgraded at open, and a
 /// fencegate that reads only version 1 refuses a version-2 file rather
 /// than miss the advances in its log.
-pub const FORMAT_VERSION: u64 = 2;
+/// Version 3 binds the log to the file: the log files start with a header
+/// naming the store, whose identity the file keeps (`identity.rs`); a
+/// version-2 file is upgraded at open, once its log is replayed.
+pub const FORMAT_VERSION: u64 = 3;
 
 /// The oldest format version this fencegate upgrades at open.
 pub const OLDEST_FORMAT_VERSION: u64 = 1;
@@ -80,6 +84,15 @@ pub enum OpenError {
     UnknownVersion { path: PathBuf, found: u64 },
     #[error("cannot open store file {path}: {reason}")]
     Io { path: PathBuf, reason: String },
+    /// The table may lack advances that only its log held.
+    #[error("store file {path} {problem}. The fence advances acknowledged since its last checkpoint live only in its write-ahead log ({logs}){hint}. Put the log files back beside the store file as they were; or, to accept that fences may have gone back, start once with --accept-store-reset: the log files are set aside and every key is held for the recovery window")]
+    LogLost {
+        path: PathBuf,
+        problem: String,
+        logs: String,
+        /// Where log files of this store may be instead.
+        hint: String,
+    },
 }
 
 pub(super) fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
@@ -121,6 +134,15 @@ pub(super) struct Found {
     pub(super) key_mapping: Option<u64>,
     /// The write-ahead log's generation from here on.
     pub(super) generation: u64,
+    /// The log files must be bound to the store (emptied, with a header
+    /// of this identity) once this commit is made, before anything is
+    /// logged; `upgrade`: and the file then marked as of format 3.
+    pub(super) bind: Option<Bind>,
+}
+
+pub(super) struct Bind {
+    pub(super) id: u64,
+    pub(super) upgrade: bool,
 }
 
 /// Replays the write-ahead log at `wal` into the table, reads the format
@@ -136,6 +158,7 @@ pub(super) fn init_meta(
     path: &Path,
     wal: &[PathBuf; 2],
     window: Duration,
+    accept_loss: bool,
 ) -> Result<Found, OpenError> {
     let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
         path: path.to_path_buf(),
@@ -146,6 +169,7 @@ pub(super) fn init_meta(
     let marked;
     let key_mapping;
     let generation;
+    let bind;
     {
         let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
         let version = meta
@@ -167,17 +191,58 @@ pub(super) fn init_meta(
             path: wal[0].clone(),
             reason: e.to_string(),
         };
-        // A new file, or one of version 1, has no log yet: log files left
-        // beside it belonged to a file that is gone, and are emptied before
-        // this file's first generation is committed.
-        let records = match version {
-            Some(v) if v > OLDEST_FORMAT_VERSION => super::wal::replay(wal, logged).map_err(io)?,
-            _ => {
-                super::wal::discard(wal).map_err(io)?;
-                Vec::new()
+        let clean_flag = meta
+            .get(CLEAN_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value())
+            == Some(1);
+        let id = meta
+            .get(STORE_ID_KEY)
+            .map_err(|e| corrupt(&e))?
+            .map(|v| v.value());
+        let log = match (version, id) {
+            (Some(v), Some(id)) if v >= 3 => {
+                identity::read(wal, id, logged, clean_flag, accept_loss)
             }
+            (Some(2), _) => identity::read_format_2(wal, logged, clean_flag, accept_loss),
+            // A new file, or one of version 1, has no log yet: log files
+            // left beside it belonged to a file that is gone, and are
+            // bound to this one after this commit, before anything is
+            // logged.
+            _ => Ok(Ok(identity::Log::Replay(Vec::new()))),
+        }
+        .map_err(io)?
+        .map_err(|lost| OpenError::LogLost {
+            path: path.to_path_buf(),
+            problem: lost.problem,
+            logs: format!("{}, {}", wal[0].display(), wal[1].display()),
+            hint: String::new(),
+        })?;
+        let (records, accepted) = match log {
+            identity::Log::Replay(records) => (records, false),
+            identity::Log::Replace => {
+                // Nothing in the log is needed (a clean stop): bound
+                // before this commit marks the file in use, so that a
+                // crash after it finds the store's own log.
+                super::wal::bind(wal, id.expect("format 3 has an identity")).map_err(io)?;
+                (Vec::new(), false)
+            }
+            identity::Log::Accepted => (Vec::new(), true),
         };
-        let replayed = !records.is_empty();
+        bind = match (version, id) {
+            (Some(v), Some(id)) if v >= 3 => accepted.then_some(Bind { id, upgrade: false }),
+            _ => Some(Bind {
+                id: identity::new_id(),
+                upgrade: true,
+            }),
+        };
+        if accepted {
+            // Marks may have been lost with the log: every key waits, as
+            // after a crash of a run that kept none (the flag stays unset
+            // until a clean stop).
+            meta.remove(MARKS_KEY).map_err(|e| corrupt(&e))?;
+        }
+        let replayed = !records.is_empty() || accepted;
         replay(&txn, &mut meta, records).map_err(|e| corrupt(&e))?;
         // Past both generations the log may hold: every record in its
         // files is in the table now.
@@ -197,8 +262,8 @@ pub(super) fn init_meta(
             // A new file: nothing can be in flight.
             None => StartState::Clean,
         };
-        meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
-            .map_err(|e| corrupt(&e))?;
+        // The version is raised only once the log is bound (`Bind`): a
+        // crash before that finds the file as it was, with nothing logged.
         meta.insert(CLEAN_KEY, 0).map_err(|e| corrupt(&e))?;
         let previous = match start {
             StartState::Unclean {
@@ -279,7 +344,38 @@ pub(super) fn init_meta(
         next_mark,
         key_mapping,
         generation,
+        bind,
     })
+}
+
+/// Binds the log files to the store, then (for a new or upgraded file)
+/// records the identity and the current format version in the table: from
+/// that commit on, an unclean stop is refused without this log.
+pub(super) fn bind_log(
+    db: &Database,
+    path: &Path,
+    wal: &[PathBuf; 2],
+    bind: &Bind,
+) -> Result<(), OpenError> {
+    super::wal::bind(wal, bind.id).map_err(|e| OpenError::Io {
+        path: wal[0].clone(),
+        reason: e.to_string(),
+    })?;
+    if !bind.upgrade {
+        return Ok(());
+    }
+    let fail = |e: &dyn std::fmt::Display| OpenError::Io {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let txn = db.begin_write().map_err(|e| fail(&e))?;
+    {
+        let mut meta = txn.open_table(META).map_err(|e| fail(&e))?;
+        meta.insert(STORE_ID_KEY, bind.id).map_err(|e| fail(&e))?;
+        meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
+            .map_err(|e| fail(&e))?;
+    }
+    txn.commit().map_err(|e| fail(&e))
 }
 
 /// Applies logged records to the table, in order: a raise never lowers a

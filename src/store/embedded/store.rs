@@ -37,19 +37,75 @@ pub struct EmbeddedStore {
     pub(super) writer: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Names log files left beside the name the store was given, when that
+/// name is a link to the file: an older fencegate kept its log there.
+fn with_hint(e: OpenError, given: &Path, resolved: &Path) -> OpenError {
+    match e {
+        OpenError::LogLost {
+            path,
+            problem,
+            logs,
+            ..
+        } if given != resolved => {
+            let there: Vec<String> = super::wal::paths(given)
+                .iter()
+                .filter(|p| p.exists())
+                .map(|p| p.display().to_string())
+                .collect();
+            let hint = if there.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; log files are beside the link {} ({}): an older fencegate kept them there, move them beside the store file",
+                    given.display(),
+                    there.join(", ")
+                )
+            };
+            OpenError::LogLost {
+                path,
+                problem,
+                logs,
+                hint,
+            }
+        }
+        e => e,
+    }
+}
+
 impl EmbeddedStore {
     /// Opens (or creates) the store file. `cache_bytes` bounds redb's page
     /// cache; `recovery_window` (the longest upstream timeout) is recorded
     /// for the next start. Refuses a file locked by another process, a
-    /// corrupt file, or a file of an unknown format version.
+    /// corrupt file, a file of an unknown format version, or a file whose
+    /// write-ahead log is not with it ([`OpenError::LogLost`]).
     pub fn open(
         path: &Path,
         cache_bytes: usize,
         recovery_window: Duration,
     ) -> Result<Self, OpenError> {
+        Self::open_with(path, cache_bytes, recovery_window, false)
+    }
+
+    /// [`open`](Self::open); with `accept_loss`, a file whose log is lost
+    /// opens anyway (the operator's `--accept-store-reset`): the log is set
+    /// aside and every key is held for the recovery window.
+    pub fn open_with(
+        given: &Path,
+        cache_bytes: usize,
+        recovery_window: Duration,
+        accept_loss: bool,
+    ) -> Result<Self, OpenError> {
+        let path = &super::identity::resolve(given).map_err(|e| OpenError::Io {
+            path: given.to_path_buf(),
+            reason: e.to_string(),
+        })?;
         let db = open_db(path, cache_bytes)?;
         let wal_paths = super::wal::paths(path);
-        let found = init_meta(&db, path, &wal_paths, recovery_window)?;
+        let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss)
+            .map_err(|e| with_hint(e, given, path))?;
+        if let Some(bind) = &found.bind {
+            bind_log(&db, path, &wal_paths, bind)?;
+        }
         let wal =
             super::wal::Wal::open(&wal_paths, found.generation).map_err(|e| OpenError::Io {
                 path: wal_paths[0].clone(),

@@ -494,3 +494,101 @@ async fn the_log_of_a_deleted_store_file_is_not_replayed_into_a_new_one() {
     assert_eq!(s.highest("a").await.unwrap(), None);
     assert_eq!(s.highest("c").await.unwrap(), None, "the old log's record");
 }
+
+/// A format-2 file (a log without a header, records from offset 0) left
+/// by a crash: its log is replayed, and the file and its log are bound to
+/// one identity (format 3); without its log it is refused.
+#[tokio::test]
+async fn a_version_2_store_and_its_log_are_upgraded_and_bound() {
+    use super::wal::{self, Record};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    {
+        let db = Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut meta = txn.open_table(META).unwrap();
+            meta.insert(FORMAT_VERSION_KEY, 2).unwrap();
+            meta.insert(CLEAN_KEY, 0).unwrap();
+            meta.insert(MARKS_KEY, 1).unwrap();
+            meta.insert(WAL_GENERATION_KEY, 4).unwrap();
+            txn.open_table(FENCES).unwrap().insert("a", 7).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let logs = wal::paths(&path);
+    let mut bytes = Vec::new();
+    wal::encode(
+        &mut bytes,
+        4,
+        &Record::Raise {
+            key: "a",
+            token: 10,
+        },
+    );
+    std::fs::write(&logs[0], &bytes).unwrap();
+    std::fs::write(&logs[1], []).unwrap();
+    // Without its log: refused, the file untouched.
+    std::fs::rename(&logs[0], dir.path().join("aside")).unwrap();
+    match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(1)) {
+        Err(OpenError::LogLost { problem, .. }) => {
+            assert!(problem.contains("missing"), "{problem}")
+        }
+        other => panic!("expected LogLost, got {:?}", other.err()),
+    }
+    assert_eq!(meta_value(&path, FORMAT_VERSION_KEY), Some(2));
+    std::fs::rename(dir.path().join("aside"), &logs[0]).unwrap();
+    let s = open(&dir);
+    assert_eq!(s.highest("a").await.unwrap(), Some(10), "replayed");
+    drop(s); // a crash
+    assert_eq!(meta_value(&path, FORMAT_VERSION_KEY), Some(FORMAT_VERSION));
+    let id = meta_value(&path, super::identity::STORE_ID_KEY).unwrap();
+    for l in &logs {
+        assert_eq!(wal::owner(l).unwrap(), wal::Owner::Store(id));
+    }
+    let s = open(&dir);
+    assert_eq!(s.highest("a").await.unwrap(), Some(10));
+}
+
+/// After an unclean stop, a log that is missing or another store's is
+/// refused; accepted, it is set aside (not deleted), every key is held
+/// (no marks known), and the store and a new log are bound again.
+#[tokio::test]
+async fn a_lost_log_is_refused_and_accepting_it_holds_every_key() {
+    use super::wal;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    let s = open(&dir);
+    s.advance("a", 5).await.unwrap();
+    drop(s); // a crash: a's raise is in the log only
+    let logs = wal::paths(&path);
+    std::fs::write(&logs[1], b"not a log at all, and longer than a header").unwrap();
+    match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(1)) {
+        Err(e @ OpenError::LogLost { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("not a fencegate log"), "{text}");
+            assert!(text.contains("--accept-store-reset"), "{text}");
+        }
+        other => panic!("expected LogLost, got {:?}", other.err()),
+    }
+    let s = EmbeddedStore::open_with(&path, 1 << 20, Duration::from_secs(1), true).unwrap();
+    assert!(matches!(s.start_state(), StartState::Unclean { .. }));
+    assert_eq!(s.in_flight_at_crash(), None, "every key is held");
+    assert_eq!(s.highest("a").await.unwrap(), None, "the loss accepted");
+    let aside: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".rejected-"))
+        .collect();
+    assert_eq!(aside.len(), 2, "both set aside: {aside:?}");
+    s.advance("b", 1).await.unwrap();
+    drop(s);
+    // The new log is the store's own: a crash now opens without leave.
+    let s = open(&dir);
+    assert_eq!(s.highest("b").await.unwrap(), Some(1));
+    assert_eq!(
+        s.in_flight_at_crash(),
+        None,
+        "still held until a clean stop"
+    );
+}

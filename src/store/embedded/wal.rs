@@ -2,17 +2,24 @@
 //! is made durable by one append and one `fdatasync` of a preallocated
 //! file, instead of a B-tree commit that rewrites several pages.
 //!
-//! The redb file stays the table. The writer applies logged changes to it
-//! with non-durable commits (memory and page cache only), and a durable
-//! commit of the table (a *checkpoint*) makes everything logged so far
-//! redundant: it bumps the log's *generation*, stored in the table's meta,
-//! and the log starts again at offset 0. Each record carries its
+//! The redb file stays the table. The writer answers advances from memory
+//! and the log, and the table catches up by durable commits of its own
+//! (*checkpoints*, see `checkpoint.rs`): a checkpoint makes everything
+//! logged so far redundant, bumps the log's *generation*, stored in the
+//! table's meta, and the log starts again after its header. Each record
+//! carries its
 //! generation and a CRC-32 of its body, so replay at open takes the
 //! records of the current generation up to the first that is torn,
 //! zeroed, or left over from an earlier generation, and drops the rest:
 //! a half-written tail is never read as a lower token (a dropped record was
 //! never acknowledged: its batch's sync had not returned).
 //!
+//! The log belongs to one table (format 3): each file starts with a header
+//! naming the store it belongs to (a random identity kept in the table's
+//! meta), so that a table opened beside another store's log, or none, is
+//! seen rather than opened as clean (see `identity.rs`).
+//!
+//! Header: `magic: [u8; 8] | store id: u64 | zeros: [u8; 12] | crc32: u32`.
 //! Record: `len: u32 | crc32(body): u32 | body`, with body =
 //! `generation: u64 | kind: u8 | token: u64 | seq: u64 | key bytes`
 //! (little-endian; `seq` is 0 for a raise; a watermark has its value in
@@ -37,6 +44,74 @@ pub(super) const CHECKPOINT_BYTES: u64 = 16 << 20;
 
 const HEADER: usize = 8;
 const BODY_FIXED: usize = 8 + 1 + 8 + 8;
+
+/// The bytes before the first record of a format-3 log file.
+pub(super) const FILE_HEADER: u64 = 32;
+
+const MAGIC: &[u8; 8] = b"fgwal\x00\x00\x03";
+
+/// The header of a log file of store `id`.
+fn file_header(id: u64) -> [u8; FILE_HEADER as usize] {
+    let mut h = [0u8; FILE_HEADER as usize];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..16].copy_from_slice(&id.to_le_bytes());
+    let crc = crc32fast::hash(&h[..28]);
+    h[28..].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+/// What a log file says of its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// There is no such file.
+    Missing,
+    /// The file does not start with a log header (empty, another format,
+    /// or not a log).
+    Unknown,
+    /// A log of the store with this identity.
+    Store(u64),
+}
+
+/// Reads the owner of the log file at `path`. A file that exists but
+/// cannot be read is an error, never `Missing`.
+pub(super) fn owner(path: &Path) -> std::io::Result<Owner> {
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Owner::Missing),
+        Err(e) => return Err(e),
+    };
+    let mut h = [0u8; FILE_HEADER as usize];
+    let mut read = 0;
+    while read < h.len() {
+        match f.read(&mut h[read..])? {
+            0 => return Ok(Owner::Unknown),
+            n => read += n,
+        }
+    }
+    let crc = u32::from_le_bytes(h[28..].try_into().expect("4 bytes"));
+    if &h[..8] != MAGIC || crc32fast::hash(&h[..28]) != crc {
+        return Ok(Owner::Unknown);
+    }
+    Ok(Owner::Store(u64::from_le_bytes(
+        h[8..16].try_into().expect("8 bytes"),
+    )))
+}
+
+/// Makes both files empty logs of store `id`, durably: their old records
+/// are gone. Only for logs whose records the table holds already, or that
+/// are not this table's.
+pub(super) fn bind(paths: &[PathBuf; 2], id: u64) -> std::io::Result<()> {
+    for p in paths {
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(p)?;
+        f.write_all_at(&file_header(id), 0)?;
+        f.sync_all()?;
+    }
+    sync_dir(&paths[0])
+}
 
 /// One logged change: keys borrowed when it is written, owned when read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,72 +156,85 @@ pub(super) fn encode<K: AsRef<str>>(buf: &mut Vec<u8>, generation: u64, record: 
     buf[start + 4..start + HEADER].copy_from_slice(&crc.to_le_bytes());
 }
 
+/// The record at the start of `bytes`, if one checks out: its generation,
+/// the record, and its length.
+fn decode_one(bytes: &[u8]) -> Option<(u64, Record, usize)> {
+    let header = bytes.get(..HEADER)?;
+    let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
+    let body = bytes.get(HEADER..HEADER.saturating_add(len))?;
+    if len < BODY_FIXED || crc32fast::hash(body) != crc {
+        return None;
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
+    let (token, seq) = (u64_at(9), u64_at(17));
+    let key = std::str::from_utf8(&body[BODY_FIXED..]).ok()?.to_string();
+    let record = match body[8] {
+        1 => Record::Raise { key, token },
+        2 => Record::Mark { seq, key, token },
+        3 => Record::Watermark(seq),
+        _ => return None,
+    };
+    Some((u64_at(0), record, HEADER + len))
+}
+
 /// The records of `generation` at the start of `bytes`, up to the first
 /// that does not check out.
 pub(super) fn decode(bytes: &[u8], generation: u64) -> Vec<Record> {
     let mut out = Vec::new();
     let mut at = 0;
-    while let Some(header) = bytes.get(at..at + HEADER) {
-        let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) as usize;
-        let crc = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
-        let Some(body) = bytes.get(at + HEADER..(at + HEADER).saturating_add(len)) else {
-            break;
-        };
-        if len < BODY_FIXED || crc32fast::hash(body) != crc {
+    while let Some((g, record, len)) = decode_one(&bytes[at..]) {
+        if g != generation {
             break;
         }
-        let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
-        if u64_at(0) != generation {
-            break;
-        }
-        let (token, seq) = (u64_at(9), u64_at(17));
-        let Ok(key) = std::str::from_utf8(&body[BODY_FIXED..]) else {
-            break;
-        };
-        let key = key.to_string();
-        out.push(match body[8] {
-            1 => Record::Raise { key, token },
-            2 => Record::Mark { seq, key, token },
-            3 => Record::Watermark(seq),
-            _ => break,
-        });
-        at += HEADER + len;
+        out.push(record);
+        at += len;
     }
     out
 }
 
-/// The records not yet in the table, in order: those of `generation` (the
-/// oldest the table lacks) and of the generation after it, which was
-/// logged while `generation` was being checkpointed.
-pub(super) fn replay(paths: &[PathBuf; 2], generation: u64) -> std::io::Result<Vec<Record>> {
-    let mut out = Vec::new();
-    for g in [generation, generation + 1] {
-        let mut bytes = Vec::new();
-        match File::open(&paths[(g % 2) as usize]) {
-            Ok(mut f) => f.read_to_end(&mut bytes)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        out.extend(decode(&bytes, g));
-    }
-    Ok(out)
-}
-
-/// Empties both log files, durably. For a store file that is new (or
-/// has no log yet): log files left beside it belonged to a file that is
-/// gone, and their generations would collide with the new file's.
-pub(super) fn discard(paths: &[PathBuf; 2]) -> std::io::Result<()> {
+/// The newest generation that starts either log file (records from offset
+/// `at`): the generation its writer last restarted it under, if it logged
+/// anything since.
+pub(super) fn newest_start(paths: &[PathBuf; 2], at: u64) -> std::io::Result<Option<u64>> {
+    let mut newest = None;
     for p in paths {
-        match OpenOptions::new().write(true).open(p) {
-            Ok(f) => {
-                f.set_len(0)?;
-                f.sync_all()?;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+        let bytes = read_file(p)?;
+        if let Some((g, _, _)) = bytes.get(at as usize..).and_then(decode_one) {
+            newest = newest.max(Some(g));
         }
     }
-    Ok(())
+    Ok(newest)
+}
+
+/// The file's bytes; none if it does not exist.
+fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    match File::open(path) {
+        Ok(mut f) => {
+            f.read_to_end(&mut bytes)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    Ok(bytes)
+}
+
+/// The records not yet in the table, in order: those of `generation` (the
+/// oldest the table lacks) and of the generation after it, which was
+/// logged while `generation` was being checkpointed. Records start at
+/// offset `at` of each file ([`FILE_HEADER`], or 0 in a format-2 log).
+pub(super) fn replay(
+    paths: &[PathBuf; 2],
+    generation: u64,
+    at: u64,
+) -> std::io::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    for g in [generation, generation + 1] {
+        let bytes = read_file(&paths[(g % 2) as usize])?;
+        out.extend(decode(bytes.get(at as usize..).unwrap_or_default(), g));
+    }
+    Ok(out)
 }
 
 /// Makes the log files' directory entries durable.
@@ -169,9 +257,10 @@ pub(super) struct Wal {
 }
 
 impl Wal {
-    /// Opens (or creates) the log, to be written from the start of
-    /// `generation`'s file. The records already in both files must have
-    /// been replayed and checkpointed: they are overwritten.
+    /// Opens the log (its files bound to the store by [`bind`]), to be
+    /// written from the start of `generation`'s file. The records already
+    /// in both files must have been replayed and checkpointed: they are
+    /// overwritten.
     pub(super) fn open(paths: &[PathBuf; 2], generation: u64) -> std::io::Result<Self> {
         let open = |p: &PathBuf| {
             OpenOptions::new()
@@ -187,7 +276,7 @@ impl Wal {
             files,
             allocated,
             generation,
-            len: 0,
+            len: FILE_HEADER,
             buf: Vec::with_capacity(64 << 10),
         };
         for i in 0..2 {
@@ -272,7 +361,7 @@ impl Wal {
     /// of the generation before it runs.
     pub(super) fn restart(&mut self, generation: u64) {
         self.generation = generation;
-        self.len = 0;
+        self.len = FILE_HEADER;
     }
 }
 
@@ -362,25 +451,27 @@ mod tests {
         assert_eq!(std::fs::metadata(&paths[1]).unwrap().len(), GROW);
         w.append(&sample()[..2]).unwrap();
         w.append(&sample()[2..]).unwrap();
-        assert_eq!(replay(&paths, 1).unwrap(), sample());
+        assert_eq!(replay(&paths, 1, FILE_HEADER).unwrap(), sample());
         // The next generation goes to the other file: a replay from
         // generation 1 (not yet checkpointed) reads both, in order.
         w.restart(2);
         w.append(&sample()[..1]).unwrap();
         let both: Vec<_> = sample().into_iter().chain(sample()[..1].to_vec()).collect();
-        assert_eq!(replay(&paths, 1).unwrap(), both);
-        assert_eq!(replay(&paths, 2).unwrap(), sample()[..1]);
+        assert_eq!(replay(&paths, 1, FILE_HEADER).unwrap(), both);
+        assert_eq!(replay(&paths, 2, FILE_HEADER).unwrap(), sample()[..1]);
         // Generation 3 overwrites generation 1's file.
         w.restart(3);
         w.append(&sample()[1..2]).unwrap();
         assert_eq!(
-            replay(&paths, 2).unwrap(),
+            replay(&paths, 2, FILE_HEADER).unwrap(),
             [&sample()[..1], &sample()[1..2]].concat()
         );
-        assert!(replay(&paths, 4).unwrap().is_empty());
-        assert!(replay(&super::paths(&dir.path().join("none")), 1)
-            .unwrap()
-            .is_empty());
+        assert!(replay(&paths, 4, FILE_HEADER).unwrap().is_empty());
+        assert!(
+            replay(&super::paths(&dir.path().join("none")), 1, FILE_HEADER)
+                .unwrap()
+                .is_empty()
+        );
     }
 
     /// A missing log file has no records; one that cannot be opened for
@@ -393,10 +484,48 @@ mod tests {
         // A symbolic link to itself: opening it fails with ELOOP.
         std::os::unix::fs::symlink(&paths[0], &paths[0]).unwrap();
         // Generation 1 is in file 1 (missing), generation 2 in file 0.
-        let e = replay(&paths, 1).unwrap_err();
+        let e = replay(&paths, 1, FILE_HEADER).unwrap_err();
         assert_ne!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
-        // Nor is such a file taken as emptied by a discard.
-        assert!(discard(&paths).is_err());
+        // Nor is such a file taken for a missing one.
+        assert!(owner(&paths[0]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod ownership {
+    use super::*;
+
+    #[test]
+    fn a_bound_log_names_its_store_and_keeps_its_header_across_generations() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = paths(&dir.path().join("f.redb"));
+        assert_eq!(owner(&paths[0]).unwrap(), Owner::Missing);
+        std::fs::write(&paths[0], b"short").unwrap();
+        assert_eq!(owner(&paths[0]).unwrap(), Owner::Unknown);
+        bind(&paths, 77).unwrap();
+        assert_eq!(owner(&paths[0]).unwrap(), Owner::Store(77));
+        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(77));
+        assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), None);
+        let mut w = Wal::open(&paths, 4).unwrap();
+        w.append(&[Record::Watermark(1)]).unwrap();
+        w.restart(5);
+        w.append(&[Record::Watermark(2)]).unwrap();
+        w.restart(6);
+        assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), Some(5));
+        w.append(&[Record::Watermark(3)]).unwrap();
+        assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), Some(6));
+        // Appends after a restart leave the header alone.
+        assert_eq!(owner(&paths[0]).unwrap(), Owner::Store(77));
+        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(77));
+        // A flipped bit in the header makes it no one's.
+        let mut bytes = std::fs::read(&paths[1]).unwrap();
+        bytes[9] ^= 1;
+        std::fs::write(&paths[1], &bytes).unwrap();
+        assert_eq!(owner(&paths[1]).unwrap(), Owner::Unknown);
+        // Binding again empties the records.
+        bind(&paths, 78).unwrap();
+        assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), None);
+        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(78));
     }
 }
 
@@ -419,7 +548,7 @@ mod growth {
         }
         let size = std::fs::metadata(&path).unwrap().len();
         assert_eq!(size, 2 * GROW, "grown in steps, ahead of the appends");
-        assert_eq!(replay(&paths, 1).unwrap().len(), 5);
+        assert_eq!(replay(&paths, 1, FILE_HEADER).unwrap().len(), 5);
         // The probe after a failed append makes room for the next one
         // ahead of it (1.5 MiB written, 2 allocated: one step more), and
         // none when there is room.
@@ -434,6 +563,6 @@ mod growth {
         // old records are not read, and the file keeps its size.
         let _w = Wal::open(&paths, 3).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), size);
-        assert!(replay(&paths, 3).unwrap().is_empty());
+        assert!(replay(&paths, 3, FILE_HEADER).unwrap().is_empty());
     }
 }

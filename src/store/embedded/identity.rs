@@ -1,0 +1,221 @@
+//! Which log belongs to which table: the store's identity, and the checks
+//! at open that keep a table from starting without the advances its log
+//! holds.
+//!
+//! The invariant: a table of format 3 and its two log files carry one
+//! identity (a random number in the table's meta, [`STORE_ID_KEY`], and in
+//! each file's header), and the records the table lacks are those of
+//! generations `wal_generation` and `wal_generation + 1` (see `wal.rs`):
+//! no log file starts with a newer generation, since the writer logs a
+//! generation only after the table committed the one two before it. So at
+//! open:
+//! - a log file that starts with a newer generation means the table is
+//!   older than its log (restored from a backup, alone): refused, whether
+//!   the table was stopped cleanly or not;
+//! - after an unclean stop, a log file that is missing, not a log, or
+//!   another store's means the advances acknowledged since the last
+//!   checkpoint may be gone: refused;
+//! - after a clean stop the log holds nothing the table lacks: a missing
+//!   or foreign log is replaced by an empty one of this store.
+//!
+//! The way out of a refusal is to put the log files back, or to accept the
+//! loss (`--accept-store-reset`): the files are set aside, not deleted, and
+//! every key is held for the recovery window, as after a crash of a run
+//! that kept no in-flight marks.
+
+use std::path::{Path, PathBuf};
+
+use super::wal::{self, Owner, Record, FILE_HEADER};
+
+/// The meta key of the store's identity (format 3 on).
+pub(super) const STORE_ID_KEY: &str = "store_id";
+
+/// What open does with the log it found.
+pub(super) enum Log {
+    /// The table's own log: replay these records.
+    Replay(Vec<Record>),
+    /// A log with nothing the table lacks (a clean stop), but missing or
+    /// not this store's: bind new files to the store before the table's
+    /// first commit.
+    Replace,
+    /// A log that may have held advances the table lacks, set aside by the
+    /// operator's leave: nothing to replay, and every key must be held.
+    Accepted,
+}
+
+/// Why a table may not start with the log beside it.
+pub(super) struct Lost {
+    pub(super) problem: String,
+}
+
+/// Reads the log of a format-3 table with identity `id`, whose oldest
+/// unapplied generation is `logged`, after a clean stop or not. With
+/// `accept`, a lost log is set aside instead of refused.
+pub(super) fn read(
+    paths: &[PathBuf; 2],
+    id: u64,
+    logged: u64,
+    clean: bool,
+    accept: bool,
+) -> std::io::Result<Result<Log, Lost>> {
+    let owners = [wal::owner(&paths[0])?, wal::owner(&paths[1])?];
+    let lost = if owners == [Owner::Store(id); 2] {
+        match wal::newest_start(paths, FILE_HEADER)? {
+            Some(g) if g > logged + 1 => Some(format!(
+                "is older than its write-ahead log (the log holds generation {g}, the store file \
+                 only up to {}): was the store file restored from a backup without its log?",
+                logged.saturating_sub(1)
+            )),
+            _ => return Ok(Ok(Log::Replay(wal::replay(paths, logged, FILE_HEADER)?))),
+        }
+    } else if clean {
+        return Ok(Ok(Log::Replace));
+    } else {
+        Some(format!(
+            "was not stopped cleanly, and its write-ahead log {}",
+            describe(paths, &owners, id)
+        ))
+    };
+    refuse_or_accept(paths, lost.expect("set on every path here"), accept)
+}
+
+fn refuse_or_accept(
+    paths: &[PathBuf; 2],
+    problem: String,
+    accept: bool,
+) -> std::io::Result<Result<Log, Lost>> {
+    if !accept {
+        return Ok(Err(Lost { problem }));
+    }
+    tracing::warn!(
+        "fence store: {problem}; accepted (--accept-store-reset): the log is set aside and every \
+         key is held for the recovery window"
+    );
+    set_aside(paths)?;
+    Ok(Ok(Log::Accepted))
+}
+
+/// A format-2 table's log has no header: only a missing file can be told.
+pub(super) fn read_format_2(
+    paths: &[PathBuf; 2],
+    logged: u64,
+    clean: bool,
+    accept: bool,
+) -> std::io::Result<Result<Log, Lost>> {
+    let owners = [wal::owner(&paths[0])?, wal::owner(&paths[1])?];
+    if clean || !owners.contains(&Owner::Missing) {
+        return Ok(Ok(Log::Replay(wal::replay(paths, logged, 0)?)));
+    }
+    let problem = format!(
+        "was not stopped cleanly, and its write-ahead log {}",
+        describe(paths, &owners, 0)
+    );
+    refuse_or_accept(paths, problem, accept)
+}
+
+fn describe(paths: &[PathBuf; 2], owners: &[Owner; 2], id: u64) -> String {
+    let what: Vec<String> = paths
+        .iter()
+        .zip(owners)
+        .filter_map(|(p, o)| {
+            let p = p.display();
+            match o {
+                Owner::Store(s) if *s == id => None,
+                Owner::Store(_) => Some(format!("{p} belongs to another store")),
+                Owner::Missing => Some(format!("{p} is missing")),
+                Owner::Unknown => Some(format!("{p} is not a fencegate log")),
+            }
+        })
+        .collect();
+    what.join(", ")
+}
+
+/// Renames the log files that exist to `<name>.rejected-<unix seconds>`,
+/// durably: an operator who accepted the loss may still want them.
+fn set_aside(paths: &[PathBuf; 2]) -> std::io::Result<()> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for p in paths {
+        let mut to = p.as_os_str().to_owned();
+        to.push(format!(".rejected-{secs}"));
+        match std::fs::rename(p, &to) {
+            Ok(()) => tracing::warn!(from = %p.display(), to = ?to, "fence store log set aside"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let dir = match paths[0].parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(d) => d.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// A new identity: random, so that no two stores share one.
+pub(super) fn new_id() -> u64 {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 8];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system's random source");
+    u64::from_le_bytes(b).max(1)
+}
+
+/// The store file's path with every symbolic link resolved, so that the
+/// table and its log are found in one place whichever name the store is
+/// opened by (a mounted volume, a `current` link). A file that does not
+/// exist yet (a link to one included) resolves through its directory.
+pub(super) fn resolve(path: &Path) -> std::io::Result<PathBuf> {
+    let mut path = path.to_path_buf();
+    // As many links as the kernel follows (ELOOP past 40).
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let to = std::fs::read_link(&path)?;
+                path = match path.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                };
+            }
+            Ok(_) => return std::fs::canonicalize(&path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    Some(d) => d,
+                    None => Path::new("."),
+                };
+                let name = path.file_name().ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name")
+                })?;
+                return Ok(std::fs::canonicalize(dir)?.join(name));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other("too many levels of symbolic links"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve;
+
+    #[test]
+    fn links_resolve_to_the_file_they_name_existing_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir(root.join("vol")).unwrap();
+        std::os::unix::fs::symlink("vol/f.redb", root.join("rel")).unwrap();
+        std::os::unix::fs::symlink(root.join("rel"), root.join("abs")).unwrap();
+        let file = root.join("vol").join("f.redb");
+        assert_eq!(resolve(&root.join("abs")).unwrap(), file, "not there yet");
+        std::fs::write(&file, b"").unwrap();
+        assert_eq!(resolve(&root.join("abs")).unwrap(), file);
+        assert_eq!(resolve(&root.join("vol/../rel")).unwrap(), file);
+        assert_eq!(
+            resolve(&root.join("new.redb")).unwrap(),
+            root.join("new.redb")
+        );
+        std::os::unix::fs::symlink(root.join("loop"), root.join("loop")).unwrap();
+        assert!(resolve(&root.join("loop")).is_err());
+    }
+}

@@ -114,7 +114,7 @@ batch() {
 # (src/store/embedded/tests.rs, wal.rs's own).
 wal() {
   run wal --timeout 120 --file src/store/embedded/wal.rs --file src/store/embedded/logged.rs \
-    --file src/store/embedded/checkpoint.rs "$@" --cargo-arg=--lib
+    --file src/store/embedded/checkpoint.rs --file src/store/embedded/identity.rs "$@" --cargo-arg=--lib
 }
 
 # The pool's unit tests (src/upstream.rs: idle expiry, the reaper, each

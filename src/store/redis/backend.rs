@@ -154,7 +154,7 @@ impl Backend for RedisBackend {
                         "the server became a {role}: reconnecting to the primary"
                     )));
                 }
-                self.online_replicas.fetch_max(online, Ordering::Relaxed);
+                self.saw_replicas(online).await;
             }
         }
         let mut cmd = redis::cmd("HMGET");

@@ -42,23 +42,29 @@ pub struct Options<'a> {
     pub replicas_to_wait: Option<u32>,
 }
 
+/// One runtime's connection, with the replicas its primary reported
+/// online when it connected (or more seen since): without a setting, a
+/// change on it waits for one of them, if any. Kept per connection, so that
+/// a runtime reconnecting to a primary with none online does not stop the
+/// waits of calls still out on another runtime's older connection.
+#[derive(Clone)]
+pub(super) struct Conn {
+    pub(super) c: MultiplexedConnection,
+    pub(super) online: Arc<AtomicU32>,
+}
+
 /// A Redis connection that reconnects (with backoff) after failures.
 pub struct RedisBackend {
     pub(super) source: Source,
     /// One connection per runtime (the main one and each worker's): a
     /// multiplexed connection's driver task lives on the runtime that
     /// connected it, and a call from another thread would cost two hops.
-    pub(super) conns:
-        dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>>>,
+    pub(super) conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<Conn>>>>,
     pub(super) session: AtomicU64,
     pub(super) last_failure: Mutex<Option<Instant>>,
     pub(super) timeout: Duration,
     /// `store_replicas_to_wait`, if set.
     pub(super) replicas_to_wait: Option<u32>,
-    /// Replicas the primary reported online at the latest connect, or more
-    /// seen since by a marker read: without a setting, a change waits for
-    /// one of them, if any.
-    pub(super) online_replicas: AtomicU32,
     pub(super) acquire: Script,
     pub(super) poll: Script,
     pub(super) renew: Script,
@@ -133,7 +139,6 @@ impl RedisBackend {
             last_failure: Mutex::new(None),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
-            online_replicas: AtomicU32::new(0),
             acquire: with_lib(ACQUIRE),
             poll: with_lib(POLL),
             renew: with_lib(RENEW),
@@ -146,10 +151,22 @@ impl RedisBackend {
         })
     }
 
-    /// Replicas the next call waits for.
-    pub(super) fn replicas_wanted(&self) -> u32 {
+    /// Replicas a call on `conn` waits for.
+    pub(super) fn replicas_wanted(&self, conn: &Conn) -> u32 {
         self.replicas_to_wait
-            .unwrap_or_else(|| self.online_replicas.load(Ordering::Relaxed).min(1))
+            .unwrap_or_else(|| conn.online.load(Ordering::Relaxed).min(1))
+    }
+
+    /// Replicas seen online by a later read: every live connection waits
+    /// for them from then on. The count of a connection never goes down
+    /// (a failed wait drops the connections; a new one counts afresh).
+    pub(super) async fn saw_replicas(&self, online: u32) {
+        let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
+        for slot in slots {
+            if let Some(c) = slot.lock().await.as_ref() {
+                c.online.fetch_max(online, Ordering::Relaxed);
+            }
+        }
     }
 
     /// `WAIT`'s own timeout: half the store timeout, so that the reply
@@ -159,7 +176,7 @@ impl RedisBackend {
     }
 
     /// This runtime's connection slot (see [`crate::slot::slot`]).
-    pub(super) fn slot(&self) -> Arc<tokio::sync::Mutex<Option<MultiplexedConnection>>> {
+    pub(super) fn slot(&self) -> Arc<tokio::sync::Mutex<Option<Conn>>> {
         let slot = crate::slot::slot();
         // A read lock on the usual path; the entry (a write lock) only the
         // first time a runtime calls.
@@ -169,7 +186,7 @@ impl RedisBackend {
         self.conns.entry(slot).or_default().value().clone()
     }
 
-    pub(super) async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+    pub(super) async fn connection(&self) -> Result<Conn, StoreError> {
         let slot = self.slot();
         let mut slot = slot.lock().await;
         if let Some(c) = slot.as_ref() {
@@ -183,7 +200,11 @@ impl RedisBackend {
             tokio::time::sleep(pause).await;
         }
         match tokio::time::timeout(self.timeout, self.connect()).await {
-            Ok(Ok(c)) => {
+            Ok(Ok((c, online))) => {
+                let c = Conn {
+                    c,
+                    online: Arc::new(AtomicU32::new(online)),
+                };
                 self.session.fetch_add(1, Ordering::AcqRel);
                 *self.last_failure.lock().expect("lock") = None;
                 *slot = Some(c.clone());
@@ -202,8 +223,9 @@ impl RedisBackend {
 
     /// A new connection to the primary (asked of Sentinel first, with
     /// `redis+sentinel://`), checked to be one: a replica would refuse
-    /// every write, and a primary demoted by a failover is one.
-    pub(super) async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
+    /// every write, and a primary demoted by a failover is one. With the
+    /// replicas online it reported (or Sentinel sees up).
+    pub(super) async fn connect(&self) -> Result<(MultiplexedConnection, u32), StoreError> {
         let client = match &self.source {
             Source::Direct(c) => c.clone(),
             Source::Sentinel(s, _) => s
@@ -237,7 +259,6 @@ impl RedisBackend {
                     None => online.max(self.sentinel_replicas_up().await),
                     Some(_) => online,
                 };
-                self.online_replicas.store(online, Ordering::Relaxed);
                 if self.replicas_to_wait.is_none() && online == 0 {
                     tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
                 }
@@ -254,13 +275,13 @@ impl RedisBackend {
             Err(e) => return Err(unavailable(e)),
         };
         warn_if_not_durable(&mut c).await;
-        let wanted = self.replicas_wanted();
+        let wanted = self.replicas_to_wait.unwrap_or(online.min(1));
         tracing::info!(
             online_replicas = online,
             waits_for = wanted,
             "connected to redis"
         );
-        Ok(c)
+        Ok((c, online))
     }
 
     /// A connection to `client`'s server, its connect and every answer
@@ -312,6 +333,16 @@ impl RedisBackend {
         F: Fn(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
+        self.run_on(|conn| f(conn.c)).await
+    }
+
+    /// [`run`](Self::run), `f` given the connection with its replica
+    /// count.
+    pub(super) async fn run_on<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: Fn(Conn) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
         let mut conn = self.connection().await?;
         let (mut reconnected, mut loaded) = (false, false);
         loop {
@@ -323,7 +354,7 @@ impl RedisBackend {
                 // (A server that restarted lost its scripts as well as the
                 // connection: both may happen to one call.)
                 loaded = true;
-                self.load_scripts(&mut conn).await?;
+                self.load_scripts(&mut conn.c).await?;
             } else if !reconnected && e.is_connection_dropped() && !e.is_timeout() {
                 // The other runtimes' connections went with the server.
                 reconnected = true;
@@ -395,10 +426,12 @@ impl RedisBackend {
     pub(super) async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
         let (cmd, wait_ms) = (&cmd, self.wait_ms());
         let (v, wanted, confirmed) = self
-            .run(|mut c| async move {
-                // Read once this runtime is connected: after a failover,
-                // the count the new primary reported, not the old one's.
-                let wanted = self.replicas_wanted();
+            .run_on(|conn| async move {
+                // The count of the connection the call goes on: after a
+                // failover, the count the new primary reported, and never
+                // another runtime's newer connection's.
+                let wanted = self.replicas_wanted(&conn);
+                let mut c = conn.c;
                 if wanted == 0 {
                     return cmd.query_async(&mut c).await.map(|v| (v, 0, 0));
                 }

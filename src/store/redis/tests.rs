@@ -37,3 +37,145 @@ fn sentinel_counts_the_replicas_it_sees_up() {
     assert_eq!(sentinel_up(&[]), 0);
     assert_eq!(sentinel_up(&[vec!["flags".into()]]), 0);
 }
+
+/// A `redis-server` on a free loopback port, killed when dropped.
+struct Server {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(replica_of: Option<u16>) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = std::process::Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .arg("--dir")
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null());
+        if let Some(p) = replica_of {
+            cmd.args(["--replicaof", "127.0.0.1", &p.to_string()]);
+        }
+        let child = cmd
+            .spawn()
+            .expect("redis-server not found: install the Debian package redis-server");
+        let s = Self {
+            child,
+            port,
+            _dir: dir,
+        };
+        s.wait_for(|c| redis::cmd("PING").query::<String>(c).is_ok());
+        s
+    }
+
+    fn client(&self) -> redis::Connection {
+        redis::Client::open(format!("redis://127.0.0.1:{}", self.port))
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+
+    /// Polls `ok` on a fresh connection every 20 ms, for up to 10 s.
+    fn wait_for(&self, mut ok: impl FnMut(&mut redis::Connection) -> bool) {
+        for _ in 0..500 {
+            let c = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))
+                .unwrap()
+                .get_connection();
+            if let Ok(mut c) = c {
+                if ok(&mut c) {
+                    return;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        panic!("redis on {} never got there", self.port);
+    }
+
+    fn online_replicas(&self) -> u32 {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut self.client())
+            .unwrap();
+        replication(&info).1
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The replicas a call waits for belong to the connection it goes on: a
+/// runtime that reconnects to a primary with no replica online (0) does not
+/// stop the wait of calls on another runtime's older connection, which
+/// was made while a replica was online (1).
+#[tokio::test]
+async fn the_replica_count_is_kept_per_connection() {
+    let primary = Server::start(None);
+    let replica = Server::start(Some(primary.port));
+    primary.wait_for(|_| primary.online_replicas() == 1);
+    let backend = RedisBackend::new(
+        &format!("redis://127.0.0.1:{}", primary.port),
+        Options {
+            sentinel: None,
+            password: None,
+            pem: None,
+            timeout: std::time::Duration::from_millis(400),
+            replicas_to_wait: None,
+        },
+    )
+    .unwrap();
+    let set = || {
+        let mut c = redis::cmd("SET");
+        c.arg("fencegate:test").arg(1);
+        c
+    };
+    {
+        let _w = crate::slot::become_worker(0);
+        let _: () = backend.query(set()).await.expect("waited for the replica");
+    }
+    // The replica stops, and the primary drops it.
+    signal(replica.child.id(), "STOP");
+    let _: u32 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .query(&mut primary.client())
+        .unwrap();
+    primary.wait_for(|_| primary.online_replicas() == 0);
+    {
+        // Another runtime connects now: none online, nothing to wait for.
+        let _w = crate::slot::become_worker(1);
+        let _: () = backend.query(set()).await.expect("no replica to wait for");
+    }
+    {
+        // The first runtime's connection still waits for its replica.
+        let _w = crate::slot::become_worker(0);
+        let e = backend.query::<()>(set()).await.unwrap_err();
+        assert!(e.to_string().contains("0 of 1 replicas"), "{e}");
+    }
+    signal(replica.child.id(), "CONT");
+}
+
+fn signal(pid: u32, name: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{name} {pid}");
+}

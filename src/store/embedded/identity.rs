@@ -2,13 +2,11 @@
 //! at open that keep a table from starting without the advances its log
 //! holds.
 //!
-//! The invariant: a table of format 3 and its two log files carry one
-//! identity (a random number in the table's meta, [`STORE_ID_KEY`], and in
-//! each file's header), and the records the table lacks are those of
-//! generations `wal_generation` and `wal_generation + 1` (see `wal.rs`):
-//! no log file starts with a newer generation, since the writer logs a
-//! generation only after the table committed the one two before it. So at
-//! open:
+//! A table of format 3 and its two log files carry one identity (a random
+//! number in the table's meta, [`STORE_ID_KEY`], and in each file's
+//! header); and no log file starts with a generation newer than the
+//! table's `wal_generation + 1` (the generations' invariant, `wal.rs`). So
+//! at open:
 //! - a log file that starts with a newer generation means the table is
 //!   older than its log (restored from a backup, alone): refused, whether
 //!   the table was stopped cleanly or not;

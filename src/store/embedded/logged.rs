@@ -205,8 +205,8 @@ impl Writer {
             return;
         };
         let frozen = Arc::new(std::mem::take(&mut self.logged));
-        let next = self.wal.generation + 1;
-        self.wal.restart(next);
+        let next = self.wal.next_generation();
+        self.wal.move_on();
         self.frozen = Some(frozen.clone());
         match checkpoint::start(db, frozen, next) {
             Ok(handle) => self.checkpointing = Some(handle),

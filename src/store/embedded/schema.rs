@@ -44,8 +44,8 @@ pub(super) const KEY_MAPPING_KEY: &str = "key_mapping";
 /// that a restart with a shorter upstream timeout still waits long enough.
 pub(super) const WINDOW_KEY: &str = "recovery_window_ms";
 
-/// The oldest generation of the write-ahead log (see `wal.rs`) whose
-/// records the table may lack: older ones are in it.
+/// The oldest generation of the write-ahead log whose records the table
+/// may lack: older ones are in it (the invariant: `wal.rs`).
 pub(super) const WAL_GENERATION_KEY: &str = "wal_generation";
 
 /// Bumped when the on-disk layout changes; a file from a newer version is
@@ -246,7 +246,7 @@ pub(super) fn init_meta(
         replay(&txn, &mut meta, records).map_err(|e| corrupt(&e))?;
         // Past both generations the log may hold: every record in its
         // files is in the table now.
-        generation = logged + 2;
+        generation = super::wal::first_after_replay(logged);
         meta.insert(WAL_GENERATION_KEY, generation)
             .map_err(|e| corrupt(&e))?;
         start = match version {

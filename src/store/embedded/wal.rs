@@ -3,16 +3,34 @@
 //! file, instead of a B-tree commit that rewrites several pages.
 //!
 //! The redb file stays the table. The writer answers advances from memory
-//! and the log, and the table catches up by durable commits of its own
-//! (*checkpoints*, see `checkpoint.rs`): a checkpoint makes everything
-//! logged so far redundant, bumps the log's *generation*, stored in the
-//! table's meta, and the log starts again after its header. Each record
-//! carries its
-//! generation and a CRC-32 of its body, so replay at open takes the
-//! records of the current generation up to the first that is torn,
-//! zeroed, or left over from an earlier generation, and drops the rest:
-//! a half-written tail is never read as a lower token (a dropped record was
-//! never acknowledged: its batch's sync had not returned).
+//! and the log, and the table catches up by durable commits: a checkpoint
+//! on a thread of its own (`checkpoint.rs`), or a commit of the writer's
+//! own (`writer.rs`). Each record carries its *generation* and a CRC-32 of
+//! its body, so replay at open takes the records of a generation up to
+//! the first that is torn, zeroed, or left over from an earlier
+//! generation, and drops the rest: a half-written tail is never read as a
+//! lower token (a dropped record was never acknowledged: its batch's sync
+//! had not returned).
+//!
+//! # Generations: the invariant
+//!
+//! `K`, the table's `wal_generation`, is the oldest generation whose
+//! records the table may lack; `G`, the generation being logged, is `K`,
+//! or `K + 1` while the checkpoint of `K` runs (or failed). Generation `g`
+//! is written in file `g % 2`, from just after its header. So the records
+//! the table lacks are those of `K` and `K + 1`, one generation per file,
+//! and [`replay`] reads exactly those; and no file starts with a
+//! generation newer than `K + 1` (`identity.rs` relies on that to tell a
+//! table older than its log). Three moves keep it, each through
+//! [`Wal::next_generation`] and [`Wal::move_on`]:
+//! - open: after `K` and `K + 1` are replayed, `K := K + 2` is committed,
+//!   and only then does the log restart at `K + 2`
+//!   ([`first_after_replay`]), overwriting the files' older records;
+//! - a checkpoint: the log moves on to `G + 1` first, then the frozen
+//!   records and `K := G + 1` are committed in one transaction;
+//! - a commit of the writer's own (it waits for a running checkpoint
+//!   first): everything logged and `K := G + 1` in one transaction, then
+//!   the log moves on.
 //!
 //! The log belongs to one table (format 3): each file starts with a header
 //! naming the store it belongs to (a random identity kept in the table's
@@ -220,6 +238,12 @@ fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The generation logged after an open that replayed generations
+/// `logged` and `logged + 1` into the table: past both.
+pub(super) fn first_after_replay(logged: u64) -> u64 {
+    logged + 2
+}
+
 /// The records not yet in the table, in order: those of `generation` (the
 /// oldest the table lacks) and of the generation after it, which was
 /// logged while `generation` was being checkpointed. Records start at
@@ -356,12 +380,23 @@ impl Wal {
         self.append_staged()
     }
 
-    /// The log goes on under `generation`, from the start of its file:
-    /// after a checkpoint of everything before it, or while a checkpoint
-    /// of the generation before it runs.
+    /// The log goes on under `generation`, from the start of its file.
     pub(super) fn restart(&mut self, generation: u64) {
         self.generation = generation;
         self.len = FILE_HEADER;
+    }
+
+    /// The generation after the one being logged: the table's
+    /// `wal_generation` once everything logged so far is committed.
+    pub(super) fn next_generation(&self) -> u64 {
+        self.generation + 1
+    }
+
+    /// The log goes on under [`next_generation`](Self::next_generation),
+    /// in the other file: after a commit of everything logged so far, or
+    /// before a checkpoint of it starts.
+    pub(super) fn move_on(&mut self) {
+        self.restart(self.next_generation());
     }
 }
 

@@ -468,7 +468,7 @@ impl Writer {
             }
             if raised || needs_write {
                 // The log's records are in the table from this commit on.
-                meta.insert(WAL_GENERATION_KEY, self.wal.generation + 1)
+                meta.insert(WAL_GENERATION_KEY, self.wal.next_generation())
                     .map_err(|e| self.fail(e))?;
             }
             if needs_write && !raised {
@@ -496,7 +496,7 @@ impl Writer {
             if let Some(w) = rotated {
                 self.dead_counted = self.dead_counted.max(w);
             }
-            self.wal.restart(self.wal.generation + 1);
+            self.wal.move_on();
             self.must_checkpoint = false;
             let now = self.marks.load(Ordering::Relaxed) + added;
             self.marks

@@ -23,6 +23,35 @@ use super::ops::*;
 use super::schema::*;
 use super::wal::Wal;
 
+/// What the operations of a batch applied in a write transaction ask of
+/// its commit ([`Writer::try_apply`]).
+#[derive(Default)]
+struct Effects {
+    /// A change that only the commit makes durable: a raise, a mark, a
+    /// rotation, a lease change, a forget, the log's checkpoint. The batch
+    /// must commit before any answer leaves.
+    changed: bool,
+    /// A raise or a mark (the log's included): a crash from this commit on
+    /// must be seen at the next start, so the clean-stop flag is cleared.
+    arms_crash_detection: bool,
+    /// A clean stop is recorded in this batch: the advances, marks and
+    /// claims after it are refused.
+    closing: bool,
+}
+
+impl Effects {
+    /// A raise or a mark.
+    fn raise(&mut self) {
+        self.changed = true;
+        self.arms_crash_detection = true;
+    }
+
+    /// Any other change to commit.
+    fn change(&mut self) {
+        self.changed = true;
+    }
+}
+
 pub(super) struct Writer {
     /// `None` after a failed commit until a reopen succeeds. Shared with
     /// a running checkpoint.
@@ -216,9 +245,17 @@ impl Writer {
     /// answer, to be sent only once the commit is durable (nothing is
     /// acknowledged before the fsync). The batch itself is left in place so
     /// that, on error, every operation in it can be answered with the error.
+    ///
+    /// Durability, in one place: the batch commits if it changed anything
+    /// ([`Effects::changed`]) or must reach the disk anyway (`forced`), and
+    /// the answers are returned only after that commit; a batch that did
+    /// neither is aborted, and answers what it read.
     pub(super) fn try_apply(&mut self, batch: &[Op]) -> Result<Vec<Answer>, StoreError> {
         let recovering = !self.healthy.load(Ordering::Acquire);
-        let needs_write = recovering
+        // A commit that must reach the disk though nothing changed: a
+        // probe of a store that failed (a ping), a clean stop, the key
+        // mapping.
+        let forced = recovering
             || batch.iter().any(|op| {
                 matches!(
                     op,
@@ -231,11 +268,7 @@ impl Writer {
         let db = self.db()?;
         let txn = db.begin_write().map_err(|e| self.fail(e))?;
         let mut answers = Vec::with_capacity(batch.len());
-        // Something changed that a commit must make durable.
-        let mut raised = false;
-        // A raise or a mark: crash detection must be armed.
-        let mut arm = false;
-        let mut closing = false;
+        let mut fx = Effects::default();
         // Marks added and removed by this batch.
         let (mut added, mut removed) = (0u64, 0u64);
         let mut next = self.next_mark.load(Ordering::Relaxed);
@@ -264,11 +297,12 @@ impl Writer {
                 part.write_to(&mut table, &mut marks, &mut meta)
                     .map_err(|e| self.fail(e))?;
             }
-            raised |= checkpoint;
-            // Logged raises and marks in the table: a crash from here on
-            // must be seen (a clean-stop mark whose commit failed may be
-            // on disk).
-            arm |= checkpoint;
+            if checkpoint {
+                // Logged raises and marks in the table: a crash from here
+                // on must be seen (a clean-stop mark whose commit failed
+                // may be on disk).
+                fx.raise();
+            }
             // Lease expiry is the only use of the wall clock here.
             let now = if locks.is_some() { wall_ms() } else { 0 };
             // Appends a mark and returns its sequence number.
@@ -290,7 +324,7 @@ impl Writer {
                     | Op::Lock {
                         op: LockOp::Claim { .. },
                         ..
-                    } if closed || closing => Answer::Refused,
+                    } if closed || fx.closing => Answer::Refused,
                     Op::Advance { key, token, .. } | Op::AdvanceMarked { key, token, .. } => {
                         let token = *token;
                         let current = table
@@ -304,22 +338,19 @@ impl Writer {
                                 table
                                     .insert(key.as_str(), token)
                                     .map_err(|e| self.fail(e))?;
-                                arm = true;
-                                raised = true;
+                                fx.raise();
                                 Advance::Raised { previous }
                             }
                         };
                         if let Op::AdvanceMarked { .. } = op {
-                            arm = true;
-                            raised = true;
+                            fx.raise();
                             Answer::Marked(advance, mark(&mut marks, key, token)?)
                         } else {
                             Answer::Advance(advance)
                         }
                     }
                     Op::Mark { key, token, .. } => {
-                        arm = true;
-                        raised = true;
+                        fx.raise();
                         Answer::Seq(mark(&mut marks, key, *token)?)
                     }
                     Op::Rotate {
@@ -341,7 +372,7 @@ impl Writer {
                                 false
                             })
                             .map_err(|e| self.fail(e))?;
-                        raised = true;
+                        fx.change();
                         Answer::Seqs(seqs)
                     }
                     Op::Get { key, .. } => Answer::Token(
@@ -399,8 +430,7 @@ impl Writer {
                                                 (id.as_str(), token, holder.as_str(), exp),
                                             )
                                             .map_err(|e| self.fail(e))?;
-                                        arm = true;
-                                        raised = true;
+                                        fx.raise();
                                         Answer::Lock(LockAnswer::Claim(Claim::Granted {
                                             token,
                                             registered: false,
@@ -418,7 +448,7 @@ impl Writer {
                                             (id.as_str(), l.token, l.holder.as_str(), exp),
                                         )
                                         .map_err(|e| self.fail(e))?;
-                                    raised = true;
+                                    fx.change();
                                     l.expires_in = *ttl;
                                     Answer::Lock(LockAnswer::Lock(Some(l)))
                                 }
@@ -428,14 +458,14 @@ impl Writer {
                                 let mine = held.is_some_and(|l| &l.id == id);
                                 if mine {
                                     locks.remove(key.as_str()).map_err(|e| self.fail(e))?;
-                                    raised = true;
+                                    fx.change();
                                 }
                                 Answer::Lock(LockAnswer::Released(mine))
                             }
                         }
                     }
                     Op::Forget { key, .. } => {
-                        raised = true; // a change to commit
+                        fx.change();
                         if let Some(locks) = locks.as_mut() {
                             locks.remove(key.as_str()).map_err(|e| self.fail(e))?;
                         }
@@ -454,24 +484,24 @@ impl Writer {
                     }
                     Op::CloseClean { .. } => {
                         meta.insert(CLEAN_KEY, 1).map_err(|e| self.fail(e))?;
-                        closing = true;
+                        fx.closing = true;
                         Answer::Done
                     }
                 };
                 answers.push(answer);
             }
-            if arm && !closing {
+            if fx.arms_crash_detection && !fx.closing {
                 // A raise or a mark after a clean-stop mark (should not
                 // happen after a drain) re-arms crash detection; one in
                 // front of this batch's clean stop is covered by its drain.
                 meta.insert(CLEAN_KEY, 0).map_err(|e| self.fail(e))?;
             }
-            if raised || needs_write {
+            if fx.changed || forced {
                 // The log's records are in the table from this commit on.
                 meta.insert(WAL_GENERATION_KEY, self.wal.next_generation())
                     .map_err(|e| self.fail(e))?;
             }
-            if needs_write && !raised {
+            if forced && !fx.changed {
                 // A write of its own, so that the commit reaches the disk.
                 let n = meta
                     .get("probe")
@@ -485,7 +515,7 @@ impl Writer {
         // reached the disk, so its numbers are never handed out again. (A
         // batch that failed before this never wrote them.)
         self.next_mark.store(next, Ordering::Release);
-        if raised || needs_write {
+        if fx.changed || forced {
             if let Err(e) = txn.commit() {
                 self.must_checkpoint = true;
                 return Err(self.fail(e));
@@ -511,7 +541,7 @@ impl Writer {
             txn.abort().map_err(|e| self.fail(e))?;
         }
         // Only a durable clean mark closes the store to further advances.
-        self.closed |= closing;
+        self.closed |= fx.closing;
         Ok(answers)
     }
 }

@@ -46,6 +46,27 @@ pub(super) fn client_of(
     (trusted.client_in_chain(items).unwrap_or(ip), false)
 }
 
+/// Drops every header whose name has an `_`, before anything reads the
+/// request (nginx's `underscores_in_headers off`): CGI and WSGI backends
+/// read `X_Forwarded_For` as `X-Forwarded-For` (both become
+/// `HTTP_X_FORWARDED_FOR`), so such a name would pass the forwarded-header
+/// rules, and a header-keyed route would see two spellings of one header.
+pub(super) fn drop_underscored(headers: &mut HeaderMap) {
+    // Most requests have none: one pass over the names, no allocation.
+    if !headers.keys().any(|name| name.as_str().contains('_')) {
+        return;
+    }
+    let names: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().contains('_'))
+        .cloned()
+        .collect();
+    for name in names {
+        tracing::debug!(header = %name, "dropped a header whose name has an underscore");
+        headers.remove(&name);
+    }
+}
+
 /// Tells an HTTP/1.1 client that the connection ends after this answer
 /// (HTTP/2 has no such header; hyper leaves it out there).
 pub(super) fn close_after<B>(resp: &mut Response<B>) {
@@ -89,6 +110,7 @@ impl Proxy {
         // meanwhile: the route (and its pool) it starts with is the one it
         // ends with.
         let (table, mapping) = self.enter();
+        drop_underscored(req.headers_mut());
         // Keep a sane client-sent request id, else make one; it goes
         // upstream and back to the client, and into the access log.
         let request_id = req

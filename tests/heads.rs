@@ -99,8 +99,10 @@ async fn bodies_on_bodiless_methods_are_refused_on_every_reader() {
                     .is_some_and(|l| l.starts_with("HTTP/1.1 400 ")),
                 "{case}: {answer}"
             );
+            // (An answer to HEAD has no body.)
             assert!(
-                answer.contains("application/problem+json") && answer.contains("bad-framing"),
+                answer.contains("application/problem+json")
+                    && (name == "HEAD" || answer.contains("bad-framing")),
                 "{case}: {answer}"
             );
             nothing_smuggled(&p, &up, &case).await;
@@ -298,7 +300,7 @@ async fn header_names_with_underscores_are_dropped_on_every_reader() {
         .body(full(""))
         .unwrap();
     assert_eq!(client.request(req).await.unwrap().status(), 200);
-    let records = up.records();
+    let records: Vec<_> = up.records().into_iter().filter(|r| r.target == "/u").collect();
     assert_eq!(records.len(), 4);
     for r in &records {
         let names: Vec<_> = r.headers.keys().map(|k| k.as_str().to_string()).collect();

@@ -45,9 +45,11 @@ async fn nothing_smuggled(p: &Proxy, up: &BodyBlindUpstream, case: &str) {
     let a = send("GET", &p.url(&control), &[], "").await;
     assert_eq!(a.status, 200, "{case}: control read: {}", a.text());
     let line = format!("GET {control}");
-    eventually("the control read at the backend", Duration::from_secs(5), || {
-        up.lines().contains(&line)
-    })
+    eventually(
+        "the control read at the backend",
+        Duration::from_secs(5),
+        || up.lines().contains(&line),
+    )
     .await;
     let lines = up.lines();
     assert!(
@@ -185,13 +187,17 @@ async fn an_h2_get_with_a_body_is_refused() {
             .build_http();
     let declared = || full(SMUGGLED);
     // No content-length: the body's size is not known up front.
-    let undeclared = || {
-        ChunkBody::new(vec![bytes::Bytes::from_static(SMUGGLED.as_bytes())]).boxed()
-    };
+    let undeclared =
+        || ChunkBody::new(vec![bytes::Bytes::from_static(SMUGGLED.as_bytes())]).boxed();
     for (name, method, body, length) in [
         ("declared GET", "GET", declared(), Some(SMUGGLED.len())),
         ("undeclared GET", "GET", undeclared(), None),
-        ("declared OPTIONS", "OPTIONS", declared(), Some(SMUGGLED.len())),
+        (
+            "declared OPTIONS",
+            "OPTIONS",
+            declared(),
+            Some(SMUGGLED.len()),
+        ),
         ("undeclared DELETE", "DELETE", undeclared(), None),
     ] {
         let mut req = http::Request::builder()
@@ -300,7 +306,11 @@ async fn header_names_with_underscores_are_dropped_on_every_reader() {
         .body(full(""))
         .unwrap();
     assert_eq!(client.request(req).await.unwrap().status(), 200);
-    let records: Vec<_> = up.records().into_iter().filter(|r| r.target == "/u").collect();
+    let records: Vec<_> = up
+        .records()
+        .into_iter()
+        .filter(|r| r.target == "/u")
+        .collect();
     assert_eq!(records.len(), 4);
     for r in &records {
         let names: Vec<_> = r.headers.keys().map(|k| k.as_str().to_string()).collect();

@@ -122,8 +122,14 @@ async fn answer_via(
     match reader {
         Reader::Fresh => raw_answer(addr, request.as_bytes(), until_closed).await,
         Reader::HyperHeld => {
-            raw_answer_after(addr, HAND_OVER.as_bytes(), 1, request.as_bytes(), until_closed)
-                .await
+            raw_answer_after(
+                addr,
+                HAND_OVER.as_bytes(),
+                1,
+                request.as_bytes(),
+                until_closed,
+            )
+            .await
         }
         Reader::Http10 => {
             let request = request.replacen(" HTTP/1.1\r\n", " HTTP/1.0\r\n", 1);

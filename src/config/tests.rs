@@ -767,7 +767,11 @@ fn bodies_on_bodiless_methods_are_allowed_per_route_and_only_there() {
     assert!(c.routes[0].allow_bodies_on.is_empty());
     assert!(!c.to_toml().contains("allow_bodies_on"));
     // Listed in any case, kept in upper case, printed back.
-    let c = Config::try_from(with("", r#"allow_bodies_on = ["get", "DELETE", "Options"]"#)).unwrap();
+    let c = Config::try_from(with(
+        "",
+        r#"allow_bodies_on = ["get", "DELETE", "Options"]"#,
+    ))
+    .unwrap();
     let allowed: Vec<_> = c.routes[0].allow_bodies_on.iter().cloned().collect();
     assert_eq!(allowed, ["DELETE", "GET", "OPTIONS"]);
     let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();

@@ -220,9 +220,7 @@ pub(super) fn check_bodiless<B: http_body::Body>(
     let refused = if websocket {
         "a WebSocket handshake"
     } else if crate::config::bodiless(method)
-        && !route
-            .allow_bodies_on
-            .contains(&method.to_ascii_uppercase())
+        && !route.allow_bodies_on.contains(&method.to_ascii_uppercase())
     {
         method
     } else {

@@ -576,10 +576,7 @@ impl Proxy {
             // HAProxy's default health check is) gets the upstream's own
             // authority, as nginx sends it: many backends answer 400 to a
             // request without one.
-            let auth = parts
-                .uri
-                .authority()
-                .unwrap_or(&route.upstream.authority);
+            let auth = parts.uri.authority().unwrap_or(&route.upstream.authority);
             if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
                 headers.insert(header::HOST, v);
             }

@@ -85,9 +85,7 @@ async fn empty_body(
             Ok(Some(Ok(frame))) if frame.data_ref().is_none_or(|d| d.is_empty()) => continue,
             Ok(Some(Ok(_))) if websocket => no_body_here("a WebSocket handshake"),
             Ok(Some(Ok(_))) => no_body_here(parts.method.as_str()),
-            Ok(Some(Err(_))) => {
-                ProxyError::BadFraming("the request body could not be read".into())
-            }
+            Ok(Some(Err(_))) => ProxyError::BadFraming("the request body could not be read".into()),
             Err(_) => ProxyError::BodyTimeout,
         };
         return Err((Request::from_parts(parts, body), refused));

@@ -445,7 +445,9 @@ mod tests {
             assert_eq!(state, State::Stopped);
             assert_eq!(why, Some("more than one Content-Length header"));
             let text = String::from_utf8(out).unwrap();
-            let stand_in = text.strip_prefix(std::str::from_utf8(before).unwrap()).unwrap();
+            let stand_in = text
+                .strip_prefix(std::str::from_utf8(before).unwrap())
+                .unwrap();
             assert!(stand_in.starts_with("GET / HTTP/1.1\r\nx-fencegate-refused-head: "));
             assert!(!text.contains("hello") && !text.contains("/next"), "{text}");
         }
@@ -455,7 +457,8 @@ mod tests {
     fn what_hyper_refuses_is_passed_up_to_there_and_nothing_after() {
         // A chunk size hyper refuses: the bytes up to it, not the request
         // behind it.
-        let input = b"PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nGET /x HTTP/1.1\r\n\r\n";
+        let input =
+            b"PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nGET /x HTTP/1.1\r\n\r\n";
         let (out, state, _) = passed(input, input.len());
         assert_eq!(state, State::Stopped);
         assert!(out.ends_with(b"\r\n\r\nz"));

@@ -267,11 +267,21 @@ impl BodyBlindUpstream {
     }
     /// Request lines read, in order.
     pub fn lines(&self) -> Vec<String> {
-        self.heads.lock().unwrap().iter().map(|h| h.0.clone()).collect()
+        self.heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.0.clone())
+            .collect()
     }
     /// `Host` of each request read, in order.
     pub fn hosts(&self) -> Vec<Option<String>> {
-        self.heads.lock().unwrap().iter().map(|h| h.1.clone()).collect()
+        self.heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.1.clone())
+            .collect()
     }
 }
 

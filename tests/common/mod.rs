@@ -255,9 +255,12 @@ where
 /// do not: bytes sent after such a head are read as the next request on
 /// the connection. It answers every head it reads with `200 ok` and
 /// records its request line (`METHOD target`) and `Host`.
+/// Request lines read, each with its `Host`.
+type Heads = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
 pub struct BodyBlindUpstream {
     pub addr: SocketAddr,
-    heads: Arc<Mutex<Vec<(String, Option<String>)>>>,
+    heads: Heads,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -295,7 +298,7 @@ pub async fn start_body_blind_upstream() -> BodyBlindUpstream {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let heads: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+    let heads: Heads = Arc::default();
     let seen = heads.clone();
     let task = tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {

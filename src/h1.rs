@@ -127,6 +127,81 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     })
 }
 
+/// How the bytes after a request head are framed, as hyper reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    Length(u64),
+    Chunked,
+    /// The connection may stop being HTTP/1 after this request (an
+    /// `Upgrade` on HTTP/1.1, `CONNECT`): what follows is not read as heads.
+    Opaque,
+}
+
+/// A request head as hyper will read it, judged by the lane's rules: for
+/// the heads hyper reads after the lane handed a connection over
+/// (`server::heads`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum HeadCheck {
+    /// Not a whole head yet.
+    Partial,
+    /// A head of `len` bytes, and how its body is framed.
+    Head { len: usize, body: BodyFraming },
+    /// A head hyper refuses itself (it does not parse, a `Content-Length`
+    /// that is not digits, a `Transfer-Encoding` on HTTP/1.0 or not ending
+    /// in `chunked`), and closes the connection after its answer.
+    Unreadable,
+    /// One hyper would read but the hostile-input rules refuse with 400
+    /// (hyper merges two equal `Content-Length` lines into one).
+    Refused(&'static str),
+}
+
+/// Reads the request head at the start of `buf` the way hyper's server
+/// does (same parser, same framing rules), applying the lane's refusals.
+pub fn check_request_head(buf: &[u8]) -> HeadCheck {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return HeadCheck::Partial,
+        Err(_) => return HeadCheck::Unreadable,
+    };
+    let http11 = req.version == Some(1);
+    let mut opaque = req.method == Some("CONNECT");
+    let mut length = None;
+    let mut lengths = 0;
+    let mut chunked = None;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            lengths += 1;
+            if lengths > 1 {
+                return HeadCheck::Refused("more than one Content-Length header");
+            }
+            // hyper ignores a length after a transfer coding.
+            if chunked.is_none() {
+                match digits(h.value) {
+                    Some(n) => length = Some(n),
+                    None => return HeadCheck::Unreadable,
+                }
+            }
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if !http11 {
+                return HeadCheck::Unreadable;
+            }
+            let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
+            chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if h.name.eq_ignore_ascii_case("upgrade") {
+            opaque |= http11;
+        }
+    }
+    let body = match (opaque, chunked, length) {
+        (_, Some(false), _) => return HeadCheck::Unreadable,
+        (true, _, _) => BodyFraming::Opaque,
+        (false, Some(true), _) => BodyFraming::Chunked,
+        (false, None, n) => BodyFraming::Length(n.unwrap_or(0)),
+    };
+    HeadCheck::Head { len, body }
+}
+
 /// Every line ends in CRLF: no bare LF, which some readers take as a line
 /// end and others as part of a value.
 fn crlf_only(head: &[u8]) -> bool {

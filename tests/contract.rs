@@ -495,7 +495,9 @@ async fn a_write_the_upstream_dropped_is_a_502_and_never_retried() {
     let (url, heads) = hang_up_upstream().await;
     let p = ProxyBuilder::new(&url, dir.path()).spawn();
     for (i, method) in ["PUT", "DELETE", "POST"].into_iter().enumerate() {
-        let a = send(method, &p.url("/x"), &[("x-fence-token", "1")], "body").await;
+        // A DELETE has no body here (refused with 400 before it is sent).
+        let body = if method == "DELETE" { "" } else { "body" };
+        let a = send(method, &p.url("/x"), &[("x-fence-token", "1")], body).await;
         assert_eq!(a.status, 502, "{method}: {}", a.text());
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(

@@ -19,8 +19,15 @@ async fn h2(method: &str, url: &str, token: Option<&str>) -> (u16, http::HeaderM
     if let Some(t) = token {
         req = req.header("x-fence-token", t);
     }
+    // GET and HEAD have no body (fencegate refuses one: a backend that
+    // does not read it would take it as another request).
+    let body = if matches!(method, "GET" | "HEAD") {
+        ""
+    } else {
+        "h2 body"
+    };
     let resp = client
-        .request(req.body(full("h2 body")).unwrap())
+        .request(req.body(full(body)).unwrap())
         .await
         .expect("h2c request");
     assert_eq!(resp.version(), http::Version::HTTP_2);
@@ -49,7 +56,7 @@ async fn h2c_fences_like_http1() {
     assert_eq!(s, 400);
     let (s, _, body) = h2("GET", &p.url("/a/obj"), None).await;
     assert_eq!(s, 200);
-    assert_eq!(body, Bytes::from("applied GET /a/obj len=7"));
+    assert_eq!(body, Bytes::from("applied GET /a/obj len=0"));
     let r = up.records();
     assert_eq!(
         r.len(),

@@ -33,29 +33,60 @@ async fn raw_answer(
     request: &[u8],
     until_closed: bool,
 ) -> (String, bool) {
+    raw_answer_after(addr, b"", 0, request, until_closed).await
+}
+
+/// The end of the first whole answer in `out` (a head and the body its
+/// Content-Length announces), if it is all there.
+fn answer_end(out: &[u8]) -> Option<usize> {
+    let head = out.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let len = String::from_utf8_lossy(&out[..head])
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+        })
+        .unwrap_or(0);
+    (out.len() >= head + len).then_some(head + len)
+}
+
+/// Like [`raw_answer`], on a connection that first sent `before`, whose
+/// `skip` answers are read and dropped: the answer returned is the
+/// request's own.
+async fn raw_answer_after(
+    addr: std::net::SocketAddr,
+    before: &[u8],
+    skip: usize,
+    request: &[u8],
+    until_closed: bool,
+) -> (String, bool) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(request).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
-    let whole = |out: &[u8]| {
-        let text = String::from_utf8_lossy(out);
-        let Some((head, body)) = text.split_once("\r\n\r\n") else {
-            return false;
-        };
-        let len = head
-            .lines()
-            .find_map(|l| {
-                l.to_ascii_lowercase()
-                    .strip_prefix("content-length:")
-                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
-            })
-            .unwrap_or(0);
-        body.len() >= len
-    };
+    if !before.is_empty() {
+        // Answered first, so the request meets the connection in the state
+        // `before` left it in (handed to hyper).
+        s.write_all(before).await.unwrap();
+        let mut skipped = 0;
+        while skipped < skip {
+            if let Some(end) = answer_end(&out) {
+                out.drain(..end);
+                skipped += 1;
+                continue;
+            }
+            match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => out.extend_from_slice(&buf[..n]),
+                _ => panic!("no answer to {:?}", String::from_utf8_lossy(before)),
+            }
+        }
+        assert!(out.is_empty(), "more answers than expected before the case");
+    }
+    s.write_all(request).await.unwrap();
     loop {
-        if !until_closed && whole(&out) {
+        if !until_closed && answer_end(&out).is_some() {
             return (String::from_utf8_lossy(&out).into_owned(), false);
         }
         match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
@@ -66,13 +97,55 @@ async fn raw_answer(
     }
 }
 
+/// The ways a request head can reach fencegate's readers: first on a new
+/// connection (the lane reads it, and hands hyper what it does not take),
+/// on a connection hyper already holds (an earlier request handed it over:
+/// its `Connection` option is not one the lane takes), and as HTTP/1.0
+/// (hyper's from the start).
+#[derive(Debug, Clone, Copy)]
+enum Reader {
+    Fresh,
+    HyperHeld,
+    Http10,
+}
+
+/// A read that hands the connection to hyper, and its target.
+const HAND_OVER: &str = "GET /warm HTTP/1.1\r\nHost: x\r\nConnection: x-a\r\n\r\n";
+
+/// Sends `request` the way `reader` says and reads its own answer.
+async fn answer_via(
+    reader: Reader,
+    addr: std::net::SocketAddr,
+    request: &str,
+    until_closed: bool,
+) -> (String, bool) {
+    match reader {
+        Reader::Fresh => raw_answer(addr, request.as_bytes(), until_closed).await,
+        Reader::HyperHeld => {
+            raw_answer_after(
+                addr,
+                HAND_OVER.as_bytes(),
+                1,
+                request.as_bytes(),
+                until_closed,
+            )
+            .await
+        }
+        Reader::Http10 => {
+            let request = request.replacen(" HTTP/1.1\r\n", " HTTP/1.0\r\n", 1);
+            raw_answer(addr, request.as_bytes(), until_closed).await
+        }
+    }
+}
+
 /// A refusal: exactly `status` (not any non-2xx: a handler that panicked
-/// or a dropped connection is not a refusal the contract promises).
+/// or a dropped connection is not a refusal the contract promises), in
+/// HTTP/1.1 or, to an HTTP/1.0 request, HTTP/1.0.
 fn refused_with(answer: &str, status: u16) -> bool {
-    answer
-        .lines()
-        .next()
-        .is_some_and(|l| l.starts_with(&format!("HTTP/1.1 {status} ")))
+    answer.lines().next().is_some_and(|l| {
+        l.starts_with(&format!("HTTP/1.1 {status} "))
+            || l.starts_with(&format!("HTTP/1.0 {status} "))
+    })
 }
 
 /// (name, raw request, whether its head may reach the backend before the
@@ -124,15 +197,19 @@ const CASES: &[(&str, &str, bool, u16, bool)] = &[
     ("body over the limit", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 100001\r\n\r\n", false, 413, false),
 ];
 
-#[tokio::test(flavor = "multi_thread")]
-async fn every_hostile_request_is_refused_and_nothing_reaches_the_backend() {
+async fn every_hostile_request_is_refused_via(reader: Reader) {
     let (_d, up, p) = setup().await;
+    // The hand-over's own read reaches the backend; nothing else may.
+    let before = match reader {
+        Reader::HyperHeld => 1,
+        Reader::Fresh | Reader::Http10 => 0,
+    };
     let mut failures = Vec::new();
     for (name, request, head_may_arrive, status, closes) in CASES {
         up.clear();
         // Closed well before the 3 s header timeout, when it must be; else
         // read until the answer is whole.
-        let (answer, closed) = raw_answer(p.addr, request.as_bytes(), *closes).await;
+        let (answer, closed) = answer_via(reader, p.addr, request, *closes).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         if !refused_with(&answer, *status) {
             failures.push(format!(
@@ -143,14 +220,33 @@ async fn every_hostile_request_is_refused_and_nothing_reaches_the_backend() {
         if *closes && !closed {
             failures.push(format!("{name}: the connection was left open"));
         }
-        if up.count() != 0 {
+        if up.count() != before {
             failures.push(format!("{name}: applied by the backend"));
         }
-        if !head_may_arrive && up.arrivals() != 0 {
+        if !head_may_arrive && up.arrivals() != before {
             failures.push(format!("{name}: reached the backend"));
         }
     }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert!(failures.is_empty(), "{reader:?}: {failures:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_hostile_request_is_refused_and_nothing_reaches_the_backend() {
+    every_hostile_request_is_refused_via(Reader::Fresh).await;
+}
+
+/// The same cases on a connection hyper already reads: the lane's rules
+/// (two `Content-Length` lines refused, whatever their values) hold there
+/// too, not only hyper's.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_hostile_request_is_refused_on_a_connection_hyper_holds() {
+    every_hostile_request_is_refused_via(Reader::HyperHeld).await;
+}
+
+/// The same cases over HTTP/1.0, which the lane always leaves to hyper.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_hostile_request_is_refused_over_http_1_0() {
+    every_hostile_request_is_refused_via(Reader::Http10).await;
 }
 
 /// Content-Length with Transfer-Encoding: the HTTP parser drops the length

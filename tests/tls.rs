@@ -28,7 +28,16 @@ async fn send_via(
     }
     let resp = tokio::time::timeout(
         Duration::from_secs(20),
-        client.request(req.body(full("tls body")).unwrap()),
+        // GET and HEAD have no body (fencegate refuses one: a backend
+        // that does not read it would take it as another request).
+        client.request(
+            req.body(full(if matches!(method, "GET" | "HEAD") {
+                ""
+            } else {
+                "tls body"
+            }))
+            .unwrap(),
+        ),
     )
     .await
     .map_err(|_| "timed out".to_string())?
@@ -101,7 +110,7 @@ async fn tls_listener_fences_the_same_over_http1_and_h2() {
     let (_, a) = send_via(&h2, "GET", &https(&p, "/a/obj"), None)
         .await
         .unwrap();
-    assert_eq!(a.body, Bytes::from("applied GET /a/obj len=8"));
+    assert_eq!(a.body, Bytes::from("applied GET /a/obj len=0"));
 
     let r = up.records();
     assert_eq!(

@@ -23,7 +23,9 @@ mod validated;
 pub use error::ConfigError;
 pub use parse::{parse_duration, MAX_DURATION};
 pub use raw::{RawConfig, RawLimits, RawRoute, RawTls};
-pub use route::{parse_upstream, ErrorFormat, Route, TokenMode, Upstream, WriteMethods};
+pub use route::{
+    bodiless, parse_upstream, ErrorFormat, Route, TokenMode, Upstream, WriteMethods, BODY_OPT_IN,
+};
 pub use secret::Secret;
 pub use store::{
     redact_url, store, url_password, Sentinel, SharedEngine, SharedStoreConfig, StoreConfig,

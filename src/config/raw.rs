@@ -117,6 +117,10 @@ pub struct RawRoute {
     pub forwarded_headers: Option<bool>,
     /// Pass WebSocket upgrades through (default false: refused, 501).
     pub websocket: Option<bool>,
+    /// Methods without body semantics (`GET`, `OPTIONS`, `DELETE`) whose
+    /// requests may carry a body on this route (default none: refused,
+    /// 400), for backends that read them (search APIs).
+    pub allow_bodies_on: Option<Vec<String>>,
     /// `problem` (default) or `s3`: how fencegate's own refusals are
     /// written (S3 SDKs read S3's XML errors).
     pub error_format: Option<String>,

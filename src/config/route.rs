@@ -31,6 +31,21 @@ impl WriteMethods {
     }
 }
 
+/// Methods whose requests have no body semantics (RFC 9110 section 9.3):
+/// their bodies are refused unless the route allows them. A backend that
+/// does not read such a body (Python's `http.server`, many small APIs)
+/// reads it as the next request on the connection: a request fencegate
+/// never admitted. Compared case-insensitively, as a backend may.
+pub fn bodiless(method: &str) -> bool {
+    ["GET", "HEAD", "OPTIONS", "DELETE", "TRACE"]
+        .iter()
+        .any(|m| m.eq_ignore_ascii_case(method))
+}
+
+/// The bodiless methods a route may allow bodies on. `HEAD` and `TRACE`
+/// requests never carry one (RFC 9110 sections 9.3.2 and 9.3.8).
+pub const BODY_OPT_IN: [&str; 3] = ["GET", "OPTIONS", "DELETE"];
+
 /// A validated upstream origin (`http://host:port`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
@@ -103,6 +118,10 @@ pub struct Route {
     /// fenced by its method, the messages after it are not. Off, they are
     /// refused (501) rather than sent on as plain requests.
     pub websocket: bool,
+    /// Methods without body semantics whose requests may carry a body
+    /// here (upper case, among [`BODY_OPT_IN`]); any other bodiless
+    /// method's body is refused (see [`bodiless`]).
+    pub allow_bodies_on: BTreeSet<String>,
     /// How fencegate's own refusals are written on this route.
     pub error_format: ErrorFormat,
     pub connect_timeout: Duration,
@@ -285,6 +304,17 @@ pub(super) fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
             "cannot go with upstream_http2 (WebSocket handshakes are HTTP/1.1 upgrades)",
         ));
     }
+    let mut allow_bodies_on = BTreeSet::new();
+    for m in r.allow_bodies_on.iter().flatten() {
+        let upper = m.to_ascii_uppercase();
+        if !BODY_OPT_IN.contains(&upper.as_str()) {
+            return Err(invalid(
+                f("allow_bodies_on"),
+                format!("`{m}` is not one of GET, OPTIONS, DELETE (other methods' bodies need no permission; HEAD and TRACE never have one)"),
+            ));
+        }
+        allow_bodies_on.insert(upper);
+    }
     let literal_keys = r.literal_keys.unwrap_or(false);
     // Literal keys read `+` as a space; routes are matched on the path as
     // sent, so a `+` in a literal route's prefix would put `a+b` and `a%20b`
@@ -326,6 +356,7 @@ pub(super) fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
         },
         forwarded_headers: r.forwarded_headers.unwrap_or(true),
         websocket: r.websocket.unwrap_or(false),
+        allow_bodies_on,
         error_format: match r.error_format.as_deref() {
             None => ErrorFormat::Problem,
             Some(v) => v

@@ -759,3 +759,33 @@ fn explicit_write_methods_are_case_insensitive() {
     assert!(w.is_write("PUT") && w.is_write("put"));
     assert!(!w.is_write("POST"));
 }
+
+#[test]
+fn bodies_on_bodiless_methods_are_allowed_per_route_and_only_there() {
+    // None by default: every bodiless method's body is refused.
+    let c = Config::try_from(base()).unwrap();
+    assert!(c.routes[0].allow_bodies_on.is_empty());
+    assert!(!c.to_toml().contains("allow_bodies_on"));
+    // Listed in any case, kept in upper case, printed back.
+    let c = Config::try_from(with(
+        "",
+        r#"allow_bodies_on = ["get", "DELETE", "Options"]"#,
+    ))
+    .unwrap();
+    let allowed: Vec<_> = c.routes[0].allow_bodies_on.iter().cloned().collect();
+    assert_eq!(allowed, ["DELETE", "GET", "OPTIONS"]);
+    let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+    assert_eq!(again.routes[0].allow_bodies_on, c.routes[0].allow_bodies_on);
+    // HEAD and TRACE never have a body; other methods need no permission.
+    for m in ["HEAD", "TRACE", "POST", "PUT", "G ET"] {
+        let e = err(with("", &format!("allow_bodies_on = [\"{m}\"]")));
+        assert!(e.contains("routes[0].allow_bodies_on"), "{m}: {e}");
+    }
+    // Which methods have no body semantics, in any spelling.
+    for m in ["GET", "get", "HEAD", "OPTIONS", "DELETE", "delete", "TRACE"] {
+        assert!(bodiless(m), "{m}");
+    }
+    for m in ["PUT", "POST", "PATCH", "PROPFIND", "QUERY"] {
+        assert!(!bodiless(m), "{m}");
+    }
+}

@@ -476,6 +476,8 @@ impl Config {
                     ),
                     forwarded_headers: Some(r.forwarded_headers),
                     websocket: Some(r.websocket),
+                    allow_bodies_on: (!r.allow_bodies_on.is_empty())
+                        .then(|| r.allow_bodies_on.iter().cloned().collect()),
                     error_format: Some(r.error_format.as_str().into()),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),

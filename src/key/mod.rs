@@ -88,6 +88,14 @@ impl KeyTemplate {
             return Ok(Self::Path);
         }
         if let Some(name) = text.strip_prefix("header:") {
+            // Such headers are dropped before a request is read
+            // (`proxy::handle::drop_underscored`): the key could never be
+            // found.
+            if name.contains('_') {
+                return Err(format!(
+                    "`{name}`: header names with `_` are dropped from requests; use `-`"
+                ));
+            }
             return http::HeaderName::from_bytes(name.trim().as_bytes())
                 .map(Self::Header)
                 .map_err(|_| format!("`{name}` is not a valid header name"));

@@ -191,6 +191,8 @@ fn templates() {
     assert_eq!(bucket.key_text(&short, &h), Ok("/t1".into()));
     let hdr = KeyTemplate::parse("header:x-resource").unwrap();
     assert!(hdr.key_text(&c, &h).is_err());
+    // Dropped from every request, so never a key's header.
+    assert!(KeyTemplate::parse("header:x_resource").is_err());
     let mut h2 = http::HeaderMap::new();
     h2.insert("x-resource", " acct-9 ".parse().unwrap());
     assert_eq!(hdr.key_text(&c, &h2), Ok("acct-9".into()));

@@ -197,6 +197,51 @@ pub(super) struct Classified<'t> {
     pub(super) path: CanonicalPath,
     /// `None` for a read.
     pub(super) write: Option<WriteIntent>,
+    /// A bodiless method whose head did not say whether a body follows
+    /// (HTTP/2 without END_STREAM on its HEADERS): it must be seen to end
+    /// with no data before anything is forwarded.
+    pub(super) must_be_empty: bool,
+}
+
+/// Refuses a body on a request that has no body semantics (a bodiless
+/// method the route does not allow bodies on, or any WebSocket handshake)
+/// when its head declares one; says whether the body must still be seen
+/// to be empty (its length unknown from the head).
+///
+/// A backend that does not read a `GET` body (Python's `http.server`,
+/// many small APIs) reads it as the next request on its connection: one
+/// fencegate never admitted, and another client's answer goes astray.
+pub(super) fn check_bodiless<B: http_body::Body>(
+    route: &Route,
+    websocket: bool,
+    req: &Request<B>,
+) -> Result<bool, ProxyError> {
+    let method = req.method().as_str();
+    let refused = if websocket {
+        "a WebSocket handshake"
+    } else if crate::config::bodiless(method)
+        && !route.allow_bodies_on.contains(&method.to_ascii_uppercase())
+    {
+        method
+    } else {
+        return Ok(false);
+    };
+    let headers = req.headers();
+    let declared = headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() != b"0");
+    if declared {
+        return Err(no_body_here(refused));
+    }
+    Ok(!req.body().is_end_stream())
+}
+
+/// The refusal of a body on a request that has none.
+pub(super) fn no_body_here(what: &str) -> ProxyError {
+    ProxyError::BadFraming(format!(
+        "a body on {what}, which this route does not take (a backend that does not read it would read it as another request; see `allow_bodies_on`)"
+    ))
 }
 
 /// A write's fence keys (its target first, then a COPY/MOVE destination)
@@ -258,6 +303,7 @@ impl Proxy {
             }
             ctx.websocket = true;
         }
+        let must_be_empty = check_bodiless(route, ctx.websocket, req)?;
         ctx.requests = Some(rt.metrics.requests.clone());
         ctx.write = self.is_write(route, req.method(), req.headers(), req.uri().query())?;
         if !ctx.write {
@@ -265,6 +311,7 @@ impl Proxy {
                 rt,
                 path,
                 write: None,
+                must_be_empty,
             });
         }
 
@@ -294,6 +341,7 @@ impl Proxy {
             rt,
             path,
             write: Some(WriteIntent { keys, token }),
+            must_be_empty,
         })
     }
 

@@ -571,10 +571,14 @@ impl Proxy {
             }
         }
         if !headers.contains_key(header::HOST) {
-            if let Some(auth) = parts.uri.authority() {
-                if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
-                    headers.insert(header::HOST, v);
-                }
+            // HTTP/2's `:authority` (or an absolute-form target) names the
+            // host; a request with neither (HTTP/1.0 without `Host`, as
+            // HAProxy's default health check is) gets the upstream's own
+            // authority, as nginx sends it: many backends answer 400 to a
+            // request without one.
+            let auth = parts.uri.authority().unwrap_or(&route.upstream.authority);
+            if let Ok(v) = HeaderValue::from_str(auth.as_str()) {
+                headers.insert(header::HOST, v);
             }
         }
         // A write ends by its permit's deadline, exchange and body alike:

@@ -46,6 +46,53 @@ pub(super) fn client_of(
     (trusted.client_in_chain(items).unwrap_or(ip), false)
 }
 
+/// Drops every header whose name has an `_`, before anything reads the
+/// request (nginx's `underscores_in_headers off`): CGI and WSGI backends
+/// read `X_Forwarded_For` as `X-Forwarded-For` (both become
+/// `HTTP_X_FORWARDED_FOR`), so such a name would pass the forwarded-header
+/// rules, and a header-keyed route would see two spellings of one header.
+pub(super) fn drop_underscored(headers: &mut HeaderMap) {
+    // Most requests have none: one pass over the names, no allocation.
+    if !headers.keys().any(|name| name.as_str().contains('_')) {
+        return;
+    }
+    let names: Vec<header::HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().contains('_'))
+        .cloned()
+        .collect();
+    for name in names {
+        tracing::debug!(header = %name, "dropped a header whose name has an underscore");
+        headers.remove(&name);
+    }
+}
+
+/// The body of a request that may have none, whose head did not say
+/// whether one follows (HTTP/2 without END_STREAM on its HEADERS, then
+/// an empty DATA frame that ends the stream, as some clients send a GET):
+/// read to its end before anything is forwarded. Data in it refuses the
+/// request; none, and it goes on with no body at all.
+async fn empty_body(
+    req: Request<RequestBody>,
+    websocket: bool,
+    idle: Duration,
+) -> Result<Request<RequestBody>, (Request<RequestBody>, ProxyError)> {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = req.into_parts();
+    loop {
+        let refused = match tokio::time::timeout(idle, body.frame()).await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) if frame.data_ref().is_none_or(|d| d.is_empty()) => continue,
+            Ok(Some(Ok(_))) if websocket => no_body_here("a WebSocket handshake"),
+            Ok(Some(Ok(_))) => no_body_here(parts.method.as_str()),
+            Ok(Some(Err(_))) => ProxyError::BadFraming("the request body could not be read".into()),
+            Err(_) => ProxyError::BodyTimeout,
+        };
+        return Err((Request::from_parts(parts, body), refused));
+    }
+    Ok(Request::from_parts(parts, RequestBody::Whole(None)))
+}
+
 /// Tells an HTTP/1.1 client that the connection ends after this answer
 /// (HTTP/2 has no such header; hyper leaves it out there).
 pub(super) fn close_after<B>(resp: &mut Response<B>) {
@@ -89,6 +136,7 @@ impl Proxy {
         // meanwhile: the route (and its pool) it starts with is the one it
         // ends with.
         let (table, mapping) = self.enter();
+        drop_underscored(req.headers_mut());
         // Keep a sane client-sent request id, else make one; it goes
         // upstream and back to the client, and into the access log.
         let request_id = req
@@ -208,10 +256,21 @@ impl Proxy {
         mut req: Request<RequestBody>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let Classified { rt, path, write } = match self.classify(table, &mut req, ctx) {
+        let Classified {
+            rt,
+            path,
+            write,
+            must_be_empty,
+        } = match self.classify(table, &mut req, ctx) {
             Ok(classified) => classified,
             Err(e) => return Err(ctx.refused_unread(req, e)),
         };
+        if must_be_empty {
+            req = match empty_body(req, ctx.websocket, self.limits.body_read_timeout).await {
+                Ok(req) => req,
+                Err((req, e)) => return Err(ctx.refused_unread(req, e)),
+            };
+        }
         let _in_flight = GaugeGuard::new(rt.metrics.in_flight.clone());
         let Some(intent) = write else {
             ctx.mapping = None;

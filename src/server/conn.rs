@@ -19,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::heads::{close_unless_upgraded, may_upgrade, Refusal};
 use super::lane::{serve_connection, Handoff, Lane};
 use super::progress::{Activity, Busy, Tracked};
 use crate::error::ProxyBody;
@@ -242,16 +243,31 @@ where
                         return;
                     };
                     let activity = busy.clone();
-                    let service = service_fn(move |req| {
+                    // What the lane's head guard refused, once hyper holds
+                    // the connection (`heads.rs`).
+                    let refusal = Arc::new(Refusal::default());
+                    let refused = refusal.clone();
+                    let service = service_fn(move |req: Request<Incoming>| {
                         let guard = Busy::new(&busy);
-                        let answer = handler(req, peer);
+                        let opaque = may_upgrade(&req);
+                        let answer = match refused.answer(&req) {
+                            Some(stand_in) => Err(stand_in),
+                            None => Ok(handler(req, peer)),
+                        };
                         async move {
-                            let answer = answer.await;
+                            let mut resp = match answer {
+                                Ok(answer) => match answer.await {
+                                    Ok(resp) => resp,
+                                    Err(never) => match never {},
+                                },
+                                Err(stand_in) => stand_in,
+                            };
+                            close_unless_upgraded(opaque, &mut resp);
                             drop(guard);
-                            answer
+                            Ok::<_, std::convert::Infallible>(resp)
                         }
                     });
-                    let hyper = Handoff { builder, service, watcher };
+                    let hyper = Handoff { builder, service, watcher, refusal };
                     match (tls, lane) {
                         (None, None) => {
                             serve_connection(hyper.builder, stream, hyper.service, hyper.watcher).await

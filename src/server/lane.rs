@@ -9,7 +9,9 @@
 //! large bodies, `Expect`, upgrades, anything the hostile-input rules must
 //! judge) the connection goes to hyper from that request's first byte
 //! ([`Rewind`]), for the rest of its life: nothing of it has been consumed,
-//! so hyper reads it as it would have from the start.
+//! so hyper reads it as it would have from the start. The heads hyper
+//! reads from there on are still read by the lane's rules first
+//! ([`super::heads`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -70,6 +72,8 @@ pub(super) struct Handoff<S> {
     pub(super) builder: auto::Builder<TokioExecutor>,
     pub(super) service: S,
     pub(super) watcher: hyper_util::server::graceful::Watcher,
+    /// Shared with the service: the head guard's refusal, for it to answer.
+    pub(super) refusal: Arc<super::heads::Refusal>,
 }
 
 impl Lane {
@@ -122,6 +126,9 @@ impl Lane {
                         pre: buf.freeze(),
                         io,
                     };
+                    // hyper reads on, but every head it reads is read by the
+                    // lane's rules first (`heads.rs`).
+                    let io = super::heads::HeadGuard::new(io, self.max_head, hyper.refusal);
                     return serve_connection(hyper.builder, io, hyper.service, hyper.watcher).await;
                 }
             };

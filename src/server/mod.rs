@@ -11,11 +11,13 @@
 //! Files: `start.rs` (the [`Server`], its start and drain), `conn.rs`
 //! (accept loops and connections), `progress.rs` (what the idle watchdog
 //! counts as progress), `lane.rs` (the own HTTP/1.1 lane of
-//! the proxy listeners), `reload.rs` (the [`Reloader`]),
+//! the proxy listeners), `heads.rs` (the lane's reading of the heads
+//! hyper reads after it), `reload.rs` (the [`Reloader`]),
 //! `error.rs`.
 
 mod conn;
 mod error;
+mod heads;
 mod lane;
 mod progress;
 mod reload;

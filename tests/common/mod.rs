@@ -250,6 +250,117 @@ where
     }
 }
 
+/// A backend that never reads the body of a `GET`, `HEAD`, `OPTIONS` or
+/// `DELETE` request, as Python's `http.server` and many small internal APIs
+/// do not: bytes sent after such a head are read as the next request on
+/// the connection. It answers every head it reads with `200 ok` and
+/// records its request line (`METHOD target`) and `Host`.
+/// Request lines read, each with its `Host`.
+type Heads = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
+pub struct BodyBlindUpstream {
+    pub addr: SocketAddr,
+    heads: Heads,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BodyBlindUpstream {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    /// Request lines read, in order.
+    pub fn lines(&self) -> Vec<String> {
+        self.heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.0.clone())
+            .collect()
+    }
+    /// `Host` of each request read, in order.
+    pub fn hosts(&self) -> Vec<Option<String>> {
+        self.heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.1.clone())
+            .collect()
+    }
+}
+
+impl Drop for BodyBlindUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn start_body_blind_upstream() -> BodyBlindUpstream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads: Heads = Arc::default();
+    let seen = heads.clone();
+    let task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One head, then the body only where a method has one.
+                    let (len, method, line, host, body) = loop {
+                        let mut slots = [httparse::EMPTY_HEADER; 64];
+                        let mut req = httparse::Request::new(&mut slots);
+                        match req.parse(&buf) {
+                            Ok(httparse::Status::Complete(len)) => {
+                                let method = req.method.unwrap_or("").to_string();
+                                let line = format!("{method} {}", req.path.unwrap_or(""));
+                                let header = |n: &str| {
+                                    req.headers
+                                        .iter()
+                                        .find(|h| h.name.eq_ignore_ascii_case(n))
+                                        .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                                };
+                                let body = header("content-length")
+                                    .and_then(|v| v.trim().parse::<usize>().ok())
+                                    .unwrap_or(0);
+                                break (len, method, line, header("host"), body);
+                            }
+                            Ok(httparse::Status::Partial) => {}
+                            Err(_) => return,
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    seen.lock().unwrap().push((line, host));
+                    buf.drain(..len);
+                    if !matches!(method.as_str(), "GET" | "HEAD" | "OPTIONS" | "DELETE") {
+                        while buf.len() < body {
+                            let mut chunk = [0u8; 4096];
+                            match s.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..body);
+                    }
+                    let answer: &[u8] = if method == "HEAD" {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                    };
+                    if s.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    BodyBlindUpstream { addr, heads, task }
+}
+
 /// The recording upstream's request handler, as a hyper service.
 #[derive(Clone)]
 pub struct Recording {

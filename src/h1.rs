@@ -304,6 +304,10 @@ pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>,
         || status == StatusCode::NOT_MODIFIED
     {
         Framing::Empty
+    } else if chunked.is_some() && resp.version == Some(0) {
+        // HTTP/1.0 has no transfer codings: hyper's client refuses such an
+        // answer (RFC 9112 section 6.1), and so does the lane.
+        return Err(BadResponse("Transfer-Encoding in an HTTP/1.0 answer"));
     } else {
         match (chunked, length) {
             // Both: the transfer coding wins and the length goes (RFC 9112
@@ -334,9 +338,18 @@ pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>,
 }
 
 /// A chunked body's decoder, fed from a buffer that fills as bytes come.
+/// It reads as strictly as hyper's client (whose rules the comments
+/// name): what hyper refuses is refused here, so the lane never passes on
+/// a body that hyper's path would have cut.
 #[derive(Debug, Default)]
 pub struct ChunkedDecoder {
     state: Chunk,
+    /// Extension bytes seen in the whole body (hyper allows 16 KiB).
+    extensions: u64,
+    /// Trailer lines seen, each with its CRLF (hyper reads at most 100
+    /// lines and 16 KiB, and refuses a block that is no header block).
+    trailers: Vec<u8>,
+    trailer_lines: usize,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -355,6 +368,57 @@ enum Chunk {
 
 /// Longest chunk-size line or trailer line waited for.
 const MAX_LINE: usize = 64 * 1024;
+
+/// hyper's `CHUNKED_EXTENSIONS_LIMIT`: extension bytes in one body.
+const MAX_EXTENSIONS: u64 = 16 * 1024;
+
+/// hyper's limits on a body's trailers: bytes and lines.
+const MAX_TRAILER_BYTES: usize = 16 * 1024;
+const MAX_TRAILER_LINES: usize = MAX_HEADERS;
+
+/// Reads a chunk-size line as hyper does: one hex digit at least (a size
+/// past 64 bits refused), spaces or tabs, an extension after `;` (any
+/// byte but CR and LF: a bare LF in it is refused, since some readers end
+/// the line there), and CRLF. `Ok(None)`: not whole yet; else the line's
+/// length, the size and the extension bytes.
+fn chunk_size_line(buf: &[u8]) -> Result<Option<(usize, u64, u64)>, BadResponse> {
+    #[derive(PartialEq)]
+    enum At {
+        Start,
+        Size,
+        Space,
+        Extension,
+        Lf,
+    }
+    let mut at = At::Start;
+    let mut size: u64 = 0;
+    let mut extension = 0u64;
+    for (i, &b) in buf.iter().enumerate() {
+        let digit = (b as char).to_digit(16);
+        at = match (at, b, digit) {
+            (At::Start | At::Size, _, Some(d)) => {
+                size = size
+                    .checked_mul(16)
+                    .and_then(|s| s.checked_add(u64::from(d)))
+                    .ok_or(BadResponse("a chunk size past 64 bits"))?;
+                At::Size
+            }
+            (At::Start, _, None) => return Err(BadResponse("a chunk size line without a size")),
+            (At::Size | At::Space, b' ' | b'\t', _) => At::Space,
+            (At::Size | At::Space, b';', _) => At::Extension,
+            (At::Size | At::Space | At::Extension, b'\r', _) => At::Lf,
+            (At::Size | At::Space, _, _) => return Err(BadResponse("a chunk size")),
+            (At::Extension, b'\n', _) => return Err(BadResponse("a bare LF in a chunk extension")),
+            (At::Extension, _, _) => {
+                extension += 1;
+                At::Extension
+            }
+            (At::Lf, b'\n', _) => return Ok(Some((i + 1, size, extension))),
+            (At::Lf, _, _) => return Err(BadResponse("a chunk size line not ended by CRLF")),
+        };
+    }
+    Ok(None)
+}
 
 impl ChunkedDecoder {
     /// Takes what it can from `buf`: `Ok(Some(data))` (empty when it needs
@@ -386,8 +450,12 @@ impl ChunkedDecoder {
                     buf.advance(2);
                     self.state = Chunk::Size;
                 }
-                Chunk::Size => match httparse::parse_chunk_size(buf) {
-                    Ok(httparse::Status::Complete((used, size))) => {
+                Chunk::Size => match chunk_size_line(buf)? {
+                    Some((used, size, extension)) => {
+                        self.extensions += extension;
+                        if self.extensions >= MAX_EXTENSIONS {
+                            return Err(BadResponse("chunk extensions over 16 KiB"));
+                        }
                         buf.advance(used);
                         self.state = if size == 0 {
                             Chunk::Trailers
@@ -395,24 +463,61 @@ impl ChunkedDecoder {
                             Chunk::Data(size)
                         };
                     }
-                    Ok(httparse::Status::Partial) if buf.len() <= MAX_LINE => {
-                        return Ok(Some(Bytes::new()))
-                    }
-                    _ => return Err(BadResponse("a chunk size")),
+                    None if buf.len() <= MAX_LINE => return Ok(Some(Bytes::new())),
+                    None => return Err(BadResponse("a chunk size")),
                 },
                 Chunk::Trailers => {
-                    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
-                        if buf.len() > MAX_LINE {
-                            return Err(BadResponse("a trailer line too long"));
+                    // A line runs to its first CR, which LF must follow.
+                    let Some(cr) = buf.iter().position(|b| *b == b'\r') else {
+                        if self.trailers.len() + buf.len() > MAX_TRAILER_BYTES {
+                            return Err(BadResponse("trailers over 16 KiB"));
                         }
                         return Ok(Some(Bytes::new()));
                     };
-                    buf.advance(end + 2);
-                    if end == 0 {
-                        self.state = Chunk::Done;
+                    if buf.len() < cr + 2 {
+                        return Ok(Some(Bytes::new()));
                     }
+                    if buf[cr + 1] != b'\n' {
+                        return Err(BadResponse("a trailer line not ended by CRLF"));
+                    }
+                    if cr == 0 {
+                        buf.advance(2);
+                        self.trailers_valid()?;
+                        self.state = Chunk::Done;
+                        continue;
+                    }
+                    self.trailer_lines += 1;
+                    if self.trailer_lines > MAX_TRAILER_LINES
+                        || self.trailers.len() + cr + 2 > MAX_TRAILER_BYTES
+                    {
+                        return Err(BadResponse("too many trailers"));
+                    }
+                    self.trailers.extend_from_slice(&buf[..cr + 2]);
+                    buf.advance(cr + 2);
                 }
             }
+        }
+    }
+
+    /// The trailer block is a header block, every name and value valid
+    /// (they are not passed on, but hyper refuses the body otherwise).
+    fn trailers_valid(&mut self) -> Result<(), BadResponse> {
+        if self.trailers.is_empty() {
+            return Ok(());
+        }
+        self.trailers.extend_from_slice(b"\r\n");
+        let mut slots = [httparse::EMPTY_HEADER; MAX_TRAILER_LINES];
+        match httparse::parse_headers(&self.trailers, &mut slots) {
+            Ok(httparse::Status::Complete((_, headers))) => {
+                for h in headers.iter() {
+                    HeaderName::from_bytes(h.name.as_bytes())
+                        .map_err(|_| BadResponse("a trailer name"))?;
+                    HeaderValue::from_bytes(h.value).map_err(|_| BadResponse("a trailer value"))?;
+                }
+                self.trailers.clear();
+                Ok(())
+            }
+            _ => Err(BadResponse("the trailers")),
         }
     }
 }

@@ -32,6 +32,12 @@ pub struct Metrics {
     pub upstream_latency: HistogramVec,
     /// Upstream failures by route and kind (connect, timeout, other).
     pub upstream_errors: IntCounterVec,
+    /// Response bodies that did not reach the client whole, by route and
+    /// reason (`upstream_stalled`: no byte from the upstream within
+    /// `limits.response_idle_timeout`; `upstream_failed`: the upstream
+    /// connection failed mid-body; `dropped`: the client went away, or
+    /// its connection was closed for reading nothing within that bound).
+    pub response_bodies_cut: IntCounterVec,
     /// Requests currently being proxied, by route.
     pub in_flight: IntGaugeVec,
     /// 1 while the store answers, 0 while it does not.
@@ -60,7 +66,9 @@ pub struct Metrics {
     /// Open client connections, by listener (proxy, tls, admin).
     pub connections: IntGaugeVec,
     /// Connections closed by fencegate, by listener and reason (limit: the
-    /// listener was full; idle: no progress within the header timeout).
+    /// listener was full; idle: no progress within the header timeout;
+    /// response_stalled: a response streaming and no bytes within the
+    /// response idle timeout).
     pub connections_closed: IntCounterVec,
     /// Client connections accepted, by listener (proxy, tls) and worker
     /// thread: shows how the kernel spreads them.
@@ -147,6 +155,11 @@ impl Metrics {
             "fencegate_upstream_errors_total",
             "Requests that failed upstream, by kind (connect, timeout, other).",
             &["route", "kind"],
+        );
+        let response_bodies_cut = counter(
+            "fencegate_response_bodies_cut_total",
+            "Response bodies cut before their end, by reason (upstream_stalled: no byte from the upstream within limits.response_idle_timeout; upstream_failed: the upstream connection failed mid-body; dropped: the client went away or read nothing within that bound).",
+            &["route", "reason"],
         );
         let in_flight = IntGaugeVec::new(
             Opts::new(
@@ -244,7 +257,7 @@ impl Metrics {
             .expect("register");
         let connections_closed = counter(
             "fencegate_connections_closed_total",
-            "Client connections closed by fencegate: the listener was full (limit) or the connection made no progress within the header timeout (idle).",
+            "Client connections closed by fencegate: the listener was full (limit), the connection made no progress within the header timeout with no request in hand (idle), or moved no bytes within the response idle timeout with a response streaming (response_stalled).",
             &["listener", "reason"],
         );
         let worker_connections = counter(
@@ -295,6 +308,7 @@ impl Metrics {
             store_batch_size,
             upstream_latency,
             upstream_errors,
+            response_bodies_cut,
             in_flight,
             store_up,
             recovering,

@@ -253,3 +253,47 @@ async fn an_http_upstream_can_be_spoken_to_in_h2c() {
     assert!(String::from_utf8_lossy(&body).starts_with("applied GET"));
     assert_eq!(up.records().len(), 2);
 }
+
+/// A client's RST_STREAM(NO_ERROR) before END_STREAM abandons its request
+/// (RFC 9113 section 8.1 gives NO_ERROR a meaning only for a server that
+/// answered early), even with every declared byte sent: the backend never
+/// gets the body whole, so it never applies the write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reset_with_no_error_before_end_stream_is_a_cut_body() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    for (n, declared) in [(0, Some("10")), (1, None)] {
+        let path = format!("/r/k{n}");
+        let tcp = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let mut client = client.ready().await.unwrap();
+        let mut req = http::Request::put(p.url(&path)).header("x-fence-token", "1");
+        if let Some(len) = declared {
+            req = req.header("content-length", len);
+        }
+        let (_resp, mut stream) = client.send_request(req.body(()).unwrap(), false).unwrap();
+        stream
+            .send_data(Bytes::from_static(b"0123456789"), false)
+            .unwrap();
+        // The write is forwarded: its head has reached the backend.
+        eventually(
+            "the request's head upstream",
+            std::time::Duration::from_secs(10),
+            || up.arrivals() == n + 1,
+        )
+        .await;
+        stream.send_reset(h2::Reason::NO_ERROR);
+        // A newer write to the same key goes after the abandoned one is
+        // over, applied or not.
+        assert_eq!(put(&p.url(&path), "2").await.status, 200);
+        let applied: Vec<_> = up
+            .records()
+            .into_iter()
+            .filter(|r| r.target == path)
+            .map(|r| r.token)
+            .collect();
+        assert_eq!(applied, [Some("2".to_string())], "declared {declared:?}");
+    }
+}

@@ -114,3 +114,244 @@ async fn a_stalled_request_body_gets_408_and_is_not_applied() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(up.count(), 0, "a cut-off body was applied");
 }
+
+/// A raw upstream that answers every request with a chunked event stream:
+/// `data: 1`, a pause of `gap`, `data: 2`, and the body's end. It reads
+/// the request's head only (the tests send bodiless requests).
+async fn event_stream_upstream(gap: Duration) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                }
+                let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+                let one = "9\r\ndata: 1\n\n\r\n";
+                if s.write_all(format!("{head}{one}").as_bytes())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                tokio::time::sleep(gap).await;
+                let _ = s.write_all(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n").await;
+                let _ = s.read(&mut b).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The three ways a request reaches the upstream: the own lane (plain
+/// HTTP/1.1), hyper's HTTP/1.1 (a `TE` header is hyper's), and HTTP/2.
+/// Each reads an event stream to its end or its cut; the body read.
+async fn read_events(p: &Proxy, how: &str, give_up: Duration) -> Result<String, String> {
+    let request = match how {
+        "lane" => "GET /events HTTP/1.1\r\nHost: x\r\n\r\n",
+        "hyper" => "GET /events HTTP/1.1\r\nHost: x\r\nTE: trailers\r\n\r\n",
+        _ => {
+            let client: hyper_util::client::legacy::Client<_, Body> =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .http2_only(true)
+                    .build_http();
+            let read = async {
+                let resp = client
+                    .request(http::Request::get(p.url("/events")).body(full("")).unwrap())
+                    .await
+                    .map_err(|e| format!("h2: {e}"))?;
+                let mut body = resp.into_body();
+                let mut got = String::new();
+                while let Some(frame) = body.frame().await {
+                    match frame {
+                        Ok(f) => {
+                            if let Some(d) = f.data_ref() {
+                                got.push_str(&String::from_utf8_lossy(d));
+                            }
+                        }
+                        Err(e) => return Err(format!("h2 body cut after {got:?}: {e}")),
+                    }
+                }
+                Ok(got)
+            };
+            return tokio::time::timeout(give_up, read)
+                .await
+                .unwrap_or_else(|_| Err("h2: still streaming".into()));
+        }
+    };
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + give_up;
+    loop {
+        if got.ends_with(b"\r\n0\r\n\r\n") {
+            return Ok(String::from_utf8_lossy(&got).into_owned());
+        }
+        match tokio::time::timeout_at(deadline, s.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return Err(format!("{how}: cut: {:?}", String::from_utf8_lossy(&got)))
+            }
+            Ok(Ok(n)) => got.extend_from_slice(&b[..n]),
+            Err(_) => {
+                return Err(format!(
+                    "{how}: still streaming: {:?}",
+                    String::from_utf8_lossy(&got)
+                ))
+            }
+        }
+    }
+}
+
+/// A response streaming is not an idle connection: an event stream whose
+/// pause is longer than the idle timeout (`header_read_timeout`) reaches
+/// the client whole, on the lane, on hyper's HTTP/1.1 and over HTTP/2.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_pausing_past_the_idle_timeout_is_not_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = event_stream_upstream(Duration::from_millis(2500)).await;
+    let p = ProxyBuilder::new(&format!("http://{up}"), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .spawn();
+    let give_up = Duration::from_secs(20);
+    let (lane, hyper, h2) = tokio::join!(
+        read_events(&p, "lane", give_up),
+        read_events(&p, "hyper", give_up),
+        read_events(&p, "h2", give_up),
+    );
+    for got in [lane, hyper, h2] {
+        let got = got.unwrap();
+        assert!(
+            got.contains("data: 1") && got.contains("data: 2"),
+            "{got:?}"
+        );
+    }
+}
+
+/// A response body whose upstream sends nothing for
+/// `response_idle_timeout` is cut (nginx's `proxy_read_timeout`): the
+/// client sees an unfinished body, and the cut is logged and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_response_whose_upstream_stalls_past_its_bound_is_cut_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = event_stream_upstream(Duration::from_secs(30)).await;
+    let p = ProxyBuilder::new(&format!("http://{up}"), dir.path())
+        .args(&[
+            "--header-read-timeout",
+            "500ms",
+            "--response-idle-timeout",
+            "1s",
+            "--access-log",
+        ])
+        .spawn();
+    let give_up = Duration::from_secs(15);
+    let (lane, hyper, h2) = tokio::join!(
+        read_events(&p, "lane", give_up),
+        read_events(&p, "hyper", give_up),
+        read_events(&p, "h2", give_up),
+    );
+    for got in [lane, hyper, h2] {
+        let e = got.unwrap_err();
+        assert!(e.contains("cut") && e.contains("data: 1"), "{e}");
+        assert!(!e.contains("data: 2"), "{e}");
+    }
+    eventually_async("three cuts counted", || async {
+        let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+        series_value(
+            &m,
+            "fencegate_response_bodies_cut_total{reason=\"upstream_stalled\",route=\"default\"}",
+        ) == Some(3.0)
+    })
+    .await;
+    let log = p.stderr();
+    let cut = log
+        .lines()
+        .filter(|l| l.contains("response body cut") && l.contains("upstream_stalled"))
+        .count();
+    assert!(cut >= 3, "{log}");
+}
+
+/// A client that stops reading a response holds it no longer than
+/// `response_idle_timeout` (nginx's `send_timeout`): its connection is
+/// closed, counted as `response_stalled`, and the body as cut.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_is_closed_at_the_response_idle_timeout() {
+    const TOTAL: usize = 256 << 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut b = [0u8; 4096];
+                let _ = s.read(&mut b).await;
+                let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {TOTAL}\r\n\r\n");
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let block = vec![b'x'; 64 * 1024];
+                for _ in 0..TOTAL / block.len() {
+                    if s.write_all(&block).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let p = ProxyBuilder::new(&format!("http://{up}"), dir.path())
+        .args(&[
+            "--header-read-timeout",
+            "500ms",
+            "--response-idle-timeout",
+            "1s",
+        ])
+        .spawn();
+    let mut clients = Vec::new();
+    for request in [
+        "GET /big HTTP/1.1\r\nHost: x\r\n\r\n",
+        "GET /big HTTP/1.1\r\nHost: x\r\nTE: trailers\r\n\r\n",
+    ] {
+        let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let head = read_head(&mut s).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        clients.push(s);
+    }
+    // Neither client reads on: both connections are closed for it.
+    eventually_async("two stalled responses closed", || async {
+        let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+        series_value(
+            &m,
+            "fencegate_connections_closed_total{listener=\"proxy\",reason=\"response_stalled\"}",
+        ) == Some(2.0)
+            && series_value(
+                &m,
+                "fencegate_response_bodies_cut_total{reason=\"dropped\",route=\"default\"}",
+            ) == Some(2.0)
+    })
+    .await;
+    for mut s in clients {
+        let mut got = 0usize;
+        let mut b = vec![0u8; 1 << 16];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => got += n,
+                Err(_) => panic!("the connection is still open after {got} bytes"),
+            }
+        }
+        assert!(got < TOTAL, "the whole body came: {got}");
+    }
+}

@@ -454,3 +454,89 @@ async fn a_stop_while_a_write_answered_408_is_held_records_no_clean_stop() {
         p.stderr()
     );
 }
+
+/// An upstream that answers 413 as soon as a request head is there, reads
+/// nothing more, and keeps the connection open (a server refusing a body
+/// it will not read). Its receive buffer is shrunk so that a 64 KiB body
+/// cannot all be taken by the kernel: the proxy's write blocks.
+fn start_early_refuser() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let socket = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )
+    .unwrap();
+    // Inherited by accepted sockets; set before listen so the window
+    // offered in the handshake is small too.
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket
+        .bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .unwrap()
+                .into(),
+        )
+        .unwrap();
+    socket.listen(16).unwrap();
+    let listener: std::net::TcpListener = socket.into();
+    let addr = listener.local_addr().unwrap();
+    let answered = Arc::new(AtomicUsize::new(0));
+    let count = answered.clone();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let mut held = Vec::new();
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { continue };
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            // Byte by byte: nothing past the head is read.
+            while !head.ends_with(b"\r\n\r\n") {
+                match s.read(&mut b) {
+                    Ok(1) => head.push(b[0]),
+                    _ => break,
+                }
+            }
+            count.fetch_add(1, Ordering::SeqCst);
+            let _ =
+                s.write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 8\r\n\r\ntoo big!");
+            held.push(s);
+        }
+    });
+    (addr, answered)
+}
+
+/// The lane writes a request while it watches for the answer: an
+/// upstream that answers early and stops reading gets its answer passed
+/// on at once (as hyper's path does), not a 504 at the deadline; the
+/// connection is not reused.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_early_answer_from_an_upstream_that_stops_reading_is_passed_on() {
+    let (addr, answered) = start_early_refuser();
+    let dir = tempfile::tempdir().unwrap();
+    let p = ProxyBuilder::new(&format!("http://{addr}"), dir.path())
+        .args(&["--upstream-timeout", "5s"])
+        .spawn();
+    for n in 1..=2 {
+        // 64 KiB: the largest body the lane reads whole.
+        let body = vec![b'b'; 64 * 1024];
+        let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+        let head = format!(
+            "PUT /big{n} HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&body).await.unwrap();
+        let mut got = Vec::new();
+        let mut b = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => break,
+                Ok(k) => got.extend_from_slice(&b[..k]),
+            }
+        }
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 413"), "{got}");
+        // A new connection each time: the cut one was not reused.
+        assert_eq!(answered.load(Ordering::SeqCst), n);
+    }
+}

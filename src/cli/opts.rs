@@ -206,6 +206,10 @@ pub(crate) struct Opts {
     /// Longest pause between request body chunks.
     #[arg(long, env = "FENCEGATE_BODY_READ_TIMEOUT", global = true)]
     pub(crate) body_read_timeout: Option<String>,
+    /// Longest pause in a response body, either way (no byte from the
+    /// upstream, or none taken by the client), e.g. 60s.
+    #[arg(long, env = "FENCEGATE_RESPONSE_IDLE_TIMEOUT", global = true)]
+    pub(crate) response_idle_timeout: Option<String>,
     /// Largest request head, bytes (431 above).
     #[arg(long, env = "FENCEGATE_MAX_HEADER_BYTES", global = true)]
     pub(crate) max_header_bytes: Option<u64>,
@@ -325,6 +329,10 @@ pub(crate) fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<
         &opts.header_read_timeout,
     );
     set(&mut raw.limits.body_read_timeout, &opts.body_read_timeout);
+    set(
+        &mut raw.limits.response_idle_timeout,
+        &opts.response_idle_timeout,
+    );
     set(&mut raw.admin_token_file, &opts.admin_token_file);
     set(&mut raw.lease_listen, &opts.lease_listen);
     set(&mut raw.lease_token_file, &opts.lease_token_file);

@@ -94,6 +94,7 @@ pub struct RawLimits {
     pub max_body_bytes: Option<u64>,
     pub header_read_timeout: Option<String>,
     pub body_read_timeout: Option<String>,
+    pub response_idle_timeout: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]

@@ -330,6 +330,51 @@ fn defaults_apply() {
     assert_eq!(again.to_toml(), c.to_toml());
 }
 
+/// A streaming response's pause has its own bound, 60 s by default
+/// (nginx's `proxy_read_timeout` and `send_timeout`), never shorter than
+/// the idle timeout it replaces while a response streams.
+#[test]
+fn the_response_idle_timeout_is_bounded() {
+    let c = Config::try_from(base()).unwrap();
+    assert_eq!(c.limits.response_idle_timeout, Duration::from_secs(60));
+    let limits = |header: Option<&str>, response: &str| {
+        let mut raw = base();
+        raw.limits.header_read_timeout = header.map(str::to_string);
+        raw.limits.response_idle_timeout = Some(response.to_string());
+        raw
+    };
+    for (header, response) in [
+        (None, "0s"),
+        (None, "9s"),
+        (Some("2s"), "1500ms"),
+        (None, "25h"),
+        (None, "soon"),
+        (None, "-1s"),
+    ] {
+        let e = err(limits(header, response));
+        assert!(
+            e.contains("limits.response_idle_timeout"),
+            "{header:?} {response}: {e}"
+        );
+    }
+    for (header, response, want) in [
+        (None, "10s", 10),
+        (Some("1s"), "1s", 1),
+        (None, "5m", 300),
+        (None, "24h", 86400),
+    ] {
+        let c = Config::try_from(limits(header, response)).unwrap();
+        assert_eq!(
+            c.limits.response_idle_timeout,
+            Duration::from_secs(want),
+            "{response}"
+        );
+        // Printed and read back the same.
+        let again = Config::try_from(RawConfig::from_toml(&c.to_toml()).unwrap()).unwrap();
+        assert_eq!(again.limits, c.limits);
+    }
+}
+
 #[test]
 fn proxy_protocol_needs_trusted_proxies_on_each_listener() {
     let mut raw = base();

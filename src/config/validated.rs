@@ -47,6 +47,11 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// Longest pause between two chunks of a request body.
     pub body_read_timeout: Duration,
+    /// Longest pause in a response body on its way to the client: no byte
+    /// from the upstream (nginx's `proxy_read_timeout`), or none taken by
+    /// the client (nginx's `send_timeout`). A connection with a response
+    /// streaming is not idle: `header_read_timeout` does not apply to it.
+    pub response_idle_timeout: Duration,
 }
 
 /// The validated configuration.
@@ -265,6 +270,7 @@ impl TryFrom<RawConfig> for Config {
                     &l.body_read_timeout,
                     Duration::from_secs(60),
                 )?,
+                response_idle_timeout: response_idle_timeout(l)?,
             },
             tls,
             routes,
@@ -273,6 +279,33 @@ impl TryFrom<RawConfig> for Config {
         config.warnings = config.timeout_warnings(&timeout_given);
         Ok(config)
     }
+}
+
+/// `limits.response_idle_timeout`: at least as long as the idle timeout
+/// (`header_read_timeout`), or a response's pause would be cut sooner than
+/// a connection with nothing to do; at most a day, the longest pause any
+/// stream is worth a descriptor and an upstream connection for.
+pub(super) fn response_idle_timeout(l: &RawLimits) -> Result<Duration, ConfigError> {
+    let field = "limits.response_idle_timeout";
+    let idle = duration(
+        "limits.header_read_timeout",
+        &l.header_read_timeout,
+        Duration::from_secs(10),
+    )?;
+    let d = duration(field, &l.response_idle_timeout, Duration::from_secs(60))?;
+    if d > Duration::from_secs(24 * 3600) {
+        return Err(invalid(field, "must be at most 24h"));
+    }
+    if d < idle {
+        return Err(invalid(
+            field,
+            format!(
+                "must not be shorter than limits.header_read_timeout ({}): a streaming response would be cut sooner than an idle connection",
+                format_duration(idle)
+            ),
+        ));
+    }
+    Ok(d)
 }
 
 pub(super) fn tls_listener(raw: &Option<RawTls>) -> Result<Option<TlsConfig>, ConfigError> {
@@ -441,6 +474,7 @@ impl Config {
                 max_body_bytes: self.limits.max_body_bytes,
                 header_read_timeout: Some(format_duration(self.limits.header_read_timeout)),
                 body_read_timeout: Some(format_duration(self.limits.body_read_timeout)),
+                response_idle_timeout: Some(format_duration(self.limits.response_idle_timeout)),
             },
             tls: self.tls.as_ref().map(|t| RawTls {
                 listen: Some(t.listen.to_string()),

@@ -323,3 +323,222 @@ fn the_generated_requests_include_plain_ones() {
         .count();
     assert!((40..360).contains(&taken), "{taken} of 400 taken");
 }
+
+/// The chunk-size lines hyper's client refuses are refused here too: an
+/// empty one (not a last chunk), a bare LF in an extension, a size past
+/// 64 bits, no CRLF.
+#[test]
+fn chunk_size_lines_are_read_as_strictly_as_hyper() {
+    for bad in [
+        &b"\r\n\r\n"[..],
+        b"5;a\nb\r\nhello\r\n0\r\n\r\n",
+        b"5\nhello\r\n0\r\n\r\n",
+        b" 5\r\nhello\r\n0\r\n\r\n",
+        b"5 6\r\nhello\r\n0\r\n\r\n",
+        b"10000000000000000\r\n",
+        b"5\r\nhello\r\n0\r\nX-T: 1\rY\r\n\r\n",
+        b"5\r\nhello\r\n0\r\nnot a header\r\n\r\n",
+    ] {
+        assert!(
+            decode_all(bad, 64).is_err(),
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
+        let mut text = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        text.extend_from_slice(bad);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        assert!(
+            hyper_client_reads(&rt, &text).is_none(),
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    for good in [
+        &b"5 \t;x=\"y z\"\r\nhello\r\n0\r\n\r\n"[..],
+        b"A\r\n0123456789\r\n0;end\r\nX-T: 1\r\n\r\n",
+    ] {
+        assert!(
+            decode_all(good, 3).is_ok(),
+            "{:?}",
+            String::from_utf8_lossy(good)
+        );
+    }
+}
+
+/// How hyper's HTTP/1.1 client reads `bytes` as the answer to a GET (the
+/// server closes after them): status, headers and body, or `None` if it
+/// refuses them.
+fn hyper_client_reads(
+    rt: &tokio::runtime::Runtime,
+    bytes: &[u8],
+) -> Option<(StatusCode, HeaderMap, Bytes)> {
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bytes = bytes.to_vec();
+    rt.block_on(async move {
+        let (client, mut server) = tokio::io::duplex(1 << 20);
+        tokio::spawn(async move {
+            let mut head = Vec::new();
+            let mut b = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match server.read(&mut b).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&b[..n]),
+                }
+            }
+            let _ = server.write_all(&bytes).await;
+            let _ = server.shutdown().await;
+        });
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(client))
+                .await
+                .ok()?;
+        tokio::spawn(conn);
+        let request = http::Request::get("/")
+            .header("host", "a")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let wait = std::time::Duration::from_secs(5);
+        let resp = tokio::time::timeout(wait, send.send_request(request))
+            .await
+            .expect("hyper neither read nor refused the answer")
+            .ok()?;
+        let (parts, body) = resp.into_parts();
+        let body = tokio::time::timeout(wait, body.collect())
+            .await
+            .expect("hyper neither read nor refused the body")
+            .ok()?
+            .to_bytes();
+        Some((parts.status, parts.headers, body))
+    })
+}
+
+/// How the lane reads the same answer (`upstream::h1`): interim heads
+/// skipped, then the body by its framing, the upstream closing after it.
+fn lane_reads(bytes: &[u8]) -> Option<(StatusCode, HeaderMap, Bytes)> {
+    let mut at = 0;
+    let head = loop {
+        let head = parse_response(&bytes[at..], false).ok()??;
+        if head.status == StatusCode::SWITCHING_PROTOCOLS {
+            return None;
+        }
+        if !head.status.is_informational() {
+            break head;
+        }
+        at += head.len;
+    };
+    let rest = &bytes[at + head.len..];
+    let body = match head.framing {
+        Framing::Empty => Bytes::new(),
+        Framing::Length(n) => {
+            let n = usize::try_from(n).ok()?;
+            Bytes::copy_from_slice(rest.get(..n)?)
+        }
+        Framing::Close => Bytes::copy_from_slice(rest),
+        Framing::Chunked => Bytes::from(decode_all(rest, rest.len().max(1)).ok()?),
+    };
+    Some((head.status, head.headers, body))
+}
+
+fn response_line() -> impl Strategy<Value = String> {
+    prop_oneof![
+        4 => Just("Content-Length: 5".to_string()),
+        1 => Just("Content-Length: 5, 5".to_string()),
+        1 => Just("Content-Length: 05".to_string()),
+        1 => Just("Content-Length: 50".to_string()),
+        1 => Just("Content-Length: x".to_string()),
+        4 => Just("Transfer-Encoding: chunked".to_string()),
+        1 => Just("Transfer-Encoding: gzip, chunked".to_string()),
+        1 => Just("Transfer-Encoding: identity".to_string()),
+        1 => Just("Connection: close".to_string()),
+        1 => Just(" X-Folded: a".to_string()),
+        1 => Just("X-A: b\u{7f}".to_string()),
+        4 => "[A-Za-z-]{1,8}: [ -~]{0,12}",
+    ]
+}
+
+fn response_body() -> impl Strategy<Value = String> {
+    prop_oneof![
+        4 => Just("hello".to_string()),
+        4 => Just("5\r\nhello\r\n0\r\n\r\n".to_string()),
+        1 => Just("5;a=b\r\nhello\r\n0\r\n\r\n".to_string()),
+        1 => Just("5;a\nb\r\nhello\r\n0\r\n\r\n".to_string()),
+        1 => Just("5\r\nhello\r\n\r\n\r\n".to_string()),
+        1 => Just("5 \r\nhello\r\n0\r\nX-T: 1\r\n\r\n".to_string()),
+        1 => Just("5\r\nhello\r\n0\r\nX T\r\n\r\n".to_string()),
+        1 => Just("0005\r\nhelloX\r\n0\r\n\r\n".to_string()),
+        1 => Just("5\nhello\n0\n\n".to_string()),
+        2 => "[0-9a-fA-F;= \r\n]{0,12}",
+    ]
+}
+
+fn response() -> impl Strategy<Value = Vec<u8>> {
+    let status = prop_oneof![
+        6 => Just("HTTP/1.1 200 OK"),
+        1 => Just("HTTP/1.0 200 OK"),
+        1 => Just("HTTP/1.1 204 No Content"),
+        1 => Just("HTTP/1.1 304 Not Modified"),
+        1 => Just("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK"),
+        1 => Just("HTTP/1.1 200"),
+        1 => Just("HTTP/1.1 2000 OK"),
+        1 => Just("HTTP/1.1 404 Not Found"),
+    ];
+    let eol = prop_oneof![12 => Just("\r\n"), 1 => Just("\n")];
+    (
+        status,
+        prop::collection::vec((response_line(), eol), 0..5),
+        response_body(),
+        prop::option::weighted(0.2, any::<(usize, u8)>()),
+    )
+        .prop_map(|(status, lines, body, mutation)| {
+            let mut text = format!("{status}\r\n");
+            for (l, eol) in lines {
+                text.push_str(&l);
+                text.push_str(eol);
+            }
+            text.push_str("\r\n");
+            text.push_str(&body);
+            let mut bytes = text.into_bytes();
+            if let Some((at, b)) = mutation {
+                let at = at % bytes.len();
+                bytes[at] = b;
+            }
+            bytes
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// An answer the lane reads whole is one hyper's client reads the same
+    /// way (status, every header but the length the lane keeps once, the
+    /// body): the lane is never laxer than hyper's path.
+    #[test]
+    fn the_lane_reads_answers_no_more_laxly_than_hyper(bytes in response()) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        if let Some((status, mut headers, body)) = lane_reads(&bytes) {
+            let (h_status, mut h_headers, h_body) = hyper_client_reads(&rt, &bytes)
+                .unwrap_or_else(|| panic!("hyper refused what the lane read: {:?}", String::from_utf8_lossy(&bytes)));
+            prop_assert_eq!(status, h_status);
+            headers.remove(header::CONTENT_LENGTH);
+            h_headers.remove(header::CONTENT_LENGTH);
+            prop_assert_eq!(headers, h_headers);
+            prop_assert_eq!(body, h_body);
+        }
+    }
+}
+
+/// The property above is only as good as the share of answers the lane
+/// reads among the generated ones.
+#[test]
+fn the_generated_answers_include_readable_ones() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let read = (0..400)
+        .filter(|_| lane_reads(&response().new_tree(&mut runner).unwrap().current()).is_some())
+        .count();
+    assert!((40..360).contains(&read), "{read} of 400 read");
+}

@@ -378,6 +378,9 @@ pin_project_lite::pin_project! {
         declared: Option<u64>,
         held: Option<Bytes>,
         ended: bool,
+        // An HTTP/2 request: its body ends with END_STREAM, and nothing
+        // else (see the end of `poll_frame`).
+        h2: bool,
         idle: Duration,
         #[pin]
         timer: Option<tokio::time::Sleep>,
@@ -435,15 +438,24 @@ impl Body for GuardedBody {
                     Poll::Pending
                 }
                 Poll::Ready(None) => {
-                    if this.declared.is_some_and(|d| *this.seen < d) {
-                        // HTTP/2 reads a reset with NO_ERROR as a clean end:
-                        // short of its declared length, it is a cut body.
+                    // hyper reads an HTTP/2 RST_STREAM(NO_ERROR) as the
+                    // body's clean end (RFC 9113 section 8.1 allows it to a
+                    // server that answered early), whether END_STREAM came
+                    // or not. From a client, a reset before END_STREAM
+                    // abandons the request: the body is cut, even with every
+                    // declared byte sent (the last one is still held) or
+                    // no length declared, so the backend never sees it end.
+                    let reset = *this.h2 && !this.inner.is_end_stream();
+                    if reset || this.declared.is_some_and(|d| *this.seen < d) {
                         this.state.store(BODY_MALFORMED, Ordering::Release);
                         *this.hold = None;
                         *this.held = None;
-                        return Poll::Ready(Some(Err(
-                            "the request body ended before its declared length".into(),
-                        )));
+                        return Poll::Ready(Some(Err(if reset {
+                            "the client reset its HTTP/2 stream before the request body's end"
+                        } else {
+                            "the request body ended before its declared length"
+                        }
+                        .into())));
                     }
                     *this.ended = true;
                     if let Some(last) = this.held.take() {
@@ -619,6 +631,7 @@ impl Proxy {
                     declared: content_length(&headers),
                     held: None,
                     ended: false,
+                    h2: parts.version == http::Version::HTTP_2,
                     idle: self.limits.body_read_timeout,
                     timer: None,
                     state: body_state.clone(),

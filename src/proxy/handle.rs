@@ -178,6 +178,26 @@ impl Proxy {
         let (mut resp, status) = match self.serve(&table, req, &mut record.ctx).await {
             Ok(resp) => {
                 let status = resp.status();
+                // A body still to come is watched to its end: its pauses
+                // are bounded, and a cut is logged after the head's line.
+                let resp = if http_body::Body::is_end_stream(resp.body()) {
+                    resp
+                } else {
+                    let origin = super::response::Origin {
+                        metrics: self.metrics.clone(),
+                        route: record.ctx.route.clone().unwrap_or_else(|| "-".into()),
+                        request_id: record.request_id.clone(),
+                        status,
+                        access_log: record.access_log,
+                        started: record.started,
+                    };
+                    let idle = self.limits.response_idle_timeout;
+                    resp.map(|body| {
+                        http_body_util::BodyExt::boxed(super::response::WatchedBody::new(
+                            body, idle, origin,
+                        ))
+                    })
+                };
                 (resp, status)
             }
             Err(err) => {

@@ -10,6 +10,8 @@
 //!   table and its key mapping.
 //! - `forward.rs`: the headers on the way, the guarded request body, and the
 //!   exchange with the route's [`Upstream`](crate::upstream::Upstream).
+//! - `response.rs`: the response body on its way to the client: its
+//!   pauses bounded (`limits.response_idle_timeout`), a cut one logged.
 //! - `linger.rs`: reading what is left of a refused request's body, so
 //!   that the client reads its answer.
 //!
@@ -25,6 +27,7 @@ mod context;
 mod forward;
 mod handle;
 mod linger;
+mod response;
 mod state;
 mod table;
 

@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 
 use super::heads::{close_unless_upgraded, may_upgrade, Refusal};
 use super::lane::{serve_connection, Handoff, Lane};
-use super::progress::{Activity, Busy, Tracked};
+use super::progress::{Activity, Busy, Streaming, StreamingBody, Tracked};
 use crate::error::ProxyBody;
 use crate::metrics::Metrics;
 use crate::tls::TlsTerminator;
@@ -120,6 +120,10 @@ pub(super) struct Slots {
     /// nothing for this long is closed (HTTP/1 keep-alive, an HTTP/2
     /// connection without streams, a preface that never completes).
     pub(super) idle: Duration,
+    /// A connection with a response still streaming is not idle: it is
+    /// closed only once it has moved nothing for longer than this
+    /// (`limits.response_idle_timeout`).
+    pub(super) stalled: Duration,
     pub(super) metrics: Arc<Metrics>,
     /// Counts this accept loop's connections (a worker's share).
     pub(super) accepted: Option<prometheus::IntCounter>,
@@ -228,7 +232,7 @@ where
                 let busy = activity.clone();
                 let open = slots.open();
                 let behind = slots.clone();
-                let watchdog = activity.watch(slots.idle);
+                let watchdog = activity.watch(slots.idle, slots.stalled);
                 let idle_closed = slots.clone();
                 // Watched from accept on, so the drain also waits for a
                 // connection still in its TLS handshake (which the drain
@@ -254,6 +258,7 @@ where
                             Some(stand_in) => Err(stand_in),
                             None => Ok(handler(req, peer)),
                         };
+                        let busy = busy.clone();
                         async move {
                             let mut resp = match answer {
                                 Ok(answer) => match answer.await {
@@ -263,7 +268,18 @@ where
                                 Err(stand_in) => stand_in,
                             };
                             close_unless_upgraded(opaque, &mut resp);
+                            // From the head on, the body keeps the
+                            // connection from being idle until it ends
+                            // (an event stream's pauses are not idleness).
+                            let streaming = Streaming::new(&busy);
                             drop(guard);
+                            if !http_body::Body::is_end_stream(resp.body()) {
+                                resp = resp.map(|body| {
+                                    http_body_util::BodyExt::boxed(StreamingBody::new(
+                                        body, streaming,
+                                    ))
+                                });
+                            }
                             Ok::<_, std::convert::Infallible>(resp)
                         }
                     });
@@ -296,7 +312,7 @@ where
                     tokio::select! {
                         _ = &mut connection => return,
                         _ = kill.cancelled() => {}
-                        _ = watchdog => idle_closed.closed("idle"),
+                        stop = watchdog => idle_closed.closed(stop.reason()),
                     }
                     connection.abort();
                     let _ = connection.await;

@@ -30,7 +30,7 @@ use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
-use super::progress::{Activity, Busy};
+use super::progress::{Activity, Busy, Streaming};
 use crate::error::ProxyBody;
 use crate::h1::{parse_request, Parsed};
 use crate::proxy::{Peer, Proxy, RequestBody};
@@ -154,9 +154,15 @@ impl Lane {
                     },
                 }
             };
+            // From the head on the connection is streaming, not idle: an
+            // event stream's pauses are bounded by the response idle
+            // timeout, not the keep-alive one.
+            let streaming = Streaming::new(&activity);
             drop(busy);
             let close = head.close || stop.is_cancelled();
-            match write_response(&mut io, &mut out, resp, to_head, close).await {
+            let written = write_response(&mut io, &mut out, resp, to_head, close).await;
+            drop(streaming);
+            match written {
                 Ok(true) => {}
                 Ok(false) | Err(_) => {
                     let _ = io.shutdown().await;

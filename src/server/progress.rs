@@ -1,16 +1,42 @@
 //! Whether a connection makes progress, for the idle watchdog of
-//! `conn.rs`: bytes moved either way ([`Tracked`]), or a request handler
-//! running ([`Busy`]).
+//! `conn.rs`: bytes moved either way ([`Tracked`]), a request handler
+//! running ([`Busy`]), or a response body on its way out ([`Streaming`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether a connection makes progress: bytes moved, or a request handler
-/// running (an upstream answer can take a while).
+/// Whether a connection makes progress: bytes moved, a request handler
+/// running (an upstream answer can take a while), or a response streaming.
 #[derive(Default)]
 pub(super) struct Activity {
     pub(super) moved: std::sync::atomic::AtomicBool,
     pub(super) busy: std::sync::atomic::AtomicUsize,
+    /// Response bodies not yet ended (Server-Sent Events, a gRPC stream, a
+    /// download): the connection is not idle, but bounded by the longer
+    /// `limits.response_idle_timeout`.
+    pub(super) streaming: std::sync::atomic::AtomicUsize,
+}
+
+/// Why the watchdog closes a connection (`connections_closed_total`'s
+/// `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stop {
+    /// No request in hand and no bytes for the idle timeout.
+    Idle,
+    /// A response streaming, and no bytes either way for the response idle
+    /// timeout: a client that stopped reading (an upstream that stopped
+    /// sending is cut by the body's own bound first, see
+    /// `proxy::response`).
+    Stalled,
+}
+
+impl Stop {
+    pub(super) fn reason(self) -> &'static str {
+        match self {
+            Stop::Idle => "idle",
+            Stop::Stalled => "response_stalled",
+        }
+    }
 }
 
 impl Activity {
@@ -23,7 +49,11 @@ impl Activity {
 
     /// Ends when the connection has been idle for at least `idle` (at most
     /// half as long again): no bytes either way and no request in hand.
-    pub(super) async fn watch(self: Arc<Self>, idle: Duration) {
+    /// With a response streaming, ends only once no bytes have moved for
+    /// longer than `stalled` (strictly longer: a response body whose
+    /// upstream went silent is cut at `stalled` by its own timer, and
+    /// logged as that).
+    pub(super) async fn watch(self: Arc<Self>, idle: Duration, stalled: Duration) -> Stop {
         use std::sync::atomic::Ordering::Relaxed;
         let tick = idle / 2;
         let mut quiet = Duration::ZERO;
@@ -32,11 +62,15 @@ impl Activity {
             let moved = self.moved.swap(false, Relaxed);
             if moved || self.busy.load(Relaxed) > 0 {
                 quiet = Duration::ZERO;
-            } else {
-                quiet += tick;
-                if quiet >= idle {
-                    return;
+                continue;
+            }
+            quiet += tick;
+            if self.streaming.load(Relaxed) > 0 {
+                if quiet > stalled {
+                    return Stop::Stalled;
                 }
+            } else if quiet >= idle {
+                return Stop::Idle;
             }
         }
     }
@@ -57,6 +91,71 @@ impl Drop for Busy {
         use std::sync::atomic::Ordering::Relaxed;
         self.0.busy.fetch_sub(1, Relaxed);
         self.0.moved.store(true, Relaxed);
+    }
+}
+
+/// A response body on its way to the client, from its head until it has
+/// ended or been dropped.
+pub(super) struct Streaming(Arc<Activity>);
+
+impl Streaming {
+    pub(super) fn new(a: &Arc<Activity>) -> Self {
+        a.streaming
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Streaming(a.clone())
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.0.streaming.fetch_sub(1, Relaxed);
+        self.0.moved.store(true, Relaxed);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that counts as [`Streaming`] on its connection
+    /// until it ends (hyper's side; the lane holds the guard itself while
+    /// it writes).
+    pub(super) struct StreamingBody<B> {
+        #[pin]
+        inner: B,
+        guard: Option<Streaming>,
+    }
+}
+
+impl<B> StreamingBody<B> {
+    pub(super) fn new(inner: B, guard: Streaming) -> Self {
+        StreamingBody {
+            inner,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for StreamingBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None | Some(Err(_)))) {
+            *this.guard = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

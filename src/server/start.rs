@@ -313,6 +313,7 @@ impl Server {
             name,
             free: Arc::new(tokio::sync::Semaphore::new(per_listener)),
             idle: config.limits.header_read_timeout,
+            stalled: config.limits.response_idle_timeout,
             metrics: metrics.clone(),
             accepted: None,
             proxy_protocol: None,

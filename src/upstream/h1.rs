@@ -63,27 +63,55 @@ impl Upstream {
                     )))
                 }
             };
-            if let Err(e) = io.write_all(&wire[written..]).await {
-                // The upstream may have answered early (413, 401) and
-                // closed: its answer, if one came, is the one to pass on.
-                // The connection is not reused: the request was cut.
+            let mut buf = BytesMut::with_capacity(READ_AHEAD);
+            if written == wire.len() {
+                return self.read_head(io, buf, worker, to_head, true).await;
+            }
+            // The rest goes out while the answer is watched for: an
+            // upstream may answer early (413, 401, 403) and read no more
+            // of the body while it keeps the connection open, and a write
+            // that waited for it to read would wait until the deadline.
+            let cut = {
+                let (mut rd, mut wr) = io.split();
+                let write = wr.write_all(&wire[written..]);
+                tokio::pin!(write);
+                loop {
+                    tokio::select! {
+                        biased;
+                        w = &mut write => break w.err(),
+                        r = rd.read_buf(&mut buf) => match r {
+                            // An answer is under way: the rest of the
+                            // request is not sent.
+                            Ok(n) if n > 0 && !final_head(&buf, to_head) => {
+                                buf.reserve(READ_AHEAD);
+                            }
+                            Ok(_) => break Some(std::io::ErrorKind::ConnectionAborted.into()),
+                            Err(e) => break Some(e),
+                        },
+                    }
+                }
+            };
+            if let Some(e) = cut {
+                // The upstream answered early, or closed: its answer, if
+                // one came, is the one to pass on. The connection is not
+                // reused: the request was cut.
                 return self
-                    .read_head(io, worker, to_head, false)
+                    .read_head(io, buf, worker, to_head, false)
                     .await
                     .map_err(|_| lost(e));
             }
-            return self.read_head(io, worker, to_head, true).await;
+            return self.read_head(io, buf, worker, to_head, true).await;
         }
     }
 
     async fn read_head(
         self: &Arc<Self>,
         mut io: TcpStream,
+        mut buf: BytesMut,
         worker: usize,
         to_head: bool,
         reuse: bool,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
-        let mut buf = BytesMut::with_capacity(READ_AHEAD);
         let head = loop {
             match parse_response(&buf, to_head).map_err(|e| UpstreamError::Wire(e.to_string()))? {
                 Some(head) if head.status == http::StatusCode::SWITCHING_PROTOCOLS => {
@@ -169,6 +197,19 @@ impl Upstream {
             pool.wire.pop_front();
         }
         pool.wire.push_back((now, io));
+    }
+}
+
+/// Whether `buf` starts with a whole final answer head (interim 1xx
+/// heads before it skipped), or with bytes that are no answer at all.
+fn final_head(buf: &[u8], to_head: bool) -> bool {
+    let mut at = 0;
+    loop {
+        match parse_response(&buf[at..], to_head) {
+            Ok(Some(head)) if head.status.is_informational() => at += head.len,
+            Ok(Some(_)) | Err(_) => return true,
+            Ok(None) => return false,
+        }
     }
 }
 

@@ -969,6 +969,7 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--upstream-timeout", Some("7s")),
         ("--connect-timeout", Some("2s")),
         ("--header-read-timeout", Some("3s")),
+        ("--response-idle-timeout", Some("33s")),
         ("--body-read-timeout", Some("4s")),
         ("--max-header-bytes", Some("9999")),
         ("--max-connections", Some("55")),

@@ -57,6 +57,50 @@ impl InFlight {
     }
 }
 
+/// A write's hold on its keys while it is forwarded: the exchange's share
+/// and at most one share given to its request body. Neither can be
+/// cloned, so "the body still holds the write" is exactly "the body's
+/// share is alive" ([`WriteHold::body_holds`]); the write stays in flight
+/// until both are gone, or its deadline ([`InFlight::release_at_deadline`]).
+pub(super) struct WriteHold {
+    in_flight: Arc<InFlight>,
+    body_shared: bool,
+}
+
+/// A request body's share of its [`WriteHold`]: dropped at the body's last
+/// byte, at a cut, or with the body.
+pub(super) struct BodyHold(#[allow(dead_code)] Arc<InFlight>);
+
+impl WriteHold {
+    pub(super) fn new(in_flight: InFlight) -> Self {
+        Self {
+            in_flight: Arc::new(in_flight),
+            body_shared: false,
+        }
+    }
+
+    pub(super) fn deadline(&self) -> tokio::time::Instant {
+        self.in_flight.deadline
+    }
+
+    /// The body's share (one per write).
+    pub(super) fn body_share(&mut self) -> BodyHold {
+        assert!(!self.body_shared, "a write's body takes one share");
+        self.body_shared = true;
+        BodyHold(self.in_flight.clone())
+    }
+
+    /// Whether the request body still holds the write.
+    pub(super) fn body_holds(&self) -> bool {
+        Arc::strong_count(&self.in_flight) > 1
+    }
+
+    /// See [`InFlight::release_at_deadline`].
+    pub(super) fn release_at_deadline(&self, keep: bool) {
+        InFlight::release_at_deadline(&self.in_flight, keep);
+    }
+}
+
 #[derive(Default)]
 pub(super) struct RequestContext {
     pub(super) route: Option<String>,

@@ -368,7 +368,7 @@ pin_project_lite::pin_project! {
         // A write's deadline: its body is cut there, even after the
         // upstream answered early, so it cannot outlive its permit.
         cutoff: Option<tokio::time::Instant>,
-        hold: Option<Arc<InFlight>>,
+        hold: Option<BodyHold>,
         limit: Option<u64>,
         seen: u64,
         // The request's content-length. Its last byte is held back until
@@ -392,7 +392,7 @@ pin_project_lite::pin_project! {
 /// connection is dropped) and the write stops holding its keys.
 pub(super) fn cut(
     state: &AtomicU8,
-    hold: &mut Option<Arc<InFlight>>,
+    hold: &mut Option<BodyHold>,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
     state.store(BODY_DEADLINE, Ordering::Release);
     *hold = None;
@@ -518,7 +518,7 @@ impl Proxy {
         rt: &RouteRuntime,
         req: Request<RequestBody>,
         path: &CanonicalPath,
-        hold: Option<Arc<InFlight>>,
+        mut hold: Option<WriteHold>,
         ctx: &mut RequestContext,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let peer = ctx.peer;
@@ -597,7 +597,7 @@ impl Proxy {
         // newer writes to its keys wait for it no longer than that.
         let deadline = hold.as_ref().map_or_else(
             || tokio::time::Instant::now() + route.upstream_timeout,
-            |h| h.deadline,
+            WriteHold::deadline,
         );
         // A whole body read by the own lane goes to a plain HTTP/1.1
         // upstream as bytes, on this task (`upstream::h1`).
@@ -624,8 +624,8 @@ impl Proxy {
             None => Either::Right({
                 let body = GuardedBody {
                     inner: body,
-                    cutoff: hold.as_ref().map(|h| h.deadline),
-                    hold: hold.clone(),
+                    cutoff: hold.as_ref().map(WriteHold::deadline),
+                    hold: hold.as_mut().map(WriteHold::body_share),
                     limit: self.limits.max_body_bytes,
                     seen: 0,
                     declared: content_length(&headers),
@@ -660,8 +660,8 @@ impl Proxy {
                 // the body does.
                 let ambiguous =
                     matches!(&result, Ok(Ok(r)) if crate::upstream::retires_connection(r.status()));
-                if ambiguous || Arc::strong_count(&hold) > 1 {
-                    InFlight::release_at_deadline(&hold, ambiguous);
+                if ambiguous || hold.body_holds() {
+                    hold.release_at_deadline(ambiguous);
                 }
             }
             result

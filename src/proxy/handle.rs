@@ -316,7 +316,7 @@ impl Proxy {
         rt: &RouteRuntime,
         intent: WriteIntent,
         ctx: &mut RequestContext,
-    ) -> Result<Arc<InFlight>, ProxyError> {
+    ) -> Result<WriteHold, ProxyError> {
         let route = &rt.route;
         let WriteIntent { mut keys, token } = intent;
         let granted_only = route.tokens == TokenMode::Granted;
@@ -441,7 +441,7 @@ impl Proxy {
         if self.exchanges.is_closed() {
             return Err(ProxyError::ShuttingDown);
         }
-        Ok(Arc::new(InFlight {
+        Ok(WriteHold::new(InFlight {
             held: std::sync::Mutex::new(Some((permits, ctx.mapping.take(), in_flight))),
             deadline,
         }))

@@ -155,3 +155,40 @@ async fn a_store_file_restored_from_an_older_backup_is_refused() {
     assert_refused_naming_the_log(&err, &store);
     assert!(err.contains("older than its write-ahead log"), "{err}");
 }
+
+/// The store's own log, but a copy from an earlier run (copied after a
+/// clean stop and put back after a crash), or left under another name of
+/// the same file (a hard link the store later ran under): refused too.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_older_copy_of_the_own_log_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let store = dir.path().join("fences.redb");
+    let mut p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    assert_eq!(put(&p.url("/k"), "10").await.status, 200);
+    assert!(p.sigterm().success());
+    let saved: Vec<Vec<u8>> = logs(&store)
+        .iter()
+        .map(|l| std::fs::read(l).unwrap())
+        .collect();
+    // A hard link to the file, run under that name and crashed.
+    let other = dir.path().join("other.redb");
+    std::fs::hard_link(&store, &other).unwrap();
+    let mut p = ProxyBuilder::new(&up.url(), dir.path()).store(&other).spawn();
+    assert_eq!(put(&p.url("/k"), "20").await.status, 200);
+    p.kill9();
+    // Started by the first name: its log is the older run's.
+    let (status, err) = ProxyBuilder::new(&up.url(), dir.path()).start_refused();
+    assert!(!status.success());
+    assert_refused_naming_the_log(&err, &store);
+    assert!(err.contains("from another run"), "{err}");
+    // And the older copy put back beside the name that ran last.
+    for (l, b) in logs(&other).iter().zip(&saved) {
+        std::fs::write(l, b).unwrap();
+    }
+    let (status, err) = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&other)
+        .start_refused();
+    assert!(!status.success());
+    assert!(err.contains("from another run"), "{err}");
+}

@@ -28,6 +28,15 @@ use super::wal::{self, Owner, Record, FILE_HEADER};
 /// The meta key of the store's identity (format 3 on).
 pub(super) const STORE_ID_KEY: &str = "store_id";
 
+/// The meta key of the run whose log is beside the table: the log files'
+/// headers must name it, or the log is an older copy.
+pub(super) const LOG_RUN_KEY: &str = "log_run";
+
+/// The meta key of a run being bound: recorded before the log files are
+/// bound to it, and replaced by [`LOG_RUN_KEY`] after. A file that names
+/// it holds nothing (nothing is logged before the binding is recorded).
+pub(super) const LOG_PENDING_KEY: &str = "log_pending_run";
+
 /// What open does with the log it found.
 pub(super) enum Log {
     /// The table's own log: replay these records.
@@ -46,35 +55,90 @@ pub(super) struct Lost {
     pub(super) problem: String,
 }
 
-/// Reads the log of a format-3 table with identity `id`, whose oldest
-/// unapplied generation is `logged`, after a clean stop or not. With
-/// `accept`, a lost log is set aside instead of refused.
+/// What the table says its log must be.
+pub(super) struct Expected {
+    pub(super) store: u64,
+    /// The run that last bound the log, and one being bound, if any.
+    pub(super) run: u64,
+    pub(super) pending: Option<u64>,
+    /// The oldest generation the table may lack (`wal_generation`).
+    pub(super) logged: u64,
+    /// The last run stopped cleanly.
+    pub(super) clean: bool,
+}
+
+/// Reads the log of a format-3 table. With `accept`, a lost log is set
+/// aside instead of refused.
 pub(super) fn read(
     paths: &[PathBuf; 2],
-    id: u64,
-    logged: u64,
-    clean: bool,
+    e: &Expected,
     accept: bool,
 ) -> std::io::Result<Result<Log, Lost>> {
     let owners = [wal::owner(&paths[0])?, wal::owner(&paths[1])?];
-    let lost = if owners == [Owner::Store(id); 2] {
-        match wal::newest_start(paths, FILE_HEADER)? {
-            Some(g) if g > logged + 1 => Some(format!(
-                "is older than its write-ahead log (the log holds generation {g}, the store file \
-                 only up to {}): was the store file restored from a backup without its log?",
-                logged.saturating_sub(1)
-            )),
-            _ => return Ok(Ok(Log::Replay(wal::replay(paths, logged, FILE_HEADER)?))),
+    // A file of this store that starts with a newer generation than the
+    // table may lack: the table is older than its log, clean or not.
+    for (p, o) in paths.iter().zip(&owners) {
+        let Owner::Log { header, .. } = o else {
+            continue;
+        };
+        if header.store != e.store {
+            continue;
         }
-    } else if clean {
+        if let Some(g) = wal::first_generation(p, FILE_HEADER)?.filter(|g| *g > e.logged + 1) {
+            let problem = format!(
+                "is older than its write-ahead log ({} holds generation {g}, the store file only up                  to {}): was the store file restored from a backup without its log?",
+                p.display(),
+                e.logged.saturating_sub(1)
+            );
+            return refuse_or_accept(paths, problem, accept);
+        }
+    }
+    let problems: Vec<String> = (0u8..)
+        .zip(paths.iter().zip(&owners))
+        .filter_map(|(i, (p, o))| problem(e, i, o).map(|what| format!("{} {what}", p.display())))
+        .collect();
+    if problems.is_empty() {
+        return Ok(Ok(Log::Replay(wal::replay(paths, e.logged, FILE_HEADER)?)));
+    }
+    if e.clean {
         return Ok(Ok(Log::Replace));
-    } else {
-        Some(format!(
-            "was not stopped cleanly, and its write-ahead log {}",
-            describe(paths, &owners, id)
-        ))
+    }
+    let problem = format!(
+        "was not stopped cleanly, and its write-ahead log {}",
+        problems.join(", ")
+    );
+    refuse_or_accept(paths, problem, accept)
+}
+
+/// What is wrong with log file `i`, if anything.
+fn problem(e: &Expected, i: u8, o: &Owner) -> Option<&'static str> {
+    let (h, len) = match o {
+        Owner::Missing => return Some("is missing"),
+        Owner::Unknown => return Some("is not a fencegate log"),
+        Owner::Log { header, len } => (header, *len),
     };
-    refuse_or_accept(paths, lost.expect("set on every path here"), accept)
+    if h.store != e.store {
+        return Some("belongs to another store");
+    }
+    if h.file != i {
+        return Some("is the store's other log file (.wal.0 and .wal.1 swapped?)");
+    }
+    if Some(h.run) == e.pending {
+        // Bound by a start that crashed before it recorded the binding:
+        // nothing was logged in it.
+        return None;
+    }
+    if h.run != e.run {
+        return Some(
+            "is a copy of this store's log from another run (copied or restored apart from the \
+             store file?)",
+        );
+    }
+    // Every run grows its files to this size before it logs anything.
+    if len < wal::GROW {
+        return Some("is shorter than fencegate left it (truncated?)");
+    }
+    None
 }
 
 fn refuse_or_accept(
@@ -100,32 +164,20 @@ pub(super) fn read_format_2(
     clean: bool,
     accept: bool,
 ) -> std::io::Result<Result<Log, Lost>> {
-    let owners = [wal::owner(&paths[0])?, wal::owner(&paths[1])?];
-    if clean || !owners.contains(&Owner::Missing) {
+    let mut missing = Vec::new();
+    for p in paths {
+        if !p.try_exists()? {
+            missing.push(format!("{} is missing", p.display()));
+        }
+    }
+    if clean || missing.is_empty() {
         return Ok(Ok(Log::Replay(wal::replay(paths, logged, 0)?)));
     }
     let problem = format!(
         "was not stopped cleanly, and its write-ahead log {}",
-        describe(paths, &owners, 0)
+        missing.join(", ")
     );
     refuse_or_accept(paths, problem, accept)
-}
-
-fn describe(paths: &[PathBuf; 2], owners: &[Owner; 2], id: u64) -> String {
-    let what: Vec<String> = paths
-        .iter()
-        .zip(owners)
-        .filter_map(|(p, o)| {
-            let p = p.display();
-            match o {
-                Owner::Store(s) if *s == id => None,
-                Owner::Store(_) => Some(format!("{p} belongs to another store")),
-                Owner::Missing => Some(format!("{p} is missing")),
-                Owner::Unknown => Some(format!("{p} is not a fencegate log")),
-            }
-        })
-        .collect();
-    what.join(", ")
 }
 
 /// Renames the log files that exist to `<name>.rejected-<unix seconds>`,

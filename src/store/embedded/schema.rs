@@ -10,8 +10,8 @@ use redb::{Database, DatabaseError, ReadableTable, TableDefinition};
 
 use crate::store::api::{CrashedKey, StartState};
 
-use super::identity::{self, STORE_ID_KEY};
-use super::wal::Record;
+use super::identity::{self, LOG_PENDING_KEY, LOG_RUN_KEY, STORE_ID_KEY};
+use super::wal::{Record, Wal};
 
 pub(super) const FENCES: TableDefinition<&str, u64> = TableDefinition::new("fences");
 
@@ -134,14 +134,20 @@ pub(super) struct Found {
     pub(super) key_mapping: Option<u64>,
     /// The write-ahead log's generation from here on.
     pub(super) generation: u64,
-    /// The log files must be bound to the store (emptied, with a header
-    /// of this identity) once this commit is made, before anything is
-    /// logged; `upgrade`: and the file then marked as of format 3.
-    pub(super) bind: Option<Bind>,
+    /// How the log files are bound to this run, once this commit is made
+    /// and before anything is logged ([`bind_log`]).
+    pub(super) bind: Bind,
 }
 
 pub(super) struct Bind {
+    /// The store's identity (new for a new or upgraded file).
     pub(super) id: u64,
+    /// This run's.
+    pub(super) run: u64,
+    /// The files are bound already (a clean table's log replaced).
+    pub(super) bound: bool,
+    /// The file is new or of an older format: its identity and format
+    /// version are recorded with the run.
     pub(super) upgrade: bool,
 }
 
@@ -169,7 +175,7 @@ pub(super) fn init_meta(
     let marked;
     let key_mapping;
     let generation;
-    let bind;
+    let mut bind;
     {
         let mut meta = txn.open_table(META).map_err(|e| corrupt(&e))?;
         let version = meta
@@ -200,10 +206,27 @@ pub(super) fn init_meta(
             .get(STORE_ID_KEY)
             .map_err(|e| corrupt(&e))?
             .map(|v| v.value());
+        let get = |meta: &redb::Table<&str, u64>, key| {
+            meta.get(key)
+                .map_err(|e| corrupt(&e))
+                .map(|v| v.map(|v| v.value()))
+        };
+        let pending = get(&meta, LOG_PENDING_KEY)?;
         let log = match (version, id) {
-            (Some(v), Some(id)) if v >= 3 => {
-                identity::read(wal, id, logged, clean_flag, accept_loss)
+            (Some(v), None) if v >= 3 => {
+                return Err(corrupt(&"a format-3 store file without its identity"))
             }
+            (Some(v), Some(store)) if v >= 3 => identity::read(
+                wal,
+                &identity::Expected {
+                    store,
+                    run: get(&meta, LOG_RUN_KEY)?.unwrap_or(0),
+                    pending,
+                    logged,
+                    clean: clean_flag,
+                },
+                accept_loss,
+            ),
             (Some(2), _) => identity::read_format_2(wal, logged, clean_flag, accept_loss),
             // A new file, or one of version 1, has no log yet: log files
             // left beside it belonged to a file that is gone, and are
@@ -218,23 +241,36 @@ pub(super) fn init_meta(
             logs: format!("{}, {}", wal[0].display(), wal[1].display()),
             hint: String::new(),
         })?;
+        // Every start binds the log to a run of its own, recorded as
+        // pending in this commit and as the log's run once the files name
+        // it (`bind_log`): a copy of the log from another run is then told
+        // apart from the log this run writes.
+        let upgrade = !matches!(version, Some(v) if v >= 3);
+        bind = Bind {
+            id: id.unwrap_or_else(identity::new_id),
+            // A start that crashed before it recorded its binding logged
+            // nothing: its run is this one's, so that files it bound, and
+            // files it did not get to, both stay readable if this start
+            // crashes too.
+            run: pending
+                .filter(|_| !upgrade)
+                .unwrap_or_else(identity::new_id),
+            bound: false,
+            upgrade,
+        };
+        meta.insert(LOG_PENDING_KEY, bind.run)
+            .map_err(|e| corrupt(&e))?;
         let (records, accepted) = match log {
             identity::Log::Replay(records) => (records, false),
             identity::Log::Replace => {
                 // Nothing in the log is needed (a clean stop): bound
                 // before this commit marks the file in use, so that a
                 // crash after it finds the store's own log.
-                super::wal::bind(wal, id.expect("format 3 has an identity")).map_err(io)?;
+                super::wal::bind(wal, bind.id, bind.run).map_err(io)?;
+                bind.bound = true;
                 (Vec::new(), false)
             }
             identity::Log::Accepted => (Vec::new(), true),
-        };
-        bind = match (version, id) {
-            (Some(v), Some(id)) if v >= 3 => accepted.then_some(Bind { id, upgrade: false }),
-            _ => Some(Bind {
-                id: identity::new_id(),
-                upgrade: true,
-            }),
         };
         if accepted {
             // Marks may have been lost with the log: every key waits, as
@@ -242,7 +278,8 @@ pub(super) fn init_meta(
             // until a clean stop).
             meta.remove(MARKS_KEY).map_err(|e| corrupt(&e))?;
         }
-        let replayed = !records.is_empty() || accepted;
+        // (A generation's first record says only where the table was.)
+        let replayed = accepted || records.iter().any(|r| !matches!(r, Record::Generation));
         replay(&txn, &mut meta, records).map_err(|e| corrupt(&e))?;
         // Past both generations the log may hold: every record in its
         // files is in the table now.
@@ -348,22 +385,26 @@ pub(super) fn init_meta(
     })
 }
 
-/// Binds the log files to the store, then (for a new or upgraded file)
-/// records the identity and the current format version in the table: from
-/// that commit on, an unclean stop is refused without this log.
+/// Binds the log files to this run (emptied, their headers naming the
+/// store, the run and the file), grows them (`Wal::open`), then records
+/// the run in the table (and, for a new or upgraded file, its identity and
+/// the current format version): from that commit on, an unclean stop is
+/// refused without this log. Nothing is logged before it.
 pub(super) fn bind_log(
     db: &Database,
     path: &Path,
     wal: &[PathBuf; 2],
     bind: &Bind,
-) -> Result<(), OpenError> {
-    super::wal::bind(wal, bind.id).map_err(|e| OpenError::Io {
+    generation: u64,
+) -> Result<Wal, OpenError> {
+    let io = |e: std::io::Error| OpenError::Io {
         path: wal[0].clone(),
         reason: e.to_string(),
-    })?;
-    if !bind.upgrade {
-        return Ok(());
+    };
+    if !bind.bound {
+        super::wal::bind(wal, bind.id, bind.run).map_err(io)?;
     }
+    let log = Wal::open(wal, generation).map_err(io)?;
     let fail = |e: &dyn std::fmt::Display| OpenError::Io {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -371,11 +412,16 @@ pub(super) fn bind_log(
     let txn = db.begin_write().map_err(|e| fail(&e))?;
     {
         let mut meta = txn.open_table(META).map_err(|e| fail(&e))?;
-        meta.insert(STORE_ID_KEY, bind.id).map_err(|e| fail(&e))?;
-        meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
-            .map_err(|e| fail(&e))?;
+        meta.insert(LOG_RUN_KEY, bind.run).map_err(|e| fail(&e))?;
+        meta.remove(LOG_PENDING_KEY).map_err(|e| fail(&e))?;
+        if bind.upgrade {
+            meta.insert(STORE_ID_KEY, bind.id).map_err(|e| fail(&e))?;
+            meta.insert(FORMAT_VERSION_KEY, FORMAT_VERSION)
+                .map_err(|e| fail(&e))?;
+        }
     }
-    txn.commit().map_err(|e| fail(&e))
+    txn.commit().map_err(|e| fail(&e))?;
+    Ok(log)
 }
 
 /// Applies logged records to the table, in order: a raise never lowers a
@@ -404,6 +450,7 @@ fn replay(
                 meta.insert(WATERMARK_KEY, w.max(current))?;
                 marks.retain_in(..w, |_, _| false)?;
             }
+            Record::Generation => {}
         }
     }
     Ok(())

@@ -103,14 +103,7 @@ impl EmbeddedStore {
         let wal_paths = super::wal::paths(path);
         let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss)
             .map_err(|e| with_hint(e, given, path))?;
-        if let Some(bind) = &found.bind {
-            bind_log(&db, path, &wal_paths, bind)?;
-        }
-        let wal =
-            super::wal::Wal::open(&wal_paths, found.generation).map_err(|e| OpenError::Io {
-                path: wal_paths[0].clone(),
-                reason: e.to_string(),
-            })?;
+        let wal = bind_log(&db, path, &wal_paths, &found.bind, found.generation)?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));

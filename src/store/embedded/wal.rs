@@ -32,12 +32,15 @@
 //!   first): everything logged and `K := G + 1` in one transaction, then
 //!   the log moves on.
 //!
-//! The log belongs to one table (format 3): each file starts with a header
-//! naming the store it belongs to (a random identity kept in the table's
-//! meta), so that a table opened beside another store's log, or none, is
+//! The log belongs to one table and one run of it (format 3): each file
+//! starts with a header naming the store (a random identity kept in the
+//! table's meta), the run that bound it (a random number each start
+//! records in the table) and which of the two files it is, so that a table
+//! opened beside another store's log, an older copy of its own, or none, is
 //! seen rather than opened as clean (see `identity.rs`).
 //!
-//! Header: `magic: [u8; 8] | store id: u64 | zeros: [u8; 12] | crc32: u32`.
+//! Header: `magic: [u8; 8] | store id: u64 | run: u64 | file: u8 |
+//! zeros: [u8; 3] | crc32: u32`.
 //! Record: `len: u32 | crc32(body): u32 | body`, with body =
 //! `generation: u64 | kind: u8 | token: u64 | seq: u64 | key bytes`
 //! (little-endian; `seq` is 0 for a raise; a watermark has its value in
@@ -68,17 +71,42 @@ pub(super) const FILE_HEADER: u64 = 32;
 
 const MAGIC: &[u8; 8] = b"fgwal\x00\x00\x03";
 
-/// The header of a log file of store `id`.
-fn file_header(id: u64) -> [u8; FILE_HEADER as usize] {
-    let mut h = [0u8; FILE_HEADER as usize];
-    h[..8].copy_from_slice(MAGIC);
-    h[8..16].copy_from_slice(&id.to_le_bytes());
-    let crc = crc32fast::hash(&h[..28]);
-    h[28..].copy_from_slice(&crc.to_le_bytes());
-    h
+/// A log file's header: the store it belongs to, the run that bound it,
+/// and which of the two files it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Header {
+    pub(super) store: u64,
+    pub(super) run: u64,
+    pub(super) file: u8,
 }
 
-/// What a log file says of its owner.
+impl Header {
+    fn encode(&self) -> [u8; FILE_HEADER as usize] {
+        let mut h = [0u8; FILE_HEADER as usize];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..16].copy_from_slice(&self.store.to_le_bytes());
+        h[16..24].copy_from_slice(&self.run.to_le_bytes());
+        h[24] = self.file;
+        let crc = crc32fast::hash(&h[..28]);
+        h[28..].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+
+    fn decode(h: &[u8; FILE_HEADER as usize]) -> Option<Self> {
+        let crc = u32::from_le_bytes(h[28..].try_into().expect("4 bytes"));
+        if &h[..8] != MAGIC || crc32fast::hash(&h[..28]) != crc {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+        Some(Self {
+            store: u64_at(8),
+            run: u64_at(16),
+            file: h[24],
+        })
+    }
+}
+
+/// What is at a log file's path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Owner {
     /// There is no such file.
@@ -86,11 +114,11 @@ pub(super) enum Owner {
     /// The file does not start with a log header (empty, another format,
     /// or not a log).
     Unknown,
-    /// A log of the store with this identity.
-    Store(u64),
+    /// A log file with this header, `len` bytes long.
+    Log { header: Header, len: u64 },
 }
 
-/// Reads the owner of the log file at `path`. A file that exists but
+/// Reads the header of the log file at `path`. A file that exists but
 /// cannot be read is an error, never `Missing`.
 pub(super) fn owner(path: &Path) -> std::io::Result<Owner> {
     let mut f = match File::open(path) {
@@ -106,26 +134,29 @@ pub(super) fn owner(path: &Path) -> std::io::Result<Owner> {
             n => read += n,
         }
     }
-    let crc = u32::from_le_bytes(h[28..].try_into().expect("4 bytes"));
-    if &h[..8] != MAGIC || crc32fast::hash(&h[..28]) != crc {
-        return Ok(Owner::Unknown);
-    }
-    Ok(Owner::Store(u64::from_le_bytes(
-        h[8..16].try_into().expect("8 bytes"),
-    )))
+    Ok(match Header::decode(&h) {
+        Some(header) => Owner::Log {
+            header,
+            len: f.metadata()?.len(),
+        },
+        None => Owner::Unknown,
+    })
 }
 
-/// Makes both files empty logs of store `id`, durably: their old records
-/// are gone. Only for logs whose records the table holds already, or that
-/// are not this table's.
-pub(super) fn bind(paths: &[PathBuf; 2], id: u64) -> std::io::Result<()> {
-    for p in paths {
+/// Makes both files empty logs of store `id` bound by `run`, durably:
+/// their old records are gone. Only for logs whose records the table
+/// holds already, or that are not this table's. The header is written
+/// before the rest is cut, so that a crash in between leaves a file that
+/// names its run.
+pub(super) fn bind(paths: &[PathBuf; 2], store: u64, run: u64) -> std::io::Result<()> {
+    for (file, p) in (0u8..).zip(paths) {
         let f = OpenOptions::new()
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(p)?;
-        f.write_all_at(&file_header(id), 0)?;
+        f.write_all_at(&Header { store, run, file }.encode(), 0)?;
+        f.set_len(FILE_HEADER)?;
         f.sync_all()?;
     }
     sync_dir(&paths[0])
@@ -140,6 +171,10 @@ pub(super) enum Record<K = String> {
     Mark { seq: u64, key: K, token: u64 },
     /// The marks below this are dead (a rotation).
     Watermark(u64),
+    /// Nothing to replay: the generation began after a commit of the
+    /// table's own, which the log's records do not show (see
+    /// [`Wal::mark_generation`]).
+    Generation,
 }
 
 /// The log's two files next to the store file, `<store>.wal.0` and
@@ -160,6 +195,7 @@ pub(super) fn encode<K: AsRef<str>>(buf: &mut Vec<u8>, generation: u64, record: 
         Record::Raise { key, token } => (1u8, key.as_ref(), *token, 0),
         Record::Mark { seq, key, token } => (2u8, key.as_ref(), *token, *seq),
         Record::Watermark(w) => (3u8, "", 0, *w),
+        Record::Generation => (4u8, "", 0, 0),
     };
     let start = buf.len();
     let body_len = BODY_FIXED + key.len();
@@ -191,6 +227,7 @@ fn decode_one(bytes: &[u8]) -> Option<(u64, Record, usize)> {
         1 => Record::Raise { key, token },
         2 => Record::Mark { seq, key, token },
         3 => Record::Watermark(seq),
+        4 => Record::Generation,
         _ => return None,
     };
     Some((u64_at(0), record, HEADER + len))
@@ -214,15 +251,19 @@ pub(super) fn decode(bytes: &[u8], generation: u64) -> Vec<Record> {
 /// The newest generation that starts either log file (records from offset
 /// `at`): the generation its writer last restarted it under, if it logged
 /// anything since.
+#[cfg(test)]
 pub(super) fn newest_start(paths: &[PathBuf; 2], at: u64) -> std::io::Result<Option<u64>> {
-    let mut newest = None;
-    for p in paths {
-        let bytes = read_file(p)?;
-        if let Some((g, _, _)) = bytes.get(at as usize..).and_then(decode_one) {
-            newest = newest.max(Some(g));
-        }
-    }
-    Ok(newest)
+    Ok(first_generation(&paths[0], at)?.max(first_generation(&paths[1], at)?))
+}
+
+/// The generation of the first record of the file at `path` (records from
+/// offset `at`), if it has one.
+pub(super) fn first_generation(path: &Path, at: u64) -> std::io::Result<Option<u64>> {
+    let bytes = read_file(path)?;
+    Ok(bytes
+        .get(at as usize..)
+        .and_then(decode_one)
+        .map(|(g, _, _)| g))
 }
 
 /// The file's bytes; none if it does not exist.
@@ -398,6 +439,22 @@ impl Wal {
     pub(super) fn move_on(&mut self) {
         self.restart(self.next_generation());
     }
+
+    /// Starts the generation's file with a record of it, after a commit of
+    /// the writer's own (leases, forgets: changes the log never holds), so
+    /// that the files show how far the table has come and a copy of the
+    /// table from before that commit is seen as older than its log. Not
+    /// synced: it guards against an operator's mistake, not a crash, and
+    /// the next append's sync carries it.
+    pub(super) fn mark_generation(&mut self) -> std::io::Result<()> {
+        let mut record = Vec::with_capacity(HEADER + BODY_FIXED);
+        encode(&mut record, self.generation, &Record::<&str>::Generation);
+        let i = self.current();
+        self.grow(i, self.len + record.len() as u64)?;
+        self.files[i].write_all_at(&record, self.len)?;
+        self.len += record.len() as u64;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -531,15 +588,24 @@ mod ownership {
     use super::*;
 
     #[test]
-    fn a_bound_log_names_its_store_and_keeps_its_header_across_generations() {
+    fn a_bound_log_names_its_store_run_and_file_across_generations() {
         let dir = tempfile::tempdir().unwrap();
         let paths = paths(&dir.path().join("f.redb"));
+        let header = |file| Header {
+            store: 77,
+            run: 5,
+            file,
+        };
+        let log = |p: &PathBuf| match owner(p).unwrap() {
+            Owner::Log { header, len } => (header, len),
+            other => panic!("{other:?}"),
+        };
         assert_eq!(owner(&paths[0]).unwrap(), Owner::Missing);
         std::fs::write(&paths[0], b"short").unwrap();
         assert_eq!(owner(&paths[0]).unwrap(), Owner::Unknown);
-        bind(&paths, 77).unwrap();
-        assert_eq!(owner(&paths[0]).unwrap(), Owner::Store(77));
-        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(77));
+        bind(&paths, 77, 5).unwrap();
+        assert_eq!(log(&paths[0]), (header(0), FILE_HEADER));
+        assert_eq!(log(&paths[1]), (header(1), FILE_HEADER));
         assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), None);
         let mut w = Wal::open(&paths, 4).unwrap();
         w.append(&[Record::Watermark(1)]).unwrap();
@@ -547,20 +613,25 @@ mod ownership {
         w.append(&[Record::Watermark(2)]).unwrap();
         w.restart(6);
         assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), Some(5));
-        w.append(&[Record::Watermark(3)]).unwrap();
+        w.mark_generation().unwrap();
         assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), Some(6));
-        // Appends after a restart leave the header alone.
-        assert_eq!(owner(&paths[0]).unwrap(), Owner::Store(77));
-        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(77));
+        w.append(&[Record::Watermark(3)]).unwrap();
+        assert_eq!(
+            replay(&paths, 6, FILE_HEADER).unwrap(),
+            [Record::Generation, Record::Watermark(3)]
+        );
+        // Appends leave the header alone; the files keep their size.
+        assert_eq!(log(&paths[0]), (header(0), GROW));
+        assert_eq!(log(&paths[1]), (header(1), GROW));
         // A flipped bit in the header makes it no one's.
         let mut bytes = std::fs::read(&paths[1]).unwrap();
-        bytes[9] ^= 1;
+        bytes[17] ^= 1;
         std::fs::write(&paths[1], &bytes).unwrap();
         assert_eq!(owner(&paths[1]).unwrap(), Owner::Unknown);
         // Binding again empties the records.
-        bind(&paths, 78).unwrap();
+        bind(&paths, 78, 6).unwrap();
         assert_eq!(newest_start(&paths, FILE_HEADER).unwrap(), None);
-        assert_eq!(owner(&paths[1]).unwrap(), Owner::Store(78));
+        assert_eq!(log(&paths[1]).0.store, 78);
     }
 }
 

@@ -527,6 +527,10 @@ impl Writer {
                 self.dead_counted = self.dead_counted.max(w);
             }
             self.wal.move_on();
+            if let Err(e) = self.wal.mark_generation() {
+                // Only the check of a table restored alone is weaker.
+                tracing::warn!(error = %e, "could not mark the write-ahead log's generation");
+            }
             self.must_checkpoint = false;
             let now = self.marks.load(Ordering::Relaxed) + added;
             self.marks

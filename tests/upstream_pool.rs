@@ -569,7 +569,12 @@ impl SmallBackend {
 fn start_small_backend(backlog: i32, delay: Duration) -> SmallBackend {
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     socket
-        .bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
+        .bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .unwrap()
+                .into(),
+        )
         .unwrap();
     socket.listen(backlog).unwrap();
     socket.set_nonblocking(true).unwrap();
@@ -677,7 +682,7 @@ async fn a_burst_against_a_small_backlog_backend_gets_200_or_a_clear_problem() {
     const CAP: usize = 4;
     const BURST: usize = 300;
     let dir = tempfile::tempdir().unwrap();
-    let up = start_small_backend(5, Duration::from_millis(5));
+    let up = start_small_backend(5, Duration::from_millis(50));
     let p = ProxyBuilder::new(&up.url(), dir.path())
         .args(&[
             "--workers",
@@ -695,9 +700,9 @@ async fn a_burst_against_a_small_backlog_backend_gets_200_or_a_clear_problem() {
         let addr = p.addr;
         // 40 s: well under the 60 s upstream timeout that the hung
         // requests ran into.
-        all.spawn(
-            async move { put_on_new_connection(addr, &format!("/k{i}"), Duration::from_secs(40)).await },
-        );
+        all.spawn(async move {
+            put_on_new_connection(addr, &format!("/k{i}"), Duration::from_secs(40)).await
+        });
     }
     let (mut ok, mut problems, mut failures) = (0, Vec::new(), Vec::new());
     while let Some(answer) = all.join_next().await {
@@ -712,10 +717,17 @@ async fn a_burst_against_a_small_backlog_backend_gets_200_or_a_clear_problem() {
             Err(e) => failures.push(e),
         }
     }
-    assert!(failures.is_empty(), "{} unclear answers: {failures:?}", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{} unclear answers: {failures:?}",
+        failures.len()
+    );
     assert!(ok > 0, "problems only: {problems:?}");
     let max_open = up.max_open.load(Ordering::SeqCst);
-    assert!(max_open <= CAP, "the backend had {max_open} connections at once (cap {CAP})");
+    assert!(
+        max_open <= CAP,
+        "the backend had {max_open} connections at once (cap {CAP})"
+    );
 }
 
 fn capped_proxy(up: &SmallBackend, dir: &std::path::Path, queue_timeout: &str) -> Proxy {
@@ -740,19 +752,31 @@ async fn a_queued_request_gets_the_connection_another_frees() {
     let dir = tempfile::tempdir().unwrap();
     let up = start_small_backend(128, Duration::ZERO);
     let p = capped_proxy(&up, dir.path(), "20s");
-    let held = tokio::spawn(put(&p.url("/hold"), "1"));
-    eventually("the first write reaches the backend", Duration::from_secs(10), || {
-        up.arrived() == ["/hold"]
-    })
+    let held = {
+        let url = p.url("/hold");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
+    eventually(
+        "the first write reaches the backend",
+        Duration::from_secs(10),
+        || up.arrived() == ["/hold"],
+    )
     .await;
-    let queued = tokio::spawn(put(&p.url("/next"), "1"));
+    let queued = {
+        let url = p.url("/next");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
     for _ in 0..500 {
         if metric(&p, QUEUED).await == Some(1.0) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(metric(&p, QUEUED).await, Some(1.0), "the second write queues");
+    assert_eq!(
+        metric(&p, QUEUED).await,
+        Some(1.0),
+        "the second write queues"
+    );
     assert_eq!(up.arrived(), ["/hold"], "nothing else was sent");
     assert_eq!(up.connections.load(Ordering::SeqCst), 1);
     up.release.notify_one();
@@ -769,15 +793,24 @@ async fn a_wait_past_the_queue_timeout_is_a_503_with_retry_after_and_nothing_sen
     let dir = tempfile::tempdir().unwrap();
     let up = start_small_backend(128, Duration::ZERO);
     let p = capped_proxy(&up, dir.path(), "300ms");
-    let held = tokio::spawn(put(&p.url("/hold"), "1"));
-    eventually("the first write reaches the backend", Duration::from_secs(10), || {
-        up.arrived() == ["/hold"]
-    })
+    let held = {
+        let url = p.url("/hold");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
+    eventually(
+        "the first write reaches the backend",
+        Duration::from_secs(10),
+        || up.arrived() == ["/hold"],
+    )
     .await;
     let started = std::time::Instant::now();
     let refused = put(&p.url("/next"), "1").await;
     assert_eq!(refused.status, 503, "{}", refused.text());
-    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(refused.header("retry-after"), Some("1"));
     assert_eq!(
         refused.json()["type"],
@@ -787,7 +820,11 @@ async fn a_wait_past_the_queue_timeout_is_a_503_with_retry_after_and_nothing_sen
     );
     assert_eq!(up.arrived(), ["/hold"], "the refused write was never sent");
     assert_eq!(
-        metric(&p, "fencegate_upstream_queue_timeouts_total{route=\"default\"}").await,
+        metric(
+            &p,
+            "fencegate_upstream_queue_timeouts_total{route=\"default\"}"
+        )
+        .await,
         Some(1.0)
     );
     // Its key was not held: the same write goes through once there is room.

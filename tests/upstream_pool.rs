@@ -604,30 +604,29 @@ fn start_small_backend(backlog: i32, delay: Duration) -> SmallBackend {
             max_open.fetch_max(now, Ordering::SeqCst);
             let (open, arrived, release) = (open.clone(), arrived.clone(), release.clone());
             tokio::spawn(async move {
+                // One request per connection: as many small servers do,
+                // and what makes every request of a burst dial.
                 let mut buf = Vec::new();
-                let mut counted = true;
-                while let Some((path, len)) = read_head_path(&mut s, &mut buf).await {
-                    if read_body(&mut s, &mut buf, len).await.is_none() {
-                        break;
-                    }
-                    arrived.lock().unwrap().push(path.clone());
-                    if path.starts_with("/hold") {
-                        release.notified().await;
-                    } else {
-                        tokio::time::sleep(delay).await;
-                    }
-                    // One request per connection: as many small servers
-                    // do, and what makes every request of a burst dial.
+                let request = match read_head_path(&mut s, &mut buf).await {
+                    Some((path, len)) => read_body(&mut s, &mut buf, len).await.map(|()| path),
+                    None => None,
+                };
+                let Some(path) = request else {
                     open.fetch_sub(1, Ordering::SeqCst);
-                    counted = false;
-                    let _ = s
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n")
-                        .await;
-                    break;
+                    return;
+                };
+                arrived.lock().unwrap().push(path.clone());
+                if path.starts_with("/hold") {
+                    release.notified().await;
+                } else {
+                    tokio::time::sleep(delay).await;
                 }
-                if counted {
-                    open.fetch_sub(1, Ordering::SeqCst);
-                }
+                open.fetch_sub(1, Ordering::SeqCst);
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n",
+                    )
+                    .await;
             });
             // A busy backend calls accept() only now and then.
             tokio::time::sleep(Duration::from_millis(1)).await;

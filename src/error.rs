@@ -76,6 +76,10 @@ pub enum ProxyError {
     UpstreamConnect(String),
     #[error("the upstream did not answer within {0:?}")]
     UpstreamTimeout(Duration),
+    /// Every connection the route's cap allows stayed taken for the queue
+    /// timeout; the request was not sent.
+    #[error("the upstream is busy: every connection fencegate may open to it stayed taken for {0:?}; retry")]
+    UpstreamBusy(Duration),
     #[error("the upstream exchange failed: {0}")]
     Upstream(String),
 }
@@ -102,7 +106,8 @@ impl ProxyError {
             | Self::Recovering { .. }
             | Self::OlderInFlight { .. }
             | Self::ShuttingDown
-            | Self::TooManyTunnels => StatusCode::SERVICE_UNAVAILABLE,
+            | Self::TooManyTunnels
+            | Self::UpstreamBusy(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::UpstreamConnect(_) | Self::Upstream(_) => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -132,6 +137,7 @@ impl ProxyError {
             Self::TooManyTunnels => "too-many-tunnels",
             Self::UpstreamConnect(_) => "upstream-unreachable",
             Self::UpstreamTimeout(_) => "upstream-timeout",
+            Self::UpstreamBusy(_) => "upstream-busy",
             Self::Upstream(_) => "upstream-failed",
         }
     }
@@ -180,6 +186,7 @@ impl ProxyError {
             Self::TooManyTunnels => "Too many WebSocket tunnels",
             Self::UpstreamConnect(_) => "Upstream unreachable",
             Self::UpstreamTimeout(_) => "Upstream timeout",
+            Self::UpstreamBusy(_) => "Upstream busy",
             Self::Upstream(_) => "Upstream failed",
         }
     }
@@ -266,7 +273,11 @@ impl ProxyError {
             Self::StoreUnavailable(_)
             | Self::StoreLostData(_)
             | Self::ShuttingDown
-            | Self::TooManyTunnels => {
+            | Self::TooManyTunnels
+            // Neither was sent: a retry a moment later may find the
+            // upstream's queue (or the cap's) drained.
+            | Self::UpstreamBusy(_)
+            | Self::UpstreamConnect(_) => {
                 vec![(header::RETRY_AFTER, HeaderValue::from_static("1"))]
             }
             Self::Recovering { retry_after } | Self::OlderInFlight { retry_after } => {
@@ -312,6 +323,7 @@ impl ProxyError {
             | Self::OlderInFlight { .. }
             | Self::ShuttingDown
             | Self::TooManyTunnels
+            | Self::UpstreamBusy(_)
             | Self::UpstreamConnect(_) => UNAVAILABLE,
             // The call may have been applied: not a status clients retry
             // by themselves (a retry with the same token is admitted).

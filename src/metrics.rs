@@ -30,8 +30,16 @@ pub struct Metrics {
     pub store_batch_size: HistogramVec,
     /// Upstream response-head latency, by route.
     pub upstream_latency: HistogramVec,
-    /// Upstream failures by route and kind (connect, timeout, other).
+    /// Upstream failures by route and kind (connect, timeout, queue, other).
     pub upstream_errors: IntCounterVec,
+    /// Requests waiting for an upstream connection under the route's
+    /// `upstream_max_connections`, by route.
+    pub upstream_queued: IntGaugeVec,
+    /// Requests refused (503) after waiting `upstream_queue_timeout` for an
+    /// upstream connection, by route.
+    pub upstream_queue_timeouts: IntCounterVec,
+    /// Upstream connections open or being dialled, by route (all workers).
+    pub upstream_connections: IntGaugeVec,
     /// Response bodies that did not reach the client whole, by route and
     /// reason (`upstream_stalled`: no byte from the upstream within
     /// `limits.response_idle_timeout`; `upstream_failed`: the upstream
@@ -153,8 +161,26 @@ impl Metrics {
         );
         let upstream_errors = counter(
             "fencegate_upstream_errors_total",
-            "Requests that failed upstream, by kind (connect, timeout, other).",
+            "Requests that failed upstream, by kind (connect, timeout, queue, other).",
             &["route", "kind"],
+        );
+        let upstream_queue_timeouts = counter(
+            "fencegate_upstream_queue_timeouts_total",
+            "Requests refused (503) after waiting upstream_queue_timeout for a connection under upstream_max_connections.",
+            &["route"],
+        );
+        let gauge = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["route"]).expect("metric");
+            registry.register(Box::new(g.clone())).expect("register");
+            g
+        };
+        let upstream_queued = gauge(
+            "fencegate_upstream_queued_requests",
+            "Requests waiting for an upstream connection (upstream_max_connections reached).",
+        );
+        let upstream_connections = gauge(
+            "fencegate_upstream_connections",
+            "Upstream connections open or being dialled, all workers together.",
         );
         let response_bodies_cut = counter(
             "fencegate_response_bodies_cut_total",
@@ -307,6 +333,9 @@ impl Metrics {
             store_latency,
             store_batch_size,
             upstream_latency,
+            upstream_queued,
+            upstream_queue_timeouts,
+            upstream_connections,
             upstream_errors,
             response_bodies_cut,
             in_flight,

@@ -540,3 +540,295 @@ async fn an_early_answer_from_an_upstream_that_stops_reading_is_passed_on() {
         assert_eq!(answered.load(Ordering::SeqCst), n);
     }
 }
+
+/// A backend as small internal APIs are: a listen queue of `backlog`
+/// (Python's `http.server` asks for 5), accepted one at a time with a
+/// pause, each request answered after `delay`, or, for `/hold...`, once
+/// the test releases it. It counts the connections it has open (the
+/// count drops before the answer is written, so it never runs ahead of
+/// fencegate's own).
+struct SmallBackend {
+    addr: std::net::SocketAddr,
+    connections: Arc<AtomicUsize>,
+    open: Arc<AtomicUsize>,
+    max_open: Arc<AtomicUsize>,
+    /// Paths of the requests that arrived, in order.
+    arrived: Arc<std::sync::Mutex<Vec<String>>>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+impl SmallBackend {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    fn arrived(&self) -> Vec<String> {
+        self.arrived.lock().unwrap().clone()
+    }
+}
+
+fn start_small_backend(backlog: i32, delay: Duration) -> SmallBackend {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .unwrap()
+                .into(),
+        )
+        .unwrap();
+    socket.listen(backlog).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    let listener = tokio::net::TcpListener::from_std(socket.into()).unwrap();
+    let b = SmallBackend {
+        addr: listener.local_addr().unwrap(),
+        connections: Arc::default(),
+        open: Arc::default(),
+        max_open: Arc::default(),
+        arrived: Arc::default(),
+        release: Arc::default(),
+    };
+    let (connections, open, max_open, arrived, release) = (
+        b.connections.clone(),
+        b.open.clone(),
+        b.max_open.clone(),
+        b.arrived.clone(),
+        b.release.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            connections.fetch_add(1, Ordering::SeqCst);
+            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+            max_open.fetch_max(now, Ordering::SeqCst);
+            let (open, arrived, release) = (open.clone(), arrived.clone(), release.clone());
+            tokio::spawn(async move {
+                // One request per connection: as many small servers do,
+                // and what makes every request of a burst dial.
+                let mut buf = Vec::new();
+                let request = match read_head_path(&mut s, &mut buf).await {
+                    Some((path, len)) => read_body(&mut s, &mut buf, len).await.map(|()| path),
+                    None => None,
+                };
+                let Some(path) = request else {
+                    open.fetch_sub(1, Ordering::SeqCst);
+                    return;
+                };
+                arrived.lock().unwrap().push(path.clone());
+                if path.starts_with("/hold") {
+                    release.notified().await;
+                } else {
+                    tokio::time::sleep(delay).await;
+                }
+                open.fetch_sub(1, Ordering::SeqCst);
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nconnection: close\r\n\r\nok\n",
+                    )
+                    .await;
+            });
+            // A busy backend calls accept() only now and then.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    b
+}
+
+/// One PUT on a connection of its own (`Connection: close`), read to the
+/// end: the status line and the head, or what went wrong (a reset, an
+/// answer cut short, no answer within `limit`).
+async fn put_on_new_connection(
+    proxy: std::net::SocketAddr,
+    path: &str,
+    limit: Duration,
+) -> Result<(u16, String), String> {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(proxy)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let req = format!(
+            "PUT {path} HTTP/1.1\r\nhost: x\r\nx-fence-token: 1\r\ncontent-length: 1\r\nconnection: close\r\n\r\nx"
+        );
+        s.write_all(req.as_bytes())
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        let text = String::from_utf8_lossy(&answer).to_string();
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("no answer: {text:?}"))?;
+        Ok((status, text.to_ascii_lowercase()))
+    };
+    tokio::time::timeout(limit, exchange)
+        .await
+        .map_err(|_| format!("no answer within {limit:?}"))?
+}
+
+/// Issue 42.6: a burst of new connections against a backend with a listen
+/// queue of 5. Without a cap every request dialled at once; the backend's
+/// queue overflowed, Linux answered with SYN cookies or dropped the
+/// handshake's last ACK, and requests sat unacknowledged until their 60 s
+/// upstream timeout (504). With the cap the backend never has more than
+/// it connections, and every client gets 200 or a clear problem at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_against_a_small_backlog_backend_gets_200_or_a_clear_problem() {
+    const CAP: usize = 4;
+    const BURST: usize = 300;
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_small_backend(5, Duration::from_millis(50));
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&[
+            "--workers",
+            "2",
+            "--upstream-max-connections",
+            &CAP.to_string(),
+            "--upstream-queue-timeout",
+            "20s",
+            "--connect-timeout",
+            "2s",
+        ])
+        .spawn();
+    let mut all = tokio::task::JoinSet::new();
+    for i in 0..BURST {
+        let addr = p.addr;
+        // 40 s: well under the 60 s upstream timeout that the hung
+        // requests ran into.
+        all.spawn(async move {
+            put_on_new_connection(addr, &format!("/k{i}"), Duration::from_secs(40)).await
+        });
+    }
+    let (mut ok, mut problems, mut failures) = (0, Vec::new(), Vec::new());
+    while let Some(answer) = all.join_next().await {
+        match answer.unwrap() {
+            Ok((200, _)) => ok += 1,
+            Ok((status @ (502 | 503), head))
+                if head.contains("application/problem+json") && head.contains("retry-after:") =>
+            {
+                problems.push(status)
+            }
+            Ok((status, head)) => failures.push(format!("{status}: {head}")),
+            Err(e) => failures.push(e),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} unclear answers: {failures:?}",
+        failures.len()
+    );
+    assert!(ok > 0, "problems only: {problems:?}");
+    let max_open = up.max_open.load(Ordering::SeqCst);
+    assert!(
+        max_open <= CAP,
+        "the backend had {max_open} connections at once (cap {CAP})"
+    );
+}
+
+fn capped_proxy(up: &SmallBackend, dir: &std::path::Path, queue_timeout: &str) -> Proxy {
+    // One worker: the connection given back is the one the queued request
+    // takes, and the counts are exact.
+    ProxyBuilder::new(&up.url(), dir)
+        .args(&[
+            "--workers",
+            "1",
+            "--upstream-max-connections",
+            "1",
+            "--upstream-queue-timeout",
+            queue_timeout,
+        ])
+        .spawn()
+}
+
+const QUEUED: &str = "fencegate_upstream_queued_requests{route=\"default\"}";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queued_request_gets_the_connection_another_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_small_backend(128, Duration::ZERO);
+    let p = capped_proxy(&up, dir.path(), "20s");
+    let held = {
+        let url = p.url("/hold");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
+    eventually(
+        "the first write reaches the backend",
+        Duration::from_secs(10),
+        || up.arrived() == ["/hold"],
+    )
+    .await;
+    let queued = {
+        let url = p.url("/next");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
+    for _ in 0..500 {
+        if metric(&p, QUEUED).await == Some(1.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        metric(&p, QUEUED).await,
+        Some(1.0),
+        "the second write queues"
+    );
+    assert_eq!(up.arrived(), ["/hold"], "nothing else was sent");
+    assert_eq!(up.connections.load(Ordering::SeqCst), 1);
+    up.release.notify_one();
+    let (held, queued) = (held.await.unwrap(), queued.await.unwrap());
+    assert_eq!(held.status, 200, "{}", held.text());
+    assert_eq!(queued.status, 200, "{}", queued.text());
+    assert_eq!(up.arrived(), ["/hold", "/next"]);
+    assert_eq!(up.max_open.load(Ordering::SeqCst), 1);
+    assert_eq!(metric(&p, QUEUED).await, Some(0.0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wait_past_the_queue_timeout_is_a_503_with_retry_after_and_nothing_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_small_backend(128, Duration::ZERO);
+    let p = capped_proxy(&up, dir.path(), "300ms");
+    let held = {
+        let url = p.url("/hold");
+        tokio::spawn(async move { put(&url, "1").await })
+    };
+    eventually(
+        "the first write reaches the backend",
+        Duration::from_secs(10),
+        || up.arrived() == ["/hold"],
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let refused = put(&p.url("/next"), "1").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(
+        refused.json()["type"],
+        "urn:fencegate:problem:upstream-busy",
+        "{}",
+        refused.text()
+    );
+    assert_eq!(up.arrived(), ["/hold"], "the refused write was never sent");
+    assert_eq!(
+        metric(
+            &p,
+            "fencegate_upstream_queue_timeouts_total{route=\"default\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    // Its key was not held: the same write goes through once there is room.
+    up.release.notify_one();
+    assert_eq!(held.await.unwrap().status, 200);
+    let again = put(&p.url("/next"), "1").await;
+    assert_eq!(again.status, 200, "{}", again.text());
+}

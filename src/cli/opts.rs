@@ -200,6 +200,14 @@ pub(crate) struct Opts {
     /// Upstream connect timeout (every route), e.g. 5s.
     #[arg(long, env = "FENCEGATE_CONNECT_TIMEOUT", global = true)]
     pub(crate) connect_timeout: Option<String>,
+    /// Connections to each route's upstream, open or being dialled, all
+    /// workers together (every route) [default: 64; 0: no cap].
+    #[arg(long, env = "FENCEGATE_UPSTREAM_MAX_CONNECTIONS", global = true)]
+    pub(crate) upstream_max_connections: Option<u64>,
+    /// Longest wait for an upstream connection once the cap is reached,
+    /// then 503 (every route), e.g. 5s [default: the connect timeout].
+    #[arg(long, env = "FENCEGATE_UPSTREAM_QUEUE_TIMEOUT", global = true)]
+    pub(crate) upstream_queue_timeout: Option<String>,
     /// Time allowed to send a request head (and idle keep-alive time).
     #[arg(long, env = "FENCEGATE_HEADER_READ_TIMEOUT", global = true)]
     pub(crate) header_read_timeout: Option<String>,
@@ -371,6 +379,11 @@ pub(crate) fn raw_config(opts: &Opts, file: Option<&PathBuf>) -> anyhow::Result<
     for r in &mut raw.routes {
         set(&mut r.upstream_timeout, &opts.upstream_timeout);
         set(&mut r.connect_timeout, &opts.connect_timeout);
+        set(
+            &mut r.upstream_max_connections,
+            &opts.upstream_max_connections,
+        );
+        set(&mut r.upstream_queue_timeout, &opts.upstream_queue_timeout);
     }
     let upstream_tls = [
         (&opts.upstream_ca, "--upstream-ca"),

@@ -127,6 +127,12 @@ pub struct RawRoute {
     pub error_format: Option<String>,
     pub connect_timeout: Option<String>,
     pub upstream_timeout: Option<String>,
+    /// Connections to the upstream open or being dialled, all workers
+    /// together (default 64; 0: no cap). Requests past it queue.
+    pub upstream_max_connections: Option<u64>,
+    /// Longest wait in that queue before a 503 (default: connect_timeout,
+    /// at most half of upstream_timeout).
+    pub upstream_queue_timeout: Option<String>,
     /// PEM CA certificates for an https upstream, instead of the system's.
     pub upstream_ca: Option<PathBuf>,
     /// Client certificate (PEM chain) and key presented to the upstream.

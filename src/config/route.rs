@@ -129,8 +129,26 @@ pub struct Route {
     /// how long a newer write waits behind an older one, and the
     /// crash-recovery window.
     pub upstream_timeout: Duration,
+    /// Connections to the upstream open or being dialled (idle ones
+    /// included), all workers together; 0: no cap.
+    pub upstream_max_connections: usize,
+    /// Longest wait for a connection once the cap is reached (then 503).
+    /// Shorter than `upstream_timeout`, within which it counts.
+    pub upstream_queue_timeout: Duration,
     pub upstream_tls: UpstreamTls,
 }
+
+/// Default `upstream_max_connections`. Past what thread-per-connection
+/// backends serve at once (Tomcat's 200 threads, a gunicorn or Python
+/// `http.server` pool), more connections only wait in the backend's listen
+/// queue, whose overflow makes dials hang (issue 42.6); and far below what
+/// an event-loop backend or a balancer in front of many takes. HAProxy's
+/// and nginx's defaults are no cap at all, which is what let a burst dial
+/// one connection per request.
+pub const DEFAULT_UPSTREAM_MAX_CONNECTIONS: u64 = 64;
+
+/// Largest `upstream_max_connections` (a value past it is a typo).
+pub const MAX_UPSTREAM_MAX_CONNECTIONS: u64 = 1_000_000;
 
 /// Which tokens a route admits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -319,6 +337,49 @@ pub(super) fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
     // Literal keys read `+` as a space; routes are matched on the path as
     // sent, so a `+` in a literal route's prefix would put `a+b` and `a%20b`
     // (one name to the key) on two routes.
+    let connect_timeout = duration(
+        &f("connect_timeout"),
+        &r.connect_timeout,
+        Duration::from_secs(5),
+    )?;
+    let upstream_timeout = duration(
+        &f("upstream_timeout"),
+        &r.upstream_timeout,
+        Duration::from_secs(60),
+    )?;
+    let upstream_max_connections = r
+        .upstream_max_connections
+        .unwrap_or(DEFAULT_UPSTREAM_MAX_CONNECTIONS);
+    if upstream_max_connections > MAX_UPSTREAM_MAX_CONNECTIONS {
+        return Err(invalid(
+            f("upstream_max_connections"),
+            format!("must be at most {MAX_UPSTREAM_MAX_CONNECTIONS} (0: no cap)"),
+        ));
+    }
+    if upstream_max_connections == 0 && r.upstream_queue_timeout.is_some() {
+        return Err(invalid(
+            f("upstream_queue_timeout"),
+            "only applies with upstream_max_connections above 0 (0: no cap, so no queue)",
+        ));
+    }
+    // HAProxy's `timeout queue` defaults to its `timeout connect` too: a
+    // request waits for a connection about as long as for a dial.
+    let upstream_queue_timeout = duration(
+        &f("upstream_queue_timeout"),
+        &r.upstream_queue_timeout,
+        connect_timeout.min(upstream_timeout / 2),
+    )?;
+    // The wait counts within a write's deadline (upstream_timeout): one as
+    // long would end as a 504 before it could be refused as busy.
+    if upstream_queue_timeout >= upstream_timeout {
+        return Err(invalid(
+            f("upstream_queue_timeout"),
+            format!(
+                "must be shorter than upstream_timeout ({}): the wait counts within it",
+                format_duration(upstream_timeout)
+            ),
+        ));
+    }
     if literal_keys && path_prefix.contains('+') {
         return Err(invalid(
             f("path_prefix"),
@@ -363,16 +424,10 @@ pub(super) fn route(i: usize, r: &RawRoute) -> Result<Route, ConfigError> {
                 .parse()
                 .map_err(|reason: String| invalid(f("error_format"), reason))?,
         },
-        connect_timeout: duration(
-            &f("connect_timeout"),
-            &r.connect_timeout,
-            Duration::from_secs(5),
-        )?,
-        upstream_timeout: duration(
-            &f("upstream_timeout"),
-            &r.upstream_timeout,
-            Duration::from_secs(60),
-        )?,
+        connect_timeout,
+        upstream_timeout,
+        upstream_max_connections: upstream_max_connections as usize,
+        upstream_queue_timeout,
         upstream_tls,
     })
 }

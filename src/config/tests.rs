@@ -320,6 +320,9 @@ fn defaults_apply() {
     assert!(c.routes[0].write_methods.is_write("get"));
     assert!(!c.routes[0].write_methods.is_write("GET"));
     assert_eq!(c.routes[0].upstream_timeout, Duration::from_secs(60));
+    // The cap and its queue (issue 42.6): a wait as long as a dial.
+    assert_eq!(c.routes[0].upstream_max_connections, 64);
+    assert_eq!(c.routes[0].upstream_queue_timeout, Duration::from_secs(5));
     // One worker per CPU, decided at start.
     assert_eq!(c.workers, None);
     let mut raw = base();
@@ -519,6 +522,31 @@ fn bad_values_name_their_field() {
         (
             |r| r.routes[0].upstream_timeout = Some("0s".into()),
             "routes[0].upstream_timeout",
+        ),
+        (
+            |r| r.routes[0].upstream_max_connections = Some(1_000_001),
+            "routes[0].upstream_max_connections",
+        ),
+        (
+            |r| r.routes[0].upstream_queue_timeout = Some("0s".into()),
+            "routes[0].upstream_queue_timeout",
+        ),
+        (
+            |r| r.routes[0].upstream_queue_timeout = Some("soon".into()),
+            "routes[0].upstream_queue_timeout",
+        ),
+        (
+            // The wait counts within the write's deadline.
+            |r| r.routes[0].upstream_queue_timeout = Some("60s".into()),
+            "routes[0].upstream_queue_timeout",
+        ),
+        (
+            // No cap, no queue: a wait for it would never apply.
+            |r| {
+                r.routes[0].upstream_max_connections = Some(0);
+                r.routes[0].upstream_queue_timeout = Some("1s".into());
+            },
+            "routes[0].upstream_queue_timeout",
         ),
         (
             |r| r.routes[0].upstream_timeout = Some("18446744073709551615s".into()),

@@ -515,6 +515,9 @@ impl Config {
                     error_format: Some(r.error_format.as_str().into()),
                     connect_timeout: Some(format_duration(r.connect_timeout)),
                     upstream_timeout: Some(format_duration(r.upstream_timeout)),
+                    upstream_max_connections: Some(r.upstream_max_connections as u64),
+                    upstream_queue_timeout: (r.upstream_max_connections > 0)
+                        .then(|| format_duration(r.upstream_queue_timeout)),
                     upstream_ca: r.upstream_tls.ca.clone(),
                     upstream_client_cert: r.upstream_tls.client_cert.clone(),
                     upstream_client_key: r.upstream_tls.client_key.clone(),

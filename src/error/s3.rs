@@ -37,6 +37,9 @@ impl ProxyError {
             Self::ShuttingDown | Self::TooManyTunnels => "ServiceUnavailable",
             Self::UpstreamConnect(_) => "UpstreamUnreachable",
             Self::UpstreamTimeout(_) => "UpstreamTimeout",
+            // S3's own 503 for "reduce your request rate", which S3 SDKs
+            // retry with backoff.
+            Self::UpstreamBusy(_) => "SlowDown",
             Self::Upstream(_) => "UpstreamFailed",
         }
     }

@@ -706,11 +706,20 @@ impl Proxy {
                     )),
                     _ => {}
                 }
-                let kind = if e.is_connect() { "connect" } else { "other" };
+                let kind = match &e {
+                    crate::upstream::UpstreamError::Queue { .. } => "queue",
+                    e if e.is_connect() => "connect",
+                    _ => "other",
+                };
                 self.metrics
                     .upstream_errors
                     .with_label_values(&[&route.name, kind])
                     .inc();
+                if let crate::upstream::UpstreamError::Queue { waited, .. } = e {
+                    // Not sent: the write's keys are free at once, and the
+                    // client may retry (Retry-After).
+                    return Err(ProxyError::UpstreamBusy(waited));
+                }
                 let detail = crate::error::error_chain(&e);
                 return Err(if e.is_connect() {
                     ProxyError::UpstreamConnect(detail)

@@ -14,7 +14,7 @@ use crate::config::{Config, Route};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::routing::match_order;
 use crate::tls::{upstream_connector, TlsError};
-use crate::upstream::Upstream;
+use crate::upstream::{LimitSettings, Upstream};
 
 /// Idle upstream connections older than this are closed.
 pub(super) const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -99,6 +99,15 @@ impl RouteTable {
                     field: format!("routes[{i}].upstream"),
                     reason: e.to_string(),
                 })?;
+            let name = [route.name.as_str()];
+            let limit = LimitSettings {
+                max_connections: route.upstream_max_connections,
+                queue_timeout: route.upstream_queue_timeout,
+                connect_timeout: route.connect_timeout,
+                queued: metrics.upstream_queued.with_label_values(&name),
+                queue_timeouts: metrics.upstream_queue_timeouts.with_label_values(&name),
+                open: metrics.upstream_connections.with_label_values(&name),
+            };
             routes.push(RouteRuntime {
                 route: route.clone(),
                 upstream: Arc::new(Upstream::new(
@@ -107,6 +116,7 @@ impl RouteTable {
                     workers,
                     POOL_IDLE_TIMEOUT,
                     route.upstream_tls.http2 && route.upstream.scheme != http::uri::Scheme::HTTPS,
+                    limit,
                 )),
                 metrics: metrics.route(&route.name),
             });

@@ -18,7 +18,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use super::pool::{retires_connection, still_idle, Upstream, UpstreamError, MAX_IDLE};
+use super::limit::Permit;
+use super::pool::{retires_connection, still_idle, Upstream, UpstreamError, WireConn, MAX_IDLE};
 use crate::error::{BoxError, ProxyBody};
 use crate::h1::{parse_response, ChunkedDecoder, Framing};
 
@@ -48,10 +49,11 @@ impl Upstream {
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let worker = crate::slot::current() % self.pools.len();
         loop {
-            let (mut io, fresh) = match self.checkout_wire(worker) {
-                Some(io) => (io, false),
-                None => (self.dial_wire().await?, true),
+            let (conn, fresh) = match self.checkout_wire(worker) {
+                Some(conn) => (conn, false),
+                None => self.dial_or_wait_wire(worker).await?,
             };
+            let WireConn { mut io, permit } = conn;
             // A write that fails at once wrote nothing: on a reused
             // connection (closed while idle) the request goes on the next.
             let written = match io.write(wire).await {
@@ -64,8 +66,13 @@ impl Upstream {
                 }
             };
             let mut buf = BytesMut::with_capacity(READ_AHEAD);
+            let conn = Sent {
+                permit,
+                worker,
+                fresh,
+            };
             if written == wire.len() {
-                return self.read_head(io, buf, worker, to_head, true).await;
+                return self.read_head(io, buf, conn, to_head, true).await;
             }
             // The rest goes out while the answer is watched for: an
             // upstream may answer early (413, 401, 403) and read no more
@@ -96,11 +103,11 @@ impl Upstream {
                 // one came, is the one to pass on. The connection is not
                 // reused: the request was cut.
                 return self
-                    .read_head(io, buf, worker, to_head, false)
+                    .read_head(io, buf, conn, to_head, false)
                     .await
-                    .map_err(|_| lost(e));
+                    .map_err(|_| lost_on(e, fresh));
             }
-            return self.read_head(io, buf, worker, to_head, true).await;
+            return self.read_head(io, buf, conn, to_head, true).await;
         }
     }
 
@@ -108,7 +115,7 @@ impl Upstream {
         self: &Arc<Self>,
         mut io: TcpStream,
         mut buf: BytesMut,
-        worker: usize,
+        conn: Sent,
         to_head: bool,
         reuse: bool,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
@@ -130,7 +137,8 @@ impl Upstream {
                 }
                 None => {
                     buf.reserve(READ_AHEAD);
-                    if io.read_buf(&mut buf).await.map_err(lost)? == 0 {
+                    let read = io.read_buf(&mut buf).await;
+                    if read.map_err(|e| lost_on(e, conn.fresh))? == 0 {
                         return Err(UpstreamError::Wire(
                             "the upstream closed the connection before it answered".into(),
                         ));
@@ -139,6 +147,12 @@ impl Upstream {
             }
         };
         buf.advance(head.len);
+        if conn.fresh {
+            // The upstream answered, so it acknowledged the request: from
+            // here on unacknowledged bytes are no sign of a dial that
+            // failed (an upload the upstream reads slowly is its own).
+            unacked_limit(&io, None);
+        }
         let state = match head.framing {
             Framing::Empty | Framing::Length(0) => State::Length(0),
             Framing::Length(n) => State::Length(n),
@@ -149,30 +163,65 @@ impl Upstream {
         *resp.status_mut() = head.status;
         *resp.headers_mut() = head.headers;
         let body = WireBody {
-            io: Some(io),
+            io: Some(WireConn {
+                io,
+                permit: conn.permit,
+            }),
             buf,
             state,
             back: (reuse && !head.close && !retires_connection(head.status))
-                .then(|| (self.clone(), worker)),
+                .then(|| (self.clone(), conn.worker)),
         };
         Ok(resp.map(|()| body.boxed()))
     }
 
     /// An idle connection of this worker, newest first, that has not been
     /// closed (or sent anything) while it waited.
-    fn checkout_wire(&self, worker: usize) -> Option<TcpStream> {
+    fn checkout_wire(&self, worker: usize) -> Option<WireConn> {
         let mut pool = self.pool(worker);
         let now = Instant::now();
-        while let Some((since, io)) = pool.wire.pop_back() {
+        while let Some((since, conn)) = pool.wire.pop_back() {
             if now.duration_since(since) > self.idle_timeout {
                 pool.wire.clear();
                 break;
             }
-            if still_idle(&io) {
-                return Some(io);
+            if still_idle(&conn.io) {
+                return Some(conn);
             }
         }
         None
+    }
+
+    /// A new connection if the cap allows one, else the first of: one
+    /// given back on this worker, a permit from the queue (then dialled),
+    /// or the queue timeout. The flag: the connection is new.
+    async fn dial_or_wait_wire(&self, worker: usize) -> Result<(WireConn, bool), UpstreamError> {
+        let permit = match self.free_permit() {
+            Some(permit) => permit,
+            None => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                {
+                    let mut pool = self.pool(worker);
+                    pool.wire_waiters.retain(|w| !w.is_closed());
+                    pool.wire_waiters.push_back(tx);
+                }
+                tokio::select! {
+                    biased;
+                    Ok(conn) = rx => return Ok((conn, false)),
+                    permit = self.limit.wait() => permit?,
+                }
+            }
+        };
+        let io = self.dial_wire().await?;
+        // Linux: a request on a connection whose handshake the upstream's
+        // kernel never completed (its listen queue overflowed: the last
+        // ACK was dropped, or SYN cookies were sent) is never acknowledged,
+        // and its retransmissions back off for minutes. TCP_USER_TIMEOUT
+        // ends such a connection after the connect timeout: the kernel
+        // drops the unsent request (it is never delivered later) and the
+        // read fails with ETIMEDOUT, which `lost_on` calls a failed dial.
+        unacked_limit(&io, Some(self.limit.settings.connect_timeout));
+        Ok((WireConn { io, permit }, true))
     }
 
     async fn dial_wire(&self) -> Result<TcpStream, UpstreamError> {
@@ -189,14 +238,28 @@ impl Upstream {
         }
     }
 
-    fn give_back_wire(&self, worker: usize, io: TcpStream) {
+    fn give_back_wire(&self, worker: usize, mut conn: WireConn) {
         let now = Instant::now();
         let mut pool = self.pool(worker);
+        // A request of this worker waiting for a connection takes it.
+        while let Some(waiter) = pool.wire_waiters.pop_front() {
+            match waiter.send(conn) {
+                Ok(()) => return,
+                Err(back) => conn = back,
+            }
+        }
+        if self.limit.has_waiters() {
+            // Requests of other workers wait for the cap: the connection
+            // closes (outside the lock) and its permit goes to the oldest.
+            drop(pool);
+            drop(conn);
+            return;
+        }
         self.reap(&mut pool, now);
         if pool.wire.len() >= MAX_IDLE {
             pool.wire.pop_front();
         }
-        pool.wire.push_back((now, io));
+        pool.wire.push_back((now, conn));
     }
 }
 
@@ -218,6 +281,39 @@ fn lost(e: std::io::Error) -> UpstreamError {
     UpstreamError::Wire(format!("the upstream connection failed: {e}"))
 }
 
+/// The same, where a new connection that timed out (`unacked_limit`)
+/// never had its request acknowledged by the upstream's kernel: the dial
+/// failed, and the request was dropped unsent.
+fn lost_on(e: std::io::Error, fresh: bool) -> UpstreamError {
+    if fresh && e.kind() == std::io::ErrorKind::TimedOut {
+        return UpstreamError::Connect(format!(
+            "the upstream's kernel never acknowledged the request on a new connection ({e}): its listen queue is likely full (a small accept backlog under a burst), so the handshake never completed on its side"
+        ));
+    }
+    lost(e)
+}
+
+/// What a new connection of the lane carries to its answer.
+struct Sent {
+    permit: Permit,
+    worker: usize,
+    /// Dialled for this request.
+    fresh: bool,
+}
+
+/// Sets (or clears, `None`) how long bytes sent may stay unacknowledged
+/// before the kernel ends the connection (TCP_USER_TIMEOUT, Linux only).
+/// A failure is no reason to fail the request: the upstream timeout still
+/// bounds it.
+fn unacked_limit(io: &TcpStream, limit: Option<std::time::Duration>) {
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    if let Err(e) = socket2::SockRef::from(io).set_tcp_user_timeout(limit) {
+        tracing::debug!(error = %e, "TCP_USER_TIMEOUT not set");
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
+    let _ = (io, limit);
+}
+
 enum State {
     /// Bytes of the body still to come.
     Length(u64),
@@ -228,7 +324,8 @@ enum State {
 
 /// A response body read from the upstream connection it owns.
 struct WireBody {
-    io: Option<TcpStream>,
+    /// The connection and its permit under the cap.
+    io: Option<WireConn>,
     /// Bytes read past the head, not yet passed on.
     buf: BytesMut,
     state: State,
@@ -250,7 +347,7 @@ impl WireBody {
 
     /// Reads more from the upstream; `Ok(false)` at its end.
     fn fill(&mut self, cx: &mut Context<'_>) -> Poll<Result<bool, BoxError>> {
-        let Some(io) = self.io.as_mut() else {
+        let Some(WireConn { io, .. }) = self.io.as_mut() else {
             return Poll::Ready(Ok(false));
         };
         // Body reads are larger than head reads: a download goes in few

@@ -18,6 +18,8 @@
 //! request as bytes, the answer read on the asking task).
 
 mod h1;
+mod limit;
 mod pool;
 
+pub use limit::LimitSettings;
 pub use pool::{retires_connection, Upstream, UpstreamError};

@@ -17,6 +17,7 @@ use hyper_util::client::legacy::connect::Connection;
 use hyper_util::rt::TokioExecutor;
 use tower_service::Service;
 
+use super::limit::{Limit, LimitSettings, Permit};
 use crate::error::{BoxError, ProxyBody};
 use crate::tls::UpstreamConnector;
 
@@ -36,6 +37,14 @@ pub struct Upstream {
     /// HTTP/2 from the first byte on a plain connection (h2c with prior
     /// knowledge, RFC 9113 section 3.3): gRPC servers speak nothing else.
     pub(super) h2c: bool,
+    /// The cap on this upstream's connections, all workers together.
+    pub(super) limit: Limit,
+}
+
+/// An idle or busy connection of the own lane, with its permit.
+pub(super) struct WireConn {
+    pub(super) io: tokio::net::TcpStream,
+    pub(super) permit: Permit,
 }
 
 #[derive(Default)]
@@ -50,7 +59,10 @@ pub(super) struct Pool {
     /// request would storm the upstream.
     waiters: VecDeque<tokio::sync::oneshot::Sender<http1::SendRequest<ProxyBody>>>,
     /// The own lane's HTTP/1.1 connections ([`h1`]), oldest first.
-    pub(super) wire: VecDeque<(Instant, tokio::net::TcpStream)>,
+    pub(super) wire: VecDeque<(Instant, WireConn)>,
+    /// The lane's requests waiting for a connection while the cap is
+    /// reached: one given back on this worker goes to the oldest.
+    pub(super) wire_waiters: VecDeque<tokio::sync::oneshot::Sender<WireConn>>,
 }
 
 /// Why an exchange failed.
@@ -66,6 +78,10 @@ pub enum UpstreamError {
     /// The own lane's exchange failed once the request may have been sent.
     #[error("{0}")]
     Wire(String),
+    /// Every connection the cap allows was taken for `waited`: the request
+    /// was not sent.
+    #[error("all {max} connections to the upstream (upstream_max_connections) stayed taken for {waited:?} (upstream_queue_timeout)")]
+    Queue { waited: Duration, max: usize },
 }
 
 impl UpstreamError {
@@ -95,6 +111,7 @@ impl Upstream {
         workers: usize,
         idle_timeout: Duration,
         h2c: bool,
+        limit: LimitSettings,
     ) -> Self {
         Self {
             dial,
@@ -102,6 +119,7 @@ impl Upstream {
             pools: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
             idle_timeout,
             h2c,
+            limit: Limit::new(limit),
         }
     }
 
@@ -189,22 +207,64 @@ impl Upstream {
 
     /// A fresh connection, or one that another request gives back first
     /// (which counts as reused: a request that finds it closed goes on).
+    /// With the cap reached, it waits for either in the queue.
     async fn dial_or_wait(&self, worker: usize) -> Result<(Conn, bool), UpstreamError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
         {
             let mut pool = self.pool(worker);
             pool.waiters.retain(|w| !w.is_closed());
             pool.waiters.push_back(tx);
         }
+        let permit = match self.free_permit() {
+            Some(permit) => permit,
+            None => tokio::select! {
+                biased;
+                Ok(sender) = &mut rx => return Ok((Conn::H1(sender), false)),
+                permit = self.limit.wait() => permit?,
+            },
+        };
         // Boxed: the dial's state (connector, TLS and HTTP/2 handshakes) is
         // kilobytes, and every request's future would carry it, to be
         // copied as the request moves.
-        let dial = Box::pin(self.dial(worker));
+        let dial = Box::pin(self.dial(worker, permit));
         tokio::select! {
             biased;
             Ok(sender) = rx => Ok((Conn::H1(sender), false)),
             dialed = dial => Ok((dialed?, true)),
         }
+    }
+
+    /// A permit for a new connection if the cap allows one now, after
+    /// closing an idle connection (of any worker) if that is what it
+    /// takes: an idle connection is worth less than a waiting request.
+    pub(super) fn free_permit(&self) -> Option<Permit> {
+        if let Some(permit) = self.limit.try_acquire() {
+            return Some(permit);
+        }
+        // The lane's idle connections release their permit as they drop;
+        // hyper's when their driver task ends, a moment later: then the
+        // permit reaches this request in the queue.
+        self.close_one_idle().then(|| self.limit.try_acquire())?
+    }
+
+    /// Closes the oldest idle connection of the first worker that has one.
+    fn close_one_idle(&self) -> bool {
+        for pool in self.pools.iter() {
+            let closed = {
+                let mut pool = pool
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                match pool.wire.pop_front() {
+                    Some((_, conn)) => Some(Idle::Wire(conn)),
+                    None => pool.h1.pop_front().map(|(_, s)| Idle::H1(s)),
+                }
+            };
+            // Dropped outside the lock.
+            if closed.is_some() {
+                return true;
+            }
+        }
+        false
     }
 
     pub(super) fn pool(&self, worker: usize) -> std::sync::MutexGuard<'_, Pool> {
@@ -216,7 +276,7 @@ impl Upstream {
     /// Dials the route's address and starts the connection's driver on this
     /// worker's runtime. HTTP/2 when TLS negotiated it (only offered when
     /// the route asks for it), or from the start on an h2c route.
-    async fn dial(&self, worker: usize) -> Result<Conn, UpstreamError> {
+    async fn dial(&self, worker: usize, permit: Permit) -> Result<Conn, UpstreamError> {
         let mut connector = self.connector.clone();
         let connect = |e: BoxError| {
             let mut detail = crate::error::error_chain(&*e);
@@ -240,14 +300,23 @@ impl Upstream {
                 .await
                 .map_err(handshake)?;
             // The driver ends when the upstream closes the connection or
-            // the last sender is dropped (pool reaped, route reloaded).
-            tokio::spawn(conn);
+            // the last sender is dropped (pool reaped, route reloaded); the
+            // connection counts against the cap until then.
+            tokio::spawn(async move {
+                let _ = conn.await;
+                drop(permit);
+            });
             self.pool(worker).h2 = Some(sender.clone());
             Ok(Conn::H2(sender))
         } else {
             let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
-            // Upgrades: a WebSocket route's 101 hands the connection over.
-            tokio::spawn(conn.with_upgrades());
+            // Upgrades: a WebSocket route's 101 hands the connection over
+            // (a tunnel no longer counts against the cap: tunnels have
+            // their own limit).
+            tokio::spawn(async move {
+                let _ = conn.with_upgrades().await;
+                drop(permit);
+            });
             Ok(Conn::H1(sender))
         }
     }
@@ -283,6 +352,13 @@ impl Upstream {
                 Err(back) => sender = back,
             }
         }
+        if self.limit.has_waiters() {
+            // Requests queue for the cap (maybe on another worker): the
+            // connection closes and its permit goes to the oldest of them.
+            drop(pool);
+            drop(sender);
+            return;
+        }
         self.reap(&mut pool, now);
         if pool.h1.len() >= MAX_IDLE {
             pool.h1.pop_front();
@@ -317,7 +393,7 @@ impl Upstream {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.is_closed());
-            pool.wire.retain(|(_, io)| still_idle(io));
+            pool.wire.retain(|(_, conn)| still_idle(&conn.io));
             if pool.h2.as_ref().is_some_and(http2::SendRequest::is_closed) {
                 pool.h2 = None;
             }
@@ -334,6 +410,13 @@ impl Upstream {
             })
             .sum()
     }
+}
+
+/// What [`Upstream::close_one_idle`] closes: either kind of idle
+/// connection (dropping it closes it).
+enum Idle {
+    Wire(#[allow(dead_code)] WireConn),
+    H1(#[allow(dead_code)] http1::SendRequest<ProxyBody>),
 }
 
 /// An idle connection of the lane (`h1.rs`) that is not readable:
@@ -528,7 +611,14 @@ mod tests {
         http.enforce_http(false);
         let connector = UpstreamConnector::from((http, crate::tls::plain_client_config()));
         let dial: Uri = format!("http://{addr}/").parse().unwrap();
-        Arc::new(Upstream::new(dial, connector, workers, idle, false))
+        Arc::new(Upstream::new(
+            dial,
+            connector,
+            workers,
+            idle,
+            false,
+            LimitSettings::unlimited(),
+        ))
     }
 
     fn get(path: &str) -> Request<ProxyBody> {

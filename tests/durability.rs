@@ -970,6 +970,8 @@ async fn every_flag_works_as_a_fencegate_variable() {
         ("--connect-timeout", Some("2s")),
         ("--header-read-timeout", Some("3s")),
         ("--response-idle-timeout", Some("33s")),
+        ("--upstream-max-connections", Some("7")),
+        ("--upstream-queue-timeout", Some("1s")),
         ("--body-read-timeout", Some("4s")),
         ("--max-header-bytes", Some("9999")),
         ("--max-connections", Some("55")),

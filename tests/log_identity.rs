@@ -174,7 +174,9 @@ async fn an_older_copy_of_the_own_log_is_refused() {
     // A hard link to the file, run under that name and crashed.
     let other = dir.path().join("other.redb");
     std::fs::hard_link(&store, &other).unwrap();
-    let mut p = ProxyBuilder::new(&up.url(), dir.path()).store(&other).spawn();
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&other)
+        .spawn();
     assert_eq!(put(&p.url("/k"), "20").await.status, 200);
     p.kill9();
     // Started by the first name: its log is the older run's.

@@ -154,7 +154,7 @@ impl Backend for RedisBackend {
                         "the server became a {role}: reconnecting to the primary"
                     )));
                 }
-                self.saw_replicas(online).await;
+                self.saw_replicas(online);
             }
         }
         let mut cmd = redis::cmd("HMGET");

@@ -160,11 +160,16 @@ impl RedisBackend {
     /// Replicas seen online by a later read: every live connection waits
     /// for them from then on. The count of a connection never goes down
     /// (a failed wait drops the connections; a new one counts afresh).
-    pub(super) async fn saw_replicas(&self, online: u32) {
+    pub(super) fn saw_replicas(&self, online: u32) {
         let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
         for slot in slots {
-            if let Some(c) = slot.lock().await.as_ref() {
-                c.online.fetch_max(online, Ordering::Relaxed);
+            // A slot that is being connected (its lock held through a
+            // backoff and a connect) gets a count of its own: no wait
+            // for it here.
+            if let Ok(slot) = slot.try_lock() {
+                if let Some(c) = slot.as_ref() {
+                    c.online.fetch_max(online, Ordering::Relaxed);
+                }
             }
         }
     }

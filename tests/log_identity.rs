@@ -194,3 +194,28 @@ async fn an_older_copy_of_the_own_log_is_refused() {
     assert!(!status.success());
     assert!(err.contains("from another run"), "{err}");
 }
+
+/// `kill -9` in the first milliseconds of the very first start on a new
+/// store file leaves nothing a later start refuses (it once left a file
+/// without redb's header under the store's name, refused as corrupt).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_start_killed_at_once_leaves_a_store_that_opens() {
+    let up = start_upstream().await;
+    for i in 0..60u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(bin())
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--upstream", &up.url(), "--store"])
+            .arg(dir.path().join("fences.redb"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Spread over the start's first milliseconds (a bounded loop).
+        std::thread::sleep(std::time::Duration::from_micros(300 * (i % 40)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+        assert_eq!(put(&p.url("/k"), "1").await.status, 200, "round {i}");
+    }
+}

@@ -18,8 +18,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
+use super::error::UpstreamError;
 use super::limit::Permit;
-use super::pool::{retires_connection, still_idle, Upstream, UpstreamError, WireConn, MAX_IDLE};
+use super::pool::{retires_connection, still_idle, Upstream, WireConn, MAX_IDLE};
 use crate::error::{BoxError, ProxyBody};
 use crate::h1::{parse_response, ChunkedDecoder, Framing};
 

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::pool::UpstreamError;
+use super::error::UpstreamError;
 
 /// The settings and metric handles of one upstream's cap.
 #[derive(Clone)]

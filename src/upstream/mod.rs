@@ -15,11 +15,16 @@
 //!
 //! Files: `pool.rs` (the [`Upstream`], its pools and hyper's exchange),
 //! `h1.rs` (the own HTTP/1.1 lane's exchange with a plain upstream: the
-//! request as bytes, the answer read on the asking task).
+//! request as bytes, the answer read on the asking task), `limit.rs` (the
+//! cap on connections and its queue), `forms.rs` (a request's HTTP/1.1 and
+//! HTTP/2 forms), `error.rs` (how an exchange fails).
 
+mod error;
+mod forms;
 mod h1;
 mod limit;
 mod pool;
 
+pub use error::UpstreamError;
 pub use limit::LimitSettings;
-pub use pool::{retires_connection, Upstream, UpstreamError};
+pub use pool::{retires_connection, Upstream};

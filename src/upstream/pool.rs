@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Request, Response, Uri};
+use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -17,6 +17,8 @@ use hyper_util::client::legacy::connect::Connection;
 use hyper_util::rt::TokioExecutor;
 use tower_service::Service;
 
+use super::error::UpstreamError;
+use super::forms::{h1_form, h2_form};
 use super::limit::{Limit, LimitSettings, Permit};
 use crate::error::{BoxError, ProxyBody};
 use crate::tls::UpstreamConnector;
@@ -63,31 +65,6 @@ pub(super) struct Pool {
     /// The lane's requests waiting for a connection while the cap is
     /// reached: one given back on this worker goes to the oldest.
     pub(super) wire_waiters: VecDeque<tokio::sync::oneshot::Sender<WireConn>>,
-}
-
-/// Why an exchange failed.
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    /// No connection could be made (refused, timed out, TLS handshake);
-    /// the request was not sent.
-    #[error("{0}")]
-    Connect(String),
-    /// The connection failed once the request may have been sent.
-    #[error(transparent)]
-    Exchange(#[from] hyper::Error),
-    /// The own lane's exchange failed once the request may have been sent.
-    #[error("{0}")]
-    Wire(String),
-    /// Every connection the cap allows was taken for `waited`: the request
-    /// was not sent.
-    #[error("all {max} connections to the upstream (upstream_max_connections) stayed taken for {waited:?} (upstream_queue_timeout)")]
-    Queue { waited: Duration, max: usize },
-}
-
-impl UpstreamError {
-    pub fn is_connect(&self) -> bool {
-        matches!(self, UpstreamError::Connect(_))
-    }
 }
 
 enum Conn {
@@ -437,47 +414,6 @@ fn closed_at_once(e: hyper::Error) -> UpstreamError {
     ))
 }
 
-/// The request as it goes out over HTTP/1.1: no `te: trailers` (an
-/// HTTP/2 hop's header; over HTTP/1.1 it would need `Connection: TE`, and
-/// only gRPC asks for it), and [`h2_form`] undone for a request that goes
-/// out over HTTP/1.1 after all (a retry on another connection): origin
-/// form, the authority back in Host.
-fn h1_form(req: &mut Request<ProxyBody>) {
-    req.headers_mut().remove(header::TE);
-    let Some(authority) = req.uri().authority().cloned() else {
-        return;
-    };
-    if !req.headers().contains_key(header::HOST) {
-        if let Ok(v) = HeaderValue::from_str(authority.as_str()) {
-            req.headers_mut().insert(header::HOST, v);
-        }
-    }
-    let target = req.uri().path_and_query().cloned();
-    if let Some(target) = target {
-        *req.uri_mut() = Uri::from(target);
-    }
-}
-
-/// HTTP/2 carries the authority in the request line (`:authority`), not in
-/// a Host header: the client's Host becomes it, so the backend sees the
-/// name the client used, as it does over HTTP/1.1.
-fn h2_form(req: &mut Request<ProxyBody>, dial: &Uri) {
-    if req.uri().authority().is_some() {
-        return;
-    }
-    let authority = req
-        .headers_mut()
-        .remove(header::HOST)
-        .and_then(|h: HeaderValue| http::uri::Authority::try_from(h.as_bytes()).ok())
-        .or_else(|| dial.authority().cloned());
-    let mut parts = req.uri().clone().into_parts();
-    parts.scheme = dial.scheme().cloned();
-    parts.authority = authority;
-    if let Ok(uri) = Uri::from_parts(parts) {
-        *req.uri_mut() = uri;
-    }
-}
-
 /// A response body that returns its HTTP/1.1 connection to the pool once
 /// it has been read to the end. A body dropped before its end takes the
 /// connection with it (hyper closes it: the rest of the body is unread).
@@ -546,6 +482,7 @@ mod tests {
 
     use super::*;
     use crate::error::full;
+    use http::header;
     use hyper_util::client::legacy::connect::HttpConnector;
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -800,46 +737,5 @@ mod tests {
         up.pool(0).h2 = Some(sender);
         assert!(matches!(up.checkout(0), Some(Conn::H2(_))));
         assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
-    }
-
-    #[test]
-    fn h2_form_puts_the_clients_host_in_the_request_line() {
-        let dial: Uri = "http://10.0.0.1:8080/".parse().unwrap();
-        let mut req = get("/a?b=1");
-        req.headers_mut()
-            .insert(header::HOST, HeaderValue::from_static("name.example:81"));
-        h2_form(&mut req, &dial);
-        assert_eq!(req.uri(), "http://name.example:81/a?b=1");
-        assert!(!req.headers().contains_key(header::HOST));
-        // Without a Host, the upstream's own address.
-        let mut req = Request::get("/a").body(full("")).unwrap();
-        h2_form(&mut req, &dial);
-        assert_eq!(req.uri(), "http://10.0.0.1:8080/a");
-        // Already in that form: as it is.
-        h2_form(&mut req, &"http://other/".parse().unwrap());
-        assert_eq!(req.uri(), "http://10.0.0.1:8080/a");
-    }
-
-    #[test]
-    fn h1_form_undoes_h2_form() {
-        let dial: Uri = "http://10.0.0.1:8080/".parse().unwrap();
-        let mut req = get("/a?b=1");
-        req.headers_mut()
-            .insert(header::HOST, HeaderValue::from_static("name.example:81"));
-        req.headers_mut()
-            .insert(header::TE, HeaderValue::from_static("trailers"));
-        h2_form(&mut req, &dial);
-        assert_eq!(req.headers()[header::TE], "trailers");
-        h1_form(&mut req);
-        assert!(!req.headers().contains_key(header::TE));
-        assert_eq!(req.uri(), "/a?b=1");
-        assert_eq!(req.headers()[header::HOST], "name.example:81");
-        // A Host already there stays.
-        let mut req = Request::get("http://x.example/p").body(full("")).unwrap();
-        req.headers_mut()
-            .insert(header::HOST, HeaderValue::from_static("kept"));
-        h1_form(&mut req);
-        assert_eq!(req.uri(), "/p");
-        assert_eq!(req.headers()[header::HOST], "kept");
     }
 }

@@ -202,6 +202,34 @@ fn set_aside(paths: &[PathBuf; 2]) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Makes a store file that does not exist yet whole before it takes its
+/// name: made under `<name>.creating` and renamed, durably. redb writes a
+/// new file in several steps, and a process killed in its first
+/// milliseconds left a file without redb's header under the store's name,
+/// which every later start refused as corrupt.
+pub(super) fn create_whole(path: &Path) -> std::io::Result<()> {
+    if path.try_exists()? {
+        return Ok(());
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".creating");
+    let tmp = PathBuf::from(tmp);
+    // Left by a start killed while creating: never a store of its own.
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    drop(redb::Database::create(&tmp).map_err(std::io::Error::other)?);
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(d) => d.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// A new identity: random, so that no two stores share one.
 pub(super) fn new_id() -> u64 {
     use ring::rand::SecureRandom;

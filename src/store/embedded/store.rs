@@ -99,6 +99,10 @@ impl EmbeddedStore {
             path: given.to_path_buf(),
             reason: e.to_string(),
         })?;
+        super::identity::create_whole(path).map_err(|e| OpenError::Io {
+            path: path.to_path_buf(),
+            reason: format!("cannot create the store file: {e}"),
+        })?;
         let db = open_db(path, cache_bytes)?;
         let wal_paths = super::wal::paths(path);
         let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss)

@@ -713,3 +713,20 @@ async fn a_crash_while_the_log_is_bound_needs_no_operator() {
         drop(s); // and a crash again
     }
 }
+
+/// A new store file is made whole under another name and renamed: what a
+/// start killed in its first milliseconds leaves (a `.creating` file, no
+/// store file) is cleared by the next start, which opens a new store.
+#[tokio::test]
+async fn a_start_killed_while_creating_the_file_leaves_nothing_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    // What a kill mid-creation leaves: part of a file, not redb's.
+    std::fs::write(dir.path().join("f.redb.creating"), vec![0u8; 73_728]).unwrap();
+    let s = open(&dir);
+    assert_eq!(s.start_state(), StartState::Clean);
+    s.advance("a", 1).await.unwrap();
+    assert!(!dir.path().join("f.redb.creating").exists());
+    drop(s);
+    assert_eq!(open(&dir).highest("a").await.unwrap(), Some(1));
+}

@@ -720,7 +720,6 @@ async fn a_crash_while_the_log_is_bound_needs_no_operator() {
 #[tokio::test]
 async fn a_start_killed_while_creating_the_file_leaves_nothing_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("f.redb");
     // What a kill mid-creation leaves: part of a file, not redb's.
     std::fs::write(dir.path().join("f.redb.creating"), vec![0u8; 73_728]).unwrap();
     let s = open(&dir);

@@ -161,15 +161,14 @@ impl Upstream {
         let mut resp = Response::new(());
         *resp.status_mut() = head.status;
         *resp.headers_mut() = head.headers;
+        // A refused upload's body may be unread (see `refuses_body`).
+        let maybe_unread = with_body && refuses_body(head.status);
         let body = WireBody {
             io: Some(io),
             buf,
             state,
-            back: (reuse
-                && !head.close
-                && !retires_connection(head.status)
-                && !(with_body && refuses_body(head.status)))
-            .then(|| (self.clone(), worker)),
+            back: (reuse && !head.close && !retires_connection(head.status) && !maybe_unread)
+                .then(|| (self.clone(), worker)),
         };
         Ok(resp.map(|()| body.boxed()))
     }

@@ -412,6 +412,26 @@ pub fn problem_response(status: StatusCode, body: Value) -> Response<ProxyBody> 
     resp
 }
 
+/// The answer to a `HEAD` request: the head the same request with `GET`
+/// would get (its `content-length`, `content-type`...) and no body, on
+/// every protocol. hyper drops the body of an answer to HEAD over
+/// HTTP/1.1, but over HTTP/2 it sends it as DATA frames, which clients
+/// refuse as a protocol error (RFC 9110 section 9.3.2: no content).
+pub fn answer_to_head(resp: Response<ProxyBody>) -> Response<ProxyBody> {
+    use http_body::Body as _;
+    if resp.body().is_end_stream() {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    if let Some(len) = body.size_hint().exact() {
+        parts
+            .headers
+            .entry(header::CONTENT_LENGTH)
+            .or_insert_with(|| HeaderValue::from(len));
+    }
+    Response::from_parts(parts, full(Bytes::new()))
+}
+
 /// A JSON (not problem) response with the given body.
 pub fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
     let mut r = Response::new(full(body.to_string()));

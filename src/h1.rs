@@ -146,12 +146,15 @@ pub enum HeadCheck {
     Partial,
     /// A head of `len` bytes, and how its body is framed.
     Head { len: usize, body: BodyFraming },
-    /// A head hyper refuses itself (it does not parse, a `Content-Length`
-    /// that is not digits, a `Transfer-Encoding` on HTTP/1.0 or not ending
-    /// in `chunked`), and closes the connection after its answer.
+    /// Bytes that do not parse as a head: hyper refuses them itself, and
+    /// closes the connection after its answer. Where the head ends is not
+    /// known.
     Unreadable,
-    /// One hyper would read but the hostile-input rules refuse with 400
-    /// (hyper merges two equal `Content-Length` lines into one).
+    /// A whole head refused with 400: one hyper would read but the
+    /// hostile-input rules refuse (hyper merges two equal `Content-Length`
+    /// lines into one), or one whose framing cannot be judged (a
+    /// `Content-Length` that is no length, a `Transfer-Encoding` on
+    /// HTTP/1.0 or not ending in `chunked`), which hyper would refuse too.
     Refused(&'static str),
 }
 
@@ -170,22 +173,24 @@ pub fn check_request_head(buf: &[u8]) -> HeadCheck {
     let mut length = None;
     let mut lengths = 0;
     let mut chunked = None;
+    // Why the framing cannot be judged, if it cannot; every line is still
+    // read, so a second `Content-Length` is named whatever came first.
+    let mut unjudged = None;
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("content-length") {
             lengths += 1;
-            if lengths > 1 {
-                return HeadCheck::Refused("more than one Content-Length header");
-            }
             // hyper ignores a length after a transfer coding.
             if chunked.is_none() {
                 match digits(h.value) {
                     Some(n) => length = Some(n),
-                    None => return HeadCheck::Unreadable,
+                    None => {
+                        unjudged.get_or_insert("a Content-Length that is not a length");
+                    }
                 }
             }
         } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
             if !http11 {
-                return HeadCheck::Unreadable;
+                unjudged.get_or_insert("Transfer-Encoding in an HTTP/1.0 request");
             }
             let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
             chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
@@ -193,8 +198,16 @@ pub fn check_request_head(buf: &[u8]) -> HeadCheck {
             opaque |= http11;
         }
     }
+    if lengths > 1 {
+        return HeadCheck::Refused("more than one Content-Length header");
+    }
+    if let Some(why) = unjudged {
+        return HeadCheck::Refused(why);
+    }
     let body = match (opaque, chunked, length) {
-        (_, Some(false), _) => return HeadCheck::Unreadable,
+        (_, Some(false), _) => {
+            return HeadCheck::Refused("a Transfer-Encoding that does not end in chunked")
+        }
         (true, _, _) => BodyFraming::Opaque,
         (false, Some(true), _) => BodyFraming::Chunked,
         (false, None, n) => BodyFraming::Length(n.unwrap_or(0)),
@@ -215,12 +228,27 @@ fn crlf_only(head: &[u8]) -> bool {
     true
 }
 
-/// A `Content-Length` value: 1 to 18 ASCII digits and nothing else.
+/// The largest body length hyper reads (`DecodedLength`'s `MAX_LEN`: the
+/// two values above it stand for "chunked" and "until the close").
+pub const MAX_LENGTH: u64 = u64::MAX - 2;
+
+/// A `Content-Length` value read as hyper reads one (`headers.rs`'s
+/// `from_digits`, then `DecodedLength::checked_new`): ASCII digits and
+/// nothing else, at least one, as many as come (leading zeros too), whose
+/// value is at most [`MAX_LENGTH`]. Any narrower, and a length hyper reads
+/// would be one the lane's readers cannot judge.
 fn digits(value: &[u8]) -> Option<u64> {
-    if value.is_empty() || value.len() > 18 || !value.iter().all(u8::is_ascii_digit) {
+    if value.is_empty() {
         return None;
     }
-    std::str::from_utf8(value).ok()?.parse().ok()
+    let mut n: u64 = 0;
+    for &b in value {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        n = n.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+    }
+    (n <= MAX_LENGTH).then_some(n)
 }
 
 /// How a response's body is delimited.

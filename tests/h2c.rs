@@ -297,3 +297,45 @@ async fn a_reset_with_no_error_before_end_stream_is_a_cut_body() {
         assert_eq!(applied, [Some("2".to_string())], "declared {declared:?}");
     }
 }
+
+/// HEAD over HTTP/2 with the `h2` crate, which refuses any DATA on an
+/// answer to HEAD (as curl and Python's h2 do): the status, the headers
+/// and the body (which must be empty).
+async fn h2_head(addr: std::net::SocketAddr, url: &str) -> (u16, http::HeaderMap, Bytes) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let req = http::Request::head(url).body(()).unwrap();
+    let (resp, _) = client.send_request(req, true).unwrap();
+    let (parts, mut body) = resp.await.expect("an answer to HEAD").into_parts();
+    let mut data = Vec::new();
+    while let Some(chunk) = body.data().await {
+        data.extend_from_slice(&chunk.expect("an answer to HEAD with no DATA"));
+    }
+    (parts.status.as_u16(), parts.headers, Bytes::from(data))
+}
+
+/// An answer to HEAD has no body over HTTP/2 either, whatever made it (a
+/// refusal, the upstream), and the head a GET would get.
+#[tokio::test(flavor = "multi_thread")]
+async fn answers_to_head_have_no_body_over_h2c() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    // Refused (an ambiguous path): the problem's head, no body.
+    let url = p.url("/a/%2e%2e/obj");
+    let (s, h, body) = h2_head(p.addr, &url).await;
+    assert_eq!(s, 400);
+    assert!(body.is_empty());
+    let (gs, gh, gbody) = h2("GET", &url, None).await;
+    assert_eq!(gs, 400);
+    assert_eq!(h["content-type"], "application/problem+json");
+    assert_eq!(h["content-length"], gh["content-length"]);
+    assert_eq!(h["content-length"], gbody.len().to_string().as_str());
+    // Forwarded to the upstream: its answer, no body.
+    let (s, _, body) = h2_head(p.addr, &p.url("/a/obj")).await;
+    assert_eq!(s, 200);
+    assert!(body.is_empty());
+    assert!(up.records().iter().any(|r| r.method == "HEAD"));
+}

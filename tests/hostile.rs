@@ -157,6 +157,12 @@ const CASES: &[(&str, &str, bool, u16, bool)] = &[
     // Request smuggling.
     ("two Content-Lengths", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", false, 400, true),
     ("two equal Content-Lengths", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", false, 400, true),
+    // hyper reads a length of any number of digits (leading zeros too):
+    // a second line must be seen however the first is written.
+    ("two Content-Lengths, one of 19 digits", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 0000000000000000005\r\nContent-Length: 5\r\n\r\nhello", false, 400, true),
+    ("two Content-Lengths, the second of 19 digits", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 0000000000000000005\r\n\r\nhello", false, 400, true),
+    ("two Content-Lengths, the first not a length", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5x\r\nContent-Length: 5\r\n\r\nhello", false, 400, true),
+    ("Content-Length past hyper's largest", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 18446744073709551614\r\n\r\nhello", false, 400, true),
     ("TE gzip, chunked", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", false, 400, true),
     ("two TE headers", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", false, 400, true),
     ("obs-fold header", "PUT /s HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nX-A: a\r\n\tb\r\nContent-Length: 0\r\n\r\n", false, 400, true),
@@ -278,6 +284,55 @@ async fn cl_te_smuggling_is_defused() {
         r.iter().all(|x| x.headers.get("content-length").is_none()),
         "an ambiguous length was forwarded"
     );
+}
+
+/// A length hyper reads (19 digits, leading zeros) but the lane does not
+/// take hands the connection to hyper: every head after it is still judged
+/// by the lane's rules, whether it comes in the same write or a later one.
+#[tokio::test(flavor = "multi_thread")]
+async fn heads_after_a_long_content_length_are_still_judged() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_d, up, p) = setup().await;
+    let first = "PUT /first HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 0000000000000000000\r\n\r\n";
+    let smuggle = "PUT /smuggled HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello";
+    // In the same write: the first is answered, the second refused.
+    let (answer, closed) =
+        raw_answer_after(p.addr, first.as_bytes(), 1, smuggle.as_bytes(), true).await;
+    assert!(refused_with(&answer, 400), "{answer}");
+    assert!(closed, "the connection was left open");
+    let (answer, _) = raw_answer(p.addr, format!("{first}{smuggle}").as_bytes(), true).await;
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 2, "{answer}");
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.contains("HTTP/1.1 400 "), "{answer}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        up.records().iter().all(|r| r.target != "/smuggled"),
+        "the second request reached the backend"
+    );
+    // In a later write: a plain request is answered, not dropped.
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    for (i, request) in [first, "GET /second HTTP/1.1\r\nHost: x\r\n\r\n"]
+        .iter()
+        .enumerate()
+    {
+        s.write_all(request.as_bytes()).await.unwrap();
+        while answer_end(&out).is_none() {
+            match tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => out.extend_from_slice(&buf[..n]),
+                other => panic!(
+                    "request {i}: no answer ({other:?}): {:?}",
+                    String::from_utf8_lossy(&out)
+                ),
+            }
+        }
+        let end = answer_end(&out).unwrap();
+        let answer = String::from_utf8_lossy(&out[..end]).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 200 "), "request {i}: {answer}");
+        out.drain(..end);
+    }
+    assert!(up.records().iter().any(|r| r.target == "/second"));
 }
 
 #[tokio::test(flavor = "multi_thread")]

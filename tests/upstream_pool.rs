@@ -31,6 +31,10 @@ enum Mode {
     /// body and keeps the connection (as an object store refusing an
     /// upload does); answers anything else 200.
     RefusePutsEarly,
+    /// Answers a PUT 401 as soon as its head has arrived and never reads
+    /// its body (a body-blind server): whatever follows the head on the
+    /// connection is read as the next request. Answers anything else 200.
+    RefusePutsUnread,
     /// Breaks the protocol as a server timing out an idle connection can
     /// seem to: the second request on the first connection gets a 408 at
     /// once, and its real answer ("late") 300 ms later on the same
@@ -203,6 +207,27 @@ async fn serve_raw(
 ) {
     let mut buf = Vec::new();
     let mut served = 0;
+    if matches!(mode, Mode::RefusePutsUnread) {
+        while let Some((method, path, len)) = read_head_line(&mut s, &mut buf).await {
+            requests.fetch_add(1, Ordering::SeqCst);
+            events
+                .lock()
+                .unwrap()
+                .push(format!("connection {nth_connection} {method} {path}"));
+            let answer = if method == "put" {
+                "HTTP/1.1 401 Unauthorized\r\ncontent-length: 3\r\n\r\nno\n"
+            } else {
+                if read_body(&mut s, &mut buf, len).await.is_none() {
+                    return;
+                }
+                "HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok\n"
+            };
+            if s.write_all(answer.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+        return;
+    }
     if matches!(mode, Mode::RefusePutsEarly) {
         while let Some((method, len)) = read_head(&mut s, &mut buf).await {
             requests.fetch_add(1, Ordering::SeqCst);
@@ -505,6 +530,51 @@ fn start_early_refuser() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
     (addr, answered)
 }
 
+/// An upstream that refuses a write before it reads the body, and never
+/// reads it: the request went into the socket's buffer whole, so the lane
+/// cannot tell its answer from a late one. The connection is not reused:
+/// the next request on it would be read as part of what the body holds
+/// (here the head of a request whose body swallows it), and answered with
+/// another request's answer, or never.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_whose_upload_was_refused_is_not_reused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_raw_upstream(Mode::RefusePutsUnread).await;
+    let p = proxy_for(&up, dir.path());
+    let swallower = "GET /swallow HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n";
+    let a = send(
+        "PUT",
+        &p.url("/up"),
+        &[("X-Fence-Token", "1")],
+        swallower.to_string(),
+    )
+    .await;
+    assert_eq!(a.status, 401, "{}", a.text());
+    // The body-blind upstream reads the body as a request head, and waits
+    // for that request's body.
+    eventually("the body read as a request", Duration::from_secs(5), || {
+        up.events.lock().unwrap().len() == 2
+    })
+    .await;
+    let a = tokio::time::timeout(
+        Duration::from_secs(3),
+        send("GET", &p.url("/next"), &[], ""),
+    )
+    .await
+    .expect("the next request was sent on the refused upload's connection");
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.text(), "ok\n");
+    let events = up.events.lock().unwrap().clone();
+    assert_eq!(
+        events,
+        [
+            "connection 0 put /up",
+            "connection 0 get /swallow",
+            "connection 1 get /next"
+        ]
+    );
+}
+
 /// The lane writes a request while it watches for the answer: an
 /// upstream that answers early and stops reading gets its answer passed
 /// on at once (as hyper's path does), not a 504 at the deadline; the
@@ -535,7 +605,11 @@ async fn an_early_answer_from_an_upstream_that_stops_reading_is_passed_on() {
             }
         }
         let got = String::from_utf8_lossy(&got);
-        assert!(got.starts_with("HTTP/1.1 413"), "{got}");
+        assert!(
+            got.starts_with("HTTP/1.1 413"),
+            "request {n} (upstream answered {}): {got}",
+            answered.load(Ordering::SeqCst)
+        );
         // A new connection each time: the cut one was not reused.
         assert_eq!(answered.load(Ordering::SeqCst), n);
     }

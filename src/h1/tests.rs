@@ -26,6 +26,51 @@ fn a_plain_request_is_read_whole() {
     assert_eq!((h.body, h.close), (0, true));
 }
 
+/// A length is read as hyper reads it: any number of digits (leading
+/// zeros too) up to hyper's largest, on the lane and by the guard alike,
+/// which judge every `Content-Length` line whatever the first was.
+#[test]
+fn lengths_are_read_as_hyper_reads_them() {
+    let long = "PUT /k HTTP/1.1\r\nContent-Length: 0000000000000000003\r\n\r\nabc";
+    let Parsed::Head(h) = head(long) else {
+        panic!("not taken: {long:?}");
+    };
+    assert_eq!(h.body, 3);
+    let largest = format!("PUT /k HTTP/1.1\r\nContent-Length: {MAX_LENGTH}\r\n\r\n");
+    assert_eq!(
+        check_request_head(largest.as_bytes()),
+        HeadCheck::Head {
+            len: largest.len(),
+            body: BodyFraming::Length(MAX_LENGTH)
+        }
+    );
+    for value in ["18446744073709551614", "18446744073709551616", "5x", ""] {
+        let text = format!("PUT /k HTTP/1.1\r\nContent-Length: {value}\r\n\r\n");
+        assert!(matches!(head(&text), Parsed::Other), "taken: {text:?}");
+        assert_eq!(
+            check_request_head(text.as_bytes()),
+            HeadCheck::Refused("a Content-Length that is not a length"),
+            "{text:?}"
+        );
+    }
+    for text in [
+        "PUT /k HTTP/1.1\r\nContent-Length: 0000000000000000005\r\nContent-Length: 5\r\n\r\nhello",
+        "PUT /k HTTP/1.0\r\nContent-Length: x\r\nContent-Length: 5\r\n\r\nhello",
+        "PUT /k HTTP/1.0\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+    ] {
+        assert_eq!(
+            check_request_head(text.as_bytes()),
+            HeadCheck::Refused("more than one Content-Length header"),
+            "{text:?}"
+        );
+    }
+    let answer = parse_response(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0000000000000000005\r\n\r\n",
+        false,
+    );
+    assert_eq!(answer.unwrap().unwrap().framing, Framing::Length(5));
+}
+
 #[test]
 fn what_the_hostile_rules_judge_goes_to_hyper() {
     for text in [
@@ -213,6 +258,8 @@ fn line() -> impl Strategy<Value = String> {
         1 => Just("Host: b".to_string()),
         6 => Just("Content-Length: 3".to_string()),
         1 => Just("Content-Length: 03".to_string()),
+        1 => Just("Content-Length: 0000000000000000003".to_string()),
+        1 => Just("Content-Length: 18446744073709551614".to_string()),
         1 => Just("Content-Length: 3, 3".to_string()),
         1 => Just("Content-Length: 3 ".to_string()),
         1 => Just("Content-Length:3".to_string()),
@@ -448,6 +495,7 @@ fn response_line() -> impl Strategy<Value = String> {
         4 => Just("Content-Length: 5".to_string()),
         1 => Just("Content-Length: 5, 5".to_string()),
         1 => Just("Content-Length: 05".to_string()),
+        1 => Just("Content-Length: 0000000000000000005".to_string()),
         1 => Just("Content-Length: 50".to_string()),
         1 => Just("Content-Length: x".to_string()),
         4 => Just("Transfer-Encoding: chunked".to_string()),

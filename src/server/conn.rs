@@ -254,6 +254,7 @@ where
                     let service = service_fn(move |req: Request<Incoming>| {
                         let guard = Busy::new(&busy);
                         let opaque = may_upgrade(&req);
+                        let to_head = req.method() == http::Method::HEAD;
                         let answer = match refused.answer(&req) {
                             Some(stand_in) => Err(stand_in),
                             None => Ok(handler(req, peer)),
@@ -268,6 +269,11 @@ where
                                 Err(stand_in) => stand_in,
                             };
                             close_unless_upgraded(opaque, &mut resp);
+                            // Whatever made the answer (a refusal, the
+                            // upstream), an answer to HEAD has no body.
+                            if to_head {
+                                resp = crate::error::answer_to_head(resp);
+                            }
                             // From the head on, the body keeps the
                             // connection from being idle until it ends
                             // (an event stream's pauses are not idleness).

@@ -15,9 +15,12 @@
 //! refusal (400, problem+json, connection closed) in its turn after the
 //! answers before it; nothing after it is read.
 //!
-//! Where the guard cannot follow (a head or a chunk hyper refuses itself),
-//! it passes the bytes up to that point and nothing after them: hyper
-//! answers and closes, and no later head is read unchecked. After an
+//! A whole head whose framing the guard cannot judge (a `Content-Length`
+//! that is no length, a `Transfer-Encoding` hyper refuses) is refused the
+//! same way. Where the guard cannot follow (bytes that do not parse as a
+//! head, a chunk hyper refuses itself), it passes the bytes up to that
+//! point (at most to the head's first empty line) and nothing after them:
+//! hyper answers and closes, and no later head is read unchecked. After an
 //! upgrade (`Upgrade`, `CONNECT`) the bytes are the tunnel's; such a
 //! request not answered `101` ends its connection ([`close_unless_upgraded`]).
 
@@ -222,10 +225,14 @@ fn advance(
                 }
                 match check_request_head(held) {
                     HeadCheck::Partial if held.len() <= max_head && !eof => return,
-                    // Past hyper's buffer (431), cut short, or not a head
-                    // hyper reads: hyper refuses it and closes.
+                    // Past hyper's buffer (431), cut short, or bytes that
+                    // do not parse as a head: hyper refuses them and
+                    // closes. It gets them up to the first empty line (the
+                    // end of a head however its lines end) and nothing
+                    // after: no later head reaches it unjudged.
                     HeadCheck::Partial | HeadCheck::Unreadable => {
-                        ready.extend_from_slice(held);
+                        let end = head_end(held).unwrap_or(held.len());
+                        ready.extend_from_slice(&held[..end]);
                         held.clear();
                         *state = State::Stopped;
                     }
@@ -254,6 +261,18 @@ fn advance(
             }
         }
     }
+}
+
+/// The end of the first empty line in `buf` (after an LF, an LF or CRLF):
+/// where a head ends, whether its lines end in CRLF or a bare LF.
+fn head_end(buf: &[u8]) -> Option<usize> {
+    buf.iter()
+        .enumerate()
+        .find_map(|(i, b)| match (b, &buf[i + 1..]) {
+            (b'\n', [b'\n', ..]) => Some(i + 2),
+            (b'\n', [b'\r', b'\n', ..]) => Some(i + 3),
+            _ => None,
+        })
 }
 
 /// Follows a chunked body through `buf` as hyper's decoder does: the
@@ -454,6 +473,33 @@ mod tests {
     }
 
     #[test]
+    fn a_length_of_any_number_of_digits_is_followed_and_judged() {
+        // hyper reads 19 digits and more (leading zeros): so does the guard,
+        // and it finds the second line and the heads after the first.
+        let bad = b"PUT /s HTTP/1.1\r\nContent-Length: 0000000000000000005\r\nContent-Length: 5\r\n\r\nhello";
+        let first = b"GET /a HTTP/1.1\r\nContent-Length: 0000000000000000000\r\n\r\n";
+        for input in [bad.to_vec(), [first.as_slice(), bad].concat()] {
+            let (out, state, why) = passed(&input, input.len());
+            assert_eq!(state, State::Stopped);
+            assert_eq!(why, Some("more than one Content-Length header"));
+            assert!(!out.windows(5).any(|w| w == b"hello"));
+        }
+        let two = [first.as_slice(), first].concat();
+        assert_eq!(passed(&two, 3).0, two);
+        // A whole head whose length is no length (past hyper's largest,
+        // not digits): the stand-in, not the bytes.
+        for value in ["18446744073709551614", "99999999999999999999", "5x"] {
+            let input = format!(
+                "PUT /s HTTP/1.1\r\nContent-Length: {value}\r\n\r\nGET /x HTTP/1.1\r\n\r\n"
+            );
+            let (out, state, why) = passed(input.as_bytes(), input.len());
+            assert_eq!(state, State::Stopped);
+            assert_eq!(why, Some("a Content-Length that is not a length"));
+            assert!(out.starts_with(b"GET / HTTP/1.1\r\nx-fencegate-refused-head: "));
+        }
+    }
+
+    #[test]
     fn what_hyper_refuses_is_passed_up_to_there_and_nothing_after() {
         // A chunk size hyper refuses: the bytes up to it, not the request
         // behind it.
@@ -464,8 +510,9 @@ mod tests {
         assert!(out.ends_with(b"\r\n\r\nz"));
         // A head that does not parse.
         let input = b"PUT /a HTTP/1.1\r\nX-A: a\r\n\tb\r\n\r\nGET /x HTTP/1.1\r\n\r\n";
-        let (_, state, _) = passed(input, input.len());
+        let (out, state, _) = passed(input, input.len());
         assert_eq!(state, State::Stopped);
+        assert_eq!(out, b"PUT /a HTTP/1.1\r\nX-A: a\r\n\tb\r\n\r\n");
         // HTTP/2's preface, and an upgrade: not heads any more.
         for input in [
             PREFACE.to_vec(),

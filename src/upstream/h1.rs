@@ -72,8 +72,12 @@ impl Upstream {
                 worker,
                 fresh,
             };
+            let with_body = carries_body(wire);
             if written == wire.len() {
-                return self.read_head(io, buf, conn, to_head, true).await;
+                let reuse = !answered_before_written(&io, &mut buf, to_head);
+                return self
+                    .read_head(io, buf, conn, to_head, reuse, with_body)
+                    .await;
             }
             // The rest goes out while the answer is watched for: an
             // upstream may answer early (413, 401, 403) and read no more
@@ -89,8 +93,10 @@ impl Upstream {
                         w = &mut write => break w.err(),
                         r = rd.read_buf(&mut buf) => match r {
                             // An answer is under way: the rest of the
-                            // request is not sent.
-                            Ok(n) if n > 0 && !final_head(&buf, to_head) => {
+                            // request is not sent. (Watched no further
+                            // than a head's length: a longer one is no
+                            // answer to wait for.)
+                            Ok(n) if n > 0 && !final_head(&buf, to_head) && buf.len() <= MAX_HEAD => {
                                 buf.reserve(READ_AHEAD);
                             }
                             Ok(_) => break Some(std::io::ErrorKind::ConnectionAborted.into()),
@@ -104,11 +110,17 @@ impl Upstream {
                 // one came, is the one to pass on. The connection is not
                 // reused: the request was cut.
                 return self
-                    .read_head(io, buf, conn, to_head, false)
+                    .read_head(io, buf, conn, to_head, false, with_body)
                     .await
                     .map_err(|_| lost_on(e, fresh));
             }
-            return self.read_head(io, buf, conn, to_head, true).await;
+            // The write ended in the same turn as an answer came: an answer
+            // that was there before the request was all written is an
+            // early one, and the connection is not reused.
+            let reuse = !answered_before_written(&io, &mut buf, to_head);
+            return self
+                .read_head(io, buf, conn, to_head, reuse, with_body)
+                .await;
         }
     }
 
@@ -119,6 +131,7 @@ impl Upstream {
         conn: Sent,
         to_head: bool,
         reuse: bool,
+        with_body: bool,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let head = loop {
             match parse_response(&buf, to_head).map_err(|e| UpstreamError::Wire(e.to_string()))? {
@@ -163,6 +176,8 @@ impl Upstream {
         let mut resp = Response::new(());
         *resp.status_mut() = head.status;
         *resp.headers_mut() = head.headers;
+        // A refused upload's body may be unread (see `refuses_body`).
+        let maybe_unread = with_body && refuses_body(head.status);
         let body = WireBody {
             io: Some(WireConn {
                 io,
@@ -170,7 +185,7 @@ impl Upstream {
             }),
             buf,
             state,
-            back: (reuse && !head.close && !retires_connection(head.status))
+            back: (reuse && !head.close && !retires_connection(head.status) && !maybe_unread)
                 .then(|| (self.clone(), conn.worker)),
         };
         Ok(resp.map(|()| body.boxed()))
@@ -275,6 +290,46 @@ fn final_head(buf: &[u8], to_head: bool) -> bool {
             Ok(None) => return false,
         }
     }
+}
+
+/// Whether a final answer head (or bytes that are no answer) is already
+/// there once the request's last byte was handed to the socket: what the
+/// upstream has sent so far is read without waiting. Such an answer came
+/// before the upstream could have read the whole request (or did not
+/// read it): the rest of the request would be read as the next one.
+fn answered_before_written(io: &TcpStream, buf: &mut BytesMut, to_head: bool) -> bool {
+    loop {
+        if buf.len() > MAX_HEAD {
+            return true;
+        }
+        buf.reserve(READ_AHEAD);
+        match io.try_read_buf(buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(_) => return true,
+        }
+    }
+    final_head(buf, to_head)
+}
+
+/// Whether `wire` (a request's head and body) has body bytes after its
+/// head.
+fn carries_body(wire: &[u8]) -> bool {
+    wire.windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .is_some_and(|end| end + 4 < wire.len())
+}
+
+/// Whether an answer with `status` to a request that carried a body may
+/// have been sent without the body being read: any refusal (401, 403,
+/// 413, ...) may be an early one, and a request written whole into the
+/// socket's buffer says nothing of what the upstream read. Such a
+/// connection is not reused: an unread body would be read as the next
+/// request (what hyper's path does too for an answer that comes before
+/// the body's end, and the lane cannot tell apart from one after).
+fn refuses_body(status: http::StatusCode) -> bool {
+    status.is_client_error() || status.is_server_error()
 }
 
 /// A failed read or write once the request may have been sent.

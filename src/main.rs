@@ -28,6 +28,11 @@ fn init_logging(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A failed write of a log line is not reported on stderr again:
+        // tracing-subscriber does that with eprintln!, which panics when
+        // stderr is a closed pipe (a log reader restarted), and the panic
+        // hook's own write then aborted the process.
+        .log_internal_errors(false)
         // Colour only for a terminal: a log file or journal gets no
         // escape codes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));

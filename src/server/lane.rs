@@ -162,12 +162,9 @@ impl Lane {
             let close = head.close || stop.is_cancelled();
             let written = write_response(&mut io, &mut out, resp, to_head, close).await;
             drop(streaming);
-            match written {
-                Ok(true) => {}
-                Ok(false) | Err(_) => {
-                    let _ = io.shutdown().await;
-                    return;
-                }
+            if !matches!(written, Ok(After::KeepAlive)) {
+                let _ = io.shutdown().await;
+                return;
             }
         }
     }
@@ -245,128 +242,215 @@ enum Next {
     Refused(&'static str),
 }
 
-/// Writes an answer: head, then body as it comes (bytes already there
-/// are gathered into one write). `Ok(false)`: the connection must end
-/// after it.
+/// How an answer's body is delimited on the wire.
+#[derive(Clone, Copy)]
+enum Framing {
+    /// No body goes out: an answer to HEAD, 1xx, 204 or 304.
+    Bodiless,
+    /// `Content-Length`, the upstream's or the body's exact size.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`, for a body of unknown size.
+    Chunked,
+}
+
+/// Whether a connection carries another request after an answer.
+#[must_use]
+enum After {
+    KeepAlive,
+    Close,
+}
+
+/// How an answer's body ended.
+enum BodyEnd {
+    /// All of it went, as framed.
+    Whole,
+    /// The upstream failed mid-body.
+    Failed,
+    /// More bytes than its `Content-Length`: the piece past it was not
+    /// sent, or it would be read as another answer.
+    Overlong,
+}
+
+/// Writes an answer: head, then body as it comes.
+///
+/// Keep-alive rule, kept here only: the connection carries another
+/// request only if the client did not ask to close, the answer did not
+/// say `Connection: close`, and the body went out whole and exactly as
+/// framed. Any other end closes it, so a client never reads a cut or
+/// overlong body as whole or as the start of the next answer.
 async fn write_response<I: AsyncWrite + Unpin>(
     io: &mut I,
     out: &mut Vec<u8>,
     resp: Response<ProxyBody>,
     to_head: bool,
-    mut close: bool,
-) -> std::io::Result<bool> {
+    close: bool,
+) -> std::io::Result<After> {
     let (mut parts, mut body) = resp.into_parts();
+    let (framing, close) = frame_head(&mut parts, &body, to_head, close);
+    out.clear();
+    crate::h1::write_response_head(out, parts.status, &parts.headers);
+    let mut sent = BodyOut {
+        io,
+        out,
+        chunked: matches!(framing, Framing::Chunked),
+        bytes: 0,
+    };
+    let end = match framing {
+        Framing::Bodiless => {
+            if body.is_end_stream() {
+                // Polled to its end all the same: an upstream connection
+                // goes back to its pool only when its body is seen to end.
+                let _ = body.frame().await;
+            }
+            BodyEnd::Whole
+        }
+        Framing::Length(n) => sent.copy(&mut body, Some(n)).await?,
+        Framing::Chunked => sent.copy(&mut body, None).await?,
+    };
+    if matches!(end, BodyEnd::Whole) && sent.chunked {
+        sent.out.extend_from_slice(b"0\r\n\r\n");
+    }
+    sent.send().await?;
+    let exact = match framing {
+        Framing::Length(n) => sent.bytes == n,
+        Framing::Bodiless | Framing::Chunked => true,
+    };
+    Ok(if !close && exact && matches!(end, BodyEnd::Whole) {
+        After::KeepAlive
+    } else {
+        After::Close
+    })
+}
+
+/// Completes an answer's head for the wire and says how its body is
+/// framed, and whether the connection closes after it.
+fn frame_head(
+    parts: &mut http::response::Parts,
+    body: &ProxyBody,
+    to_head: bool,
+    mut close: bool,
+) -> (Framing, bool) {
     let status = parts.status;
-    let bodiless = to_head
-        || status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
     let headers = &mut parts.headers;
     close |= headers.get_all(header::CONNECTION).iter().any(|v| {
         v.as_bytes()
             .split(|b| *b == b',')
             .any(|o| o.trim_ascii().eq_ignore_ascii_case(b"close"))
     });
-    let mut length = headers
+    let framing = if to_head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        Framing::Bodiless
+    } else if let Some(n) = headers
         .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    let mut chunked = false;
-    if !bodiless && length.is_none() {
-        match body.size_hint().exact() {
-            Some(n) => {
-                headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
-                length = Some(n);
-            }
-            None => {
-                headers.insert(
-                    header::TRANSFER_ENCODING,
-                    HeaderValue::from_static("chunked"),
-                );
-                chunked = true;
-            }
-        }
-    }
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+    {
+        Framing::Length(n)
+    } else if let Some(n) = body.size_hint().exact() {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        Framing::Length(n)
+    } else {
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        Framing::Chunked
+    };
     if !headers.contains_key(header::DATE) {
         headers.insert(header::DATE, date());
     }
     if close {
         headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
-    out.clear();
-    crate::h1::write_response_head(out, status, headers);
-    if bodiless {
-        io.write_all(out).await?;
-        io.flush().await?;
-        if body.is_end_stream() {
-            // Polled to its end all the same: an upstream connection goes
-            // back to its pool only when its body has been seen to end.
-            let _ = body.frame().await;
+    (framing, close)
+}
+
+/// An answer going out: bytes are gathered in `out` (the head first) and
+/// written when the next frame is not there yet, when a piece is large, or
+/// at the end; every write that waits for the body is flushed first, as
+/// TLS keeps what it was given until then.
+struct BodyOut<'a, I> {
+    io: &'a mut I,
+    out: &'a mut Vec<u8>,
+    chunked: bool,
+    /// Body bytes sent so far, framing not counted.
+    bytes: u64,
+}
+
+impl<I: AsyncWrite + Unpin> BodyOut<'_, I> {
+    /// Copies the body's data frames out until it ends; `length`, the
+    /// declared one, bounds what is sent.
+    async fn copy(
+        &mut self,
+        body: &mut ProxyBody,
+        length: Option<u64>,
+    ) -> std::io::Result<BodyEnd> {
+        loop {
+            let frame = match ready_now(body.frame()).await {
+                Ok(frame) => frame,
+                Err(next) => {
+                    self.send().await?;
+                    next.await
+                }
+            };
+            let data = match frame {
+                None => return Ok(BodyEnd::Whole),
+                Some(Err(_)) => return Ok(BodyEnd::Failed),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => data,
+                    // Trailers are not sent on HTTP/1.1 answers.
+                    Err(_) => continue,
+                },
+            };
+            self.bytes += data.len() as u64;
+            if length.is_some_and(|n| self.bytes > n) {
+                return Ok(BodyEnd::Overlong);
+            }
+            if !data.is_empty() {
+                self.put(&data).await?;
+            }
         }
-        return Ok(!close);
     }
-    let mut sent = 0u64;
-    loop {
-        // A frame that is already there joins the bytes to write; one that
-        // is not makes them go out first.
-        let mut next = body.frame();
-        let frame = match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut next).poll(cx))).await
-        {
-            Poll::Ready(frame) => frame,
-            Poll::Pending => {
-                // Flushed too: TLS keeps what it was given until then.
-                io.write_all(out).await?;
-                io.flush().await?;
-                out.clear();
-                next.await
-            }
-        };
-        let data = match frame {
-            None => break,
-            Some(Err(_)) => {
-                // The upstream failed mid-body: the client must not take
-                // what it got as whole, so the connection ends unfinished.
-                io.write_all(out).await?;
-                return Ok(false);
-            }
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => data,
-                Err(_) => continue,
-            },
-        };
-        sent += data.len() as u64;
-        if length.is_some_and(|n| sent > n) {
-            // More than the declared length: what fits went, the rest
-            // would be read as another answer.
-            io.write_all(out).await?;
-            io.flush().await?;
-            return Ok(false);
+
+    /// Adds one piece of body, in its chunk if chunked.
+    async fn put(&mut self, data: &[u8]) -> std::io::Result<()> {
+        if self.chunked {
+            self.out
+                .extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
         }
-        if data.is_empty() {
-            continue;
-        }
-        if chunked {
-            out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-        }
-        if out.len() + data.len() > WRITE_AT {
+        if self.out.len() + data.len() > WRITE_AT {
             // A large piece (a download) is written from where it lies,
             // not copied into the gathered bytes.
-            io.write_all(out).await?;
-            out.clear();
-            io.write_all(&data).await?;
+            self.io.write_all(self.out).await?;
+            self.out.clear();
+            self.io.write_all(data).await?;
         } else {
-            out.extend_from_slice(&data);
+            self.out.extend_from_slice(data);
         }
-        if chunked {
-            out.extend_from_slice(b"\r\n");
+        if self.chunked {
+            self.out.extend_from_slice(b"\r\n");
         }
+        Ok(())
     }
-    if chunked {
-        out.extend_from_slice(b"0\r\n\r\n");
+
+    /// Writes and flushes what is gathered.
+    async fn send(&mut self) -> std::io::Result<()> {
+        self.io.write_all(self.out).await?;
+        self.io.flush().await?;
+        self.out.clear();
+        Ok(())
     }
-    io.write_all(out).await?;
-    io.flush().await?;
-    out.clear();
-    Ok(!close && length.is_none_or(|n| sent == n))
+}
+
+/// Polls a future once: its output if it is ready now, or the future
+/// itself to await later.
+async fn ready_now<F: Future + Unpin>(mut fut: F) -> Result<F::Output, F> {
+    match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await {
+        Poll::Ready(output) => Ok(output),
+        Poll::Pending => Err(fut),
+    }
 }
 
 /// The `Date` header, made once a second per thread.

@@ -54,6 +54,43 @@ pub(super) struct Granted {
     pub(super) ttl: Option<Duration>,
 }
 
+/// One key's registration on this replica.
+pub(super) struct Active {
+    pub(super) token: u64,
+    pub(super) lease: WriteLease,
+    state: Mutex<ActiveState>,
+    /// Woken when a check's answer is in (the transitions that take one
+    /// wake it themselves).
+    pub(super) changed: tokio::sync::Notify,
+}
+
+/// Where a registration is in its life; it only moves down this list.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Admitting writes of its token.
+    Open,
+    /// No more admissions (the key moved on, a check failed, or it sat
+    /// idle past its confirmation); its lease is released once unused.
+    Closed,
+    /// Its release was handed out: nobody sends it again.
+    Released,
+}
+
+struct ActiveState {
+    phase: Phase,
+    /// Writes admitted on the registration and not ended.
+    inflight: usize,
+    /// A check is under way (writes that need it wait for its answer).
+    checking: bool,
+    /// Local admissions stop at this instant (until a check renews it).
+    fresh_until: Instant,
+    /// The registration lives in the store at least until this instant.
+    expires: Instant,
+    /// A renewal went unanswered: the store may still apply it after the
+    /// release, so the release is sent twice, as for a lost acquire.
+    renew_lost: bool,
+}
+
 impl ActiveState {
     fn renewed(&mut self, g: Granted) {
         self.fresh_until = g.sent + CHECK_EVERY;
@@ -61,34 +98,33 @@ impl ActiveState {
             self.expires = self.expires.max(g.sent + ttl);
         }
     }
-}
 
-/// One key's registration on this replica.
-pub(super) struct Active {
-    pub(super) token: u64,
-    pub(super) lease: WriteLease,
-    pub(super) state: Mutex<ActiveState>,
-    /// Woken when a check's answer is in.
-    pub(super) changed: tokio::sync::Notify,
-}
+    fn close(&mut self) {
+        if self.phase == Phase::Open {
+            self.phase = Phase::Closed;
+        }
+    }
 
-pub(super) struct ActiveState {
-    /// Writes admitted on the registration and not ended.
-    pub(super) inflight: usize,
-    /// Local admissions stop at this instant (until a check renews it).
-    pub(super) fresh_until: Instant,
-    /// The registration lives in the store at least until this instant.
-    pub(super) expires: Instant,
-    /// A check is under way (writes that need it wait for its answer).
-    pub(super) checking: bool,
-    /// No more admissions: the key moved on, or the registration is being
-    /// released.
-    pub(super) closed: bool,
-    /// The release was handed to a task: nobody else sends it.
-    pub(super) released: bool,
-    /// A renewal went unanswered: the store may still apply it after the
-    /// release, so the release is sent twice, as for a lost acquire.
-    pub(super) renew_lost: bool,
+    /// The release rule, kept here only, and applied after every change:
+    /// the lease is kept while a write or a check uses it; once unused, a
+    /// closed registration is released (exactly once), and an open one
+    /// lingers while its confirmation is fresh, for the token's next write
+    /// may come before then.
+    fn settle(&mut self) -> Release {
+        if self.inflight > 0 || self.checking {
+            return Release::Keep;
+        }
+        match self.phase {
+            Phase::Released => Release::Keep,
+            Phase::Open => Release::At(self.fresh_until),
+            Phase::Closed => {
+                self.phase = Phase::Released;
+                Release::Now {
+                    twice: self.renew_lost,
+                }
+            }
+        }
+    }
 }
 
 /// What [`Active::try_admit`] found.
@@ -113,7 +149,18 @@ pub(super) enum Local {
     No,
 }
 
-/// What to do with a registration's lease now.
+/// What [`Active::checked`] decided for the write that asked.
+#[must_use]
+pub(super) enum Checked {
+    /// Admitted on the registration, at this instant.
+    Admitted(Instant),
+    /// Not admitted; the registration is closed.
+    Refused(Release),
+}
+
+/// What to do with a registration's lease now; only
+/// `Fence::release_active` carries it out.
+#[must_use = "a registration's release is carried out by Fence::release_active"]
 pub(super) enum Release {
     /// Nothing (writes still use it, or its release is someone else's).
     Keep,
@@ -132,12 +179,11 @@ impl Active {
             lease,
             changed: tokio::sync::Notify::new(),
             state: Mutex::new(ActiveState {
+                phase: Phase::Open,
                 inflight: 1,
+                checking: false,
                 fresh_until: sent + CHECK_EVERY,
                 expires: sent + ttl,
-                checking: false,
-                closed: false,
-                released: false,
                 renew_lost: false,
             }),
         })
@@ -153,7 +199,7 @@ impl Active {
     pub(super) fn try_admit(&self, token: u64, lasts: Duration) -> (Local, Instant) {
         let mut st = self.lock();
         let now = Instant::now();
-        if st.closed || token != self.token {
+        if st.phase != Phase::Open || token != self.token {
             return (Local::No, now);
         }
         let deadline = now + lasts;
@@ -180,57 +226,53 @@ impl Active {
         )
     }
 
-    /// The answer of the check [`Local::Check`] asked for: `Some(sent)`
-    /// when the store granted the registration again (a poll sent at
-    /// `sent`), which admits the caller's write (`true`); otherwise the
-    /// registration is closed, and released if idle.
-    pub(super) fn checked(
-        &self,
-        granted: Option<Granted>,
-        lasts: Duration,
-    ) -> (bool, Release, Instant) {
-        let mut st = self.lock();
-        st.checking = false;
-        let now = Instant::now();
-        if let Some(g) = granted.filter(|_| !st.closed) {
-            st.renewed(g);
-        }
-        // The confirmation must still be fresh now: an answer that took
-        // longer than the period says nothing about the present.
-        match granted {
-            Some(g) if !st.closed && now < g.sent + CHECK_EVERY && now + lasts <= st.expires => {
-                st.inflight += 1;
-                (true, Release::Keep, now)
-            }
-            _ => {
-                st.closed = true;
-                (false, Self::release_if_idle(&mut st), now)
-            }
-        }
-    }
-
-    /// The answer of the background poll [`Local::AdmittedRefresh`] asked
-    /// for: `Some(sent)` renews the confirmation; otherwise the
-    /// registration is closed (and released if idle).
-    pub(super) fn refreshed(&self, granted: Option<Granted>) -> Release {
-        let mut st = self.lock();
-        st.checking = false;
-        match granted {
-            Some(g) if !st.closed => {
-                st.renewed(g);
-                // Its last write may have ended while the read was out
-                // (`end` leaves the release to the check then).
-                if st.inflight == 0 && !st.released {
-                    Release::At(st.fresh_until)
-                } else {
-                    Release::Keep
+    /// The answer of the check [`Local::Check`] asked for (`None`: the
+    /// store did not grant it, or the check was abandoned). A grant admits
+    /// the caller's write only if the confirmation is still fresh now (an
+    /// answer that took longer than the period says nothing about the
+    /// present) and the lease covers the write; otherwise the registration
+    /// is closed.
+    pub(super) fn checked(&self, granted: Option<Granted>, lasts: Duration) -> Checked {
+        let checked = {
+            let mut st = self.lock();
+            st.checking = false;
+            let now = Instant::now();
+            match granted.filter(|_| st.phase == Phase::Open) {
+                Some(g) => {
+                    st.renewed(g);
+                    if now < g.sent + CHECK_EVERY && now + lasts <= st.expires {
+                        st.inflight += 1;
+                        Checked::Admitted(now)
+                    } else {
+                        st.close();
+                        Checked::Refused(st.settle())
+                    }
+                }
+                None => {
+                    st.close();
+                    Checked::Refused(st.settle())
                 }
             }
-            _ => {
-                st.closed = true;
-                Self::release_if_idle(&mut st)
+        };
+        self.changed.notify_waiters();
+        checked
+    }
+
+    /// The answer of the background check [`Local::AdmittedRefresh`] asked
+    /// for: a grant renews the confirmation; otherwise the registration is
+    /// closed.
+    pub(super) fn refreshed(&self, granted: Option<Granted>) -> Release {
+        let release = {
+            let mut st = self.lock();
+            st.checking = false;
+            match granted.filter(|_| st.phase == Phase::Open) {
+                Some(g) => st.renewed(g),
+                None => st.close(),
             }
-        }
+            st.settle()
+        };
+        self.changed.notify_waiters();
+        release
     }
 
     /// A renewal of the lease went unanswered (a store error or timeout).
@@ -241,47 +283,28 @@ impl Active {
     /// Stops admissions (a newer token was seen for the key).
     pub(super) fn close(&self) -> Release {
         let mut st = self.lock();
-        st.closed = true;
-        Self::release_if_idle(&mut st)
+        st.close();
+        st.settle()
     }
 
     pub(super) fn is_closed(&self) -> bool {
-        self.lock().closed
+        self.lock().phase != Phase::Open
     }
 
     /// A write on the registration ended.
     pub(super) fn end(&self) -> Release {
         let mut st = self.lock();
         st.inflight -= 1;
-        if st.inflight > 0 || st.checking || st.released {
-            return Release::Keep;
-        }
-        if st.closed {
-            return Self::release_if_idle(&mut st);
-        }
-        // Lingers while its confirmation is fresh: the next write of the
-        // token may come before then.
-        Release::At(st.fresh_until)
+        st.settle()
     }
 
-    /// At the instant [`Release::At`] named: releases the registration if
-    /// no write uses it.
+    /// At the instant [`Release::At`] named: the registration is closed
+    /// (and released) if nothing used it meanwhile.
     pub(super) fn idle(&self) -> Release {
         let mut st = self.lock();
-        if st.inflight > 0 || st.checking || st.released {
-            return Release::Keep;
+        if st.inflight == 0 && !st.checking {
+            st.close();
         }
-        st.closed = true;
-        Self::release_if_idle(&mut st)
-    }
-
-    fn release_if_idle(st: &mut ActiveState) -> Release {
-        if st.inflight > 0 || st.checking || st.released {
-            return Release::Keep;
-        }
-        st.released = true;
-        Release::Now {
-            twice: st.renew_lost,
-        }
+        st.settle()
     }
 }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use crate::store::{FenceStore, LeaseOutcome, StoreError, WriteLease};
 
-use super::active::{Active, Granted, Local, Release, CHECK_EVERY};
+use super::active::{Active, Checked, Granted, Local, Release, CHECK_EVERY};
 use super::error::*;
 use super::gate::*;
 use super::state::*;
@@ -69,9 +69,9 @@ pub(super) struct Check<'a> {
 impl Drop for Check<'_> {
     fn drop(&mut self) {
         if let Some(a) = self.active.take() {
-            let (_, release, _) = a.checked(None, Duration::ZERO);
-            a.changed.notify_waiters();
-            self.fence.release_active(&self.key, &a, release);
+            if let Checked::Refused(release) = a.checked(None, Duration::ZERO) {
+                self.fence.release_active(&self.key, &a, release);
+            }
         }
     }
 }
@@ -161,7 +161,6 @@ impl Fence {
                         self.releases.spawn(async move {
                             let granted = fence.confirm(&k, &reg, renew).await;
                             let release = reg.refreshed(granted.ok().flatten());
-                            reg.changed.notify_waiters();
                             fence.release_active(&k, &reg, release);
                         });
                         return Ok(self.active_permit(key, token, a, now + upstream_timeout));
@@ -175,11 +174,16 @@ impl Fence {
                         let confirmed = self.confirm(&key, &a, renew).await;
                         check.active = None;
                         let granted = confirmed.as_ref().ok().copied().flatten();
-                        let (admitted, release, now) = a.checked(granted, lasts);
-                        a.changed.notify_waiters();
-                        self.release_active(&key, &a, release);
-                        if admitted {
-                            return Ok(self.active_permit(key, token, a, now + upstream_timeout));
+                        match a.checked(granted, lasts) {
+                            Checked::Admitted(now) => {
+                                return Ok(self.active_permit(
+                                    key,
+                                    token,
+                                    a,
+                                    now + upstream_timeout,
+                                ))
+                            }
+                            Checked::Refused(release) => self.release_active(&key, &a, release),
                         }
                         // Taken by a newer token, or a store error: say so.
                         // Otherwise (the registration cannot cover this write,

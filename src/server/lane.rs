@@ -289,14 +289,15 @@ async fn write_response<I: AsyncWrite + Unpin>(
     let (framing, close) = frame_head(&mut parts, &body, to_head, close);
     out.clear();
     crate::h1::write_response_head(out, parts.status, &parts.headers);
-    let mut sent = BodyOut {
+    let mut wire = BodyOut {
         io,
         out,
-        chunked: matches!(framing, Framing::Chunked),
+        framing,
         bytes: 0,
     };
     let end = match framing {
         Framing::Bodiless => {
+            wire.send().await?;
             if body.is_end_stream() {
                 // Polled to its end all the same: an upstream connection
                 // goes back to its pool only when its body is seen to end.
@@ -304,18 +305,13 @@ async fn write_response<I: AsyncWrite + Unpin>(
             }
             BodyEnd::Whole
         }
-        Framing::Length(n) => sent.copy(&mut body, Some(n)).await?,
-        Framing::Chunked => sent.copy(&mut body, None).await?,
+        Framing::Length(_) | Framing::Chunked => {
+            let end = wire.copy(&mut body).await?;
+            wire.finish(&end).await?;
+            end
+        }
     };
-    if matches!(end, BodyEnd::Whole) && sent.chunked {
-        sent.out.extend_from_slice(b"0\r\n\r\n");
-    }
-    sent.send().await?;
-    let exact = match framing {
-        Framing::Length(n) => sent.bytes == n,
-        Framing::Bodiless | Framing::Chunked => true,
-    };
-    Ok(if !close && exact && matches!(end, BodyEnd::Whole) {
+    Ok(if !close && matches!(end, BodyEnd::Whole) && wire.exact() {
         After::KeepAlive
     } else {
         After::Close
@@ -370,23 +366,20 @@ fn frame_head(
 /// An answer going out: bytes are gathered in `out` (the head first) and
 /// written when the next frame is not there yet, when a piece is large, or
 /// at the end; every write that waits for the body is flushed first, as
-/// TLS keeps what it was given until then.
+/// TLS keeps what it was given until then. The body's framing on the wire
+/// (chunks, their terminator) is made here only.
 struct BodyOut<'a, I> {
     io: &'a mut I,
     out: &'a mut Vec<u8>,
-    chunked: bool,
+    framing: Framing,
     /// Body bytes sent so far, framing not counted.
     bytes: u64,
 }
 
 impl<I: AsyncWrite + Unpin> BodyOut<'_, I> {
-    /// Copies the body's data frames out until it ends; `length`, the
-    /// declared one, bounds what is sent.
-    async fn copy(
-        &mut self,
-        body: &mut ProxyBody,
-        length: Option<u64>,
-    ) -> std::io::Result<BodyEnd> {
+    /// Copies the body's data frames out until it ends; a declared length
+    /// bounds what is sent.
+    async fn copy(&mut self, body: &mut ProxyBody) -> std::io::Result<BodyEnd> {
         loop {
             let frame = match ready_now(body.frame()).await {
                 Ok(frame) => frame,
@@ -405,7 +398,7 @@ impl<I: AsyncWrite + Unpin> BodyOut<'_, I> {
                 },
             };
             self.bytes += data.len() as u64;
-            if length.is_some_and(|n| self.bytes > n) {
+            if matches!(self.framing, Framing::Length(n) if self.bytes > n) {
                 return Ok(BodyEnd::Overlong);
             }
             if !data.is_empty() {
@@ -416,7 +409,8 @@ impl<I: AsyncWrite + Unpin> BodyOut<'_, I> {
 
     /// Adds one piece of body, in its chunk if chunked.
     async fn put(&mut self, data: &[u8]) -> std::io::Result<()> {
-        if self.chunked {
+        let chunked = matches!(self.framing, Framing::Chunked);
+        if chunked {
             self.out
                 .extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
         }
@@ -429,10 +423,27 @@ impl<I: AsyncWrite + Unpin> BodyOut<'_, I> {
         } else {
             self.out.extend_from_slice(data);
         }
-        if self.chunked {
+        if chunked {
             self.out.extend_from_slice(b"\r\n");
         }
         Ok(())
+    }
+
+    /// Sends what is left: a whole chunked body gets its terminator, a cut
+    /// one never does.
+    async fn finish(&mut self, end: &BodyEnd) -> std::io::Result<()> {
+        if matches!(end, BodyEnd::Whole) && matches!(self.framing, Framing::Chunked) {
+            self.out.extend_from_slice(b"0\r\n\r\n");
+        }
+        self.send().await
+    }
+
+    /// Whether the body sent is exactly as long as its head said.
+    fn exact(&self) -> bool {
+        match self.framing {
+            Framing::Length(n) => self.bytes == n,
+            Framing::Bodiless | Framing::Chunked => true,
+        }
     }
 
     /// Writes and flushes what is gathered.

@@ -52,7 +52,7 @@ export CARGO_PROFILE_TEST_DEBUG=0
 # shared part's) and grant.rs (the lock service's grants, covered by
 # tests/leases.rs).
 FENCE_FILES='src/fence/mod.rs src/fence/state.rs src/fence/admit.rs src/fence/gate.rs src/fence/cache.rs src/fence/recovery.rs src/fence/shared.rs src/fence/error.rs'
-SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease|Fence::release_active|Fence::spawn_release|Fence::sweep_registrations|Active::|Check'
+SHARED='Fence::admit_shared|Fence::overtaken_shared|PendingLease|Fence::release_active|Fence::spawn_release|Fence::sweep_registrations|Active::|ActiveState::|Check'
 CLASSIFY='resolve|route_key|match_order|host_sources_plain|Proxy::is_write|is_copy_or_move|check_framing|request_host|query_values|Proxy::fence_key|Proxy::destination_key|strip_hop_by_hop'
 
 # The verdict comes from missed.txt, not from cargo-mutants' exit status:

@@ -69,8 +69,10 @@ pub(super) struct Active {
 enum Phase {
     /// Admitting writes of its token.
     Open,
-    /// No more admissions (the key moved on, a check failed, or it sat
-    /// idle past its confirmation); its lease is released once unused.
+    /// No more admissions: the key moved on, a check was refused,
+    /// abandoned, answered too late or could not cover its write, or the
+    /// registration was found unused when its linger ended. Its lease is
+    /// released once unused.
     Closed,
     /// Its release was handed out: nobody sends it again.
     Released,
@@ -99,19 +101,32 @@ impl ActiveState {
         }
     }
 
+    /// Whether a write admitted now that lasts `lasts` (its cut included,
+    /// so this is `shared::lease_covers` on the registration's lease) may go
+    /// on the registration alone: the store's confirmation is fresh and the
+    /// lease outlives the write.
+    fn admits(&self, now: Instant, lasts: Duration) -> bool {
+        now < self.fresh_until && now + lasts <= self.expires
+    }
+
     fn close(&mut self) {
         if self.phase == Phase::Open {
             self.phase = Phase::Closed;
         }
     }
 
+    /// Whether a write or a check uses the registration now.
+    fn in_use(&self) -> bool {
+        self.inflight > 0 || self.checking
+    }
+
     /// The release rule, kept here only, and applied after every change:
-    /// the lease is kept while a write or a check uses it; once unused, a
-    /// closed registration is released (exactly once), and an open one
-    /// lingers while its confirmation is fresh, for the token's next write
-    /// may come before then.
+    /// the lease is kept while in use; once unused, a closed registration
+    /// is released (exactly once), and an open one is looked at again
+    /// ([`Active::idle`]) when its confirmation ages, for the token's next
+    /// write may come before then.
     fn settle(&mut self) -> Release {
-        if self.inflight > 0 || self.checking {
+        if self.in_use() {
             return Release::Keep;
         }
         match self.phase {
@@ -203,7 +218,7 @@ impl Active {
             return (Local::No, now);
         }
         let deadline = now + lasts;
-        if now < st.fresh_until && deadline <= st.expires {
+        if st.admits(now, lasts) {
             st.inflight += 1;
             if !st.checking {
                 let renew = deadline + RENEW_AHEAD > st.expires;
@@ -240,7 +255,7 @@ impl Active {
             match granted.filter(|_| st.phase == Phase::Open) {
                 Some(g) => {
                     st.renewed(g);
-                    if now < g.sent + CHECK_EVERY && now + lasts <= st.expires {
+                    if st.admits(now, lasts) {
                         st.inflight += 1;
                         Checked::Admitted(now)
                     } else {
@@ -299,12 +314,231 @@ impl Active {
     }
 
     /// At the instant [`Release::At`] named: the registration is closed
-    /// (and released) if nothing used it meanwhile.
+    /// (and released) if nothing uses it now. One that was used since and
+    /// is unused again closes early (its own linger is still queued): a
+    /// later write of the token registers anew, which costs a store call,
+    /// never safety.
     pub(super) fn idle(&self) -> Release {
         let mut st = self.lock();
-        if st.inflight == 0 && !st.checking {
+        if !st.in_use() {
             st.close();
         }
         st.settle()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The registration's state machine alone, on a paused clock; its use
+    //! against real stores is `tests/shared_stores.rs`.
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(10);
+    const LASTS: Duration = Duration::from_secs(1);
+
+    fn registration() -> Arc<Active> {
+        let lease = WriteLease {
+            id: "l".into(),
+            token: 7,
+        };
+        Active::new(7, lease, Instant::now(), TTL)
+    }
+
+    fn admit(a: &Active, token: u64, lasts: Duration) -> Local {
+        a.try_admit(token, lasts).0
+    }
+
+    fn is_now(r: &Release, twice_expected: bool) -> bool {
+        matches!(r, Release::Now { twice } if *twice == twice_expected)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn admits_its_own_token_while_fresh_and_lingers_after_the_last_write() {
+        let a = registration();
+        let made = Instant::now();
+        assert!(matches!(admit(&a, 7, LASTS), Local::Admitted));
+        assert!(matches!(admit(&a, 8, LASTS), Local::No));
+        assert!(matches!(admit(&a, 6, LASTS), Local::No));
+        // The acquiring write and the admitted one.
+        assert!(matches!(a.end(), Release::Keep));
+        match a.end() {
+            Release::At(at) => assert_eq!(at, made + CHECK_EVERY),
+            _ => panic!("the last write's end must linger until the confirmation ages"),
+        }
+        assert!(!a.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ageing_confirmation_is_refreshed_by_one_write_in_the_background() {
+        let a = registration();
+        tokio::time::advance(CHECK_EVERY / 2).await;
+        assert!(matches!(
+            admit(&a, 7, LASTS),
+            Local::AdmittedRefresh { renew: false }
+        ));
+        // One check at a time: the next write is admitted without one.
+        assert!(matches!(admit(&a, 7, LASTS), Local::Admitted));
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(5)).await;
+        assert!(matches!(
+            a.refreshed(Some(Granted { sent, ttl: None })),
+            Release::Keep
+        ));
+        // Fresh until a period after the check was sent.
+        tokio::time::advance(CHECK_EVERY / 2 - Duration::from_millis(6)).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Admitted));
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Check { renew: false }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_the_store_refuses_closes_and_the_last_write_releases() {
+        let a = registration();
+        tokio::time::advance(CHECK_EVERY / 2).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::AdmittedRefresh { .. }));
+        assert!(matches!(a.refreshed(None), Release::Keep));
+        assert!(a.is_closed());
+        assert!(matches!(admit(&a, 7, LASTS), Local::No));
+        assert!(matches!(a.end(), Release::Keep));
+        assert!(is_now(&a.end(), false));
+        // Exactly once.
+        assert!(matches!(a.close(), Release::Keep));
+        assert!(matches!(a.idle(), Release::Keep));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_that_lands_after_the_last_write_lingers_then_releases() {
+        let a = registration();
+        tokio::time::advance(CHECK_EVERY / 2).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::AdmittedRefresh { .. }));
+        assert!(matches!(a.end(), Release::Keep));
+        // The check is out: its answer settles the release.
+        assert!(matches!(a.end(), Release::Keep));
+        let sent = Instant::now();
+        match a.refreshed(Some(Granted { sent, ttl: None })) {
+            Release::At(at) => assert_eq!(at, sent + CHECK_EVERY),
+            _ => panic!("an idle registration lingers after a granted refresh"),
+        }
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(is_now(&a.idle(), false));
+        assert!(a.is_closed());
+        assert!(matches!(admit(&a, 7, LASTS), Local::No));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_its_confirmation_a_write_checks_and_others_wait_for_the_answer() {
+        let a = registration();
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Check { renew: false }));
+        assert!(matches!(admit(&a, 7, LASTS), Local::Wait));
+        let sent = Instant::now();
+        tokio::time::advance(CHECK_EVERY - Duration::from_millis(1)).await;
+        assert!(matches!(
+            a.checked(Some(Granted { sent, ttl: None }), LASTS),
+            Checked::Admitted(_)
+        ));
+        // That answer is nearly a period old: the next write refreshes it.
+        assert!(matches!(
+            admit(&a, 7, LASTS),
+            Local::AdmittedRefresh { renew: false }
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_that_comes_back_after_a_whole_period_says_nothing_and_closes() {
+        let a = registration();
+        assert!(matches!(a.end(), Release::At(_)));
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Check { .. }));
+        let sent = Instant::now();
+        tokio::time::advance(CHECK_EVERY).await;
+        match a.checked(Some(Granted { sent, ttl: None }), LASTS) {
+            Checked::Refused(r) => assert!(is_now(&r, false)),
+            Checked::Admitted(_) => panic!("a stale confirmation admitted a write"),
+        }
+        assert!(a.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_check_closes_and_releases_once_unused() {
+        let a = registration();
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Check { .. }));
+        // The acquiring write is still in flight.
+        match a.checked(None, Duration::ZERO) {
+            Checked::Refused(r) => assert!(matches!(r, Release::Keep)),
+            Checked::Admitted(_) => panic!("no grant admits nothing"),
+        }
+        assert!(is_now(&a.end(), false));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_is_renewed_ahead_of_need_and_checked_when_it_cannot_cover() {
+        let a = registration();
+        // Ends within RENEW_AHEAD of the lease: admitted, renewed behind.
+        let near = TTL - RENEW_AHEAD + Duration::from_millis(1);
+        assert!(matches!(
+            admit(&a, 7, near),
+            Local::AdmittedRefresh { renew: true }
+        ));
+        let sent = Instant::now();
+        assert!(matches!(
+            a.refreshed(Some(Granted {
+                sent,
+                ttl: Some(TTL * 2)
+            })),
+            Release::Keep
+        ));
+        // The renewal moved the lease's end: the same write now fits
+        // without one.
+        assert!(matches!(admit(&a, 7, near), Local::Admitted));
+        // Past the lease: a check that renews it first.
+        assert!(matches!(
+            admit(&a, 7, TTL * 2 + Duration::from_millis(1)),
+            Local::Check { renew: true }
+        ));
+        match a.checked(Some(Granted { sent, ttl: None }), TTL * 3) {
+            Checked::Refused(_) => {}
+            Checked::Admitted(_) => panic!("a write the lease cannot cover was admitted"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_renewal_makes_the_release_go_twice() {
+        let a = registration();
+        a.renew_lost();
+        assert!(matches!(a.close(), Release::Keep));
+        assert!(is_now(&a.end(), true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_keeps_a_registration_used_since_and_closes_an_unused_one() {
+        let a = registration();
+        assert!(matches!(a.end(), Release::At(_)));
+        assert!(matches!(admit(&a, 7, LASTS), Local::Admitted));
+        assert!(matches!(a.idle(), Release::Keep));
+        assert!(!a.is_closed());
+        assert!(matches!(a.end(), Release::At(_)));
+        tokio::time::advance(CHECK_EVERY).await;
+        assert!(matches!(admit(&a, 7, LASTS), Local::Check { .. }));
+        // A check out keeps it too.
+        assert!(matches!(a.idle(), Release::Keep));
+        let sent = Instant::now();
+        assert!(matches!(
+            a.checked(Some(Granted { sent, ttl: None }), LASTS),
+            Checked::Admitted(_)
+        ));
+        assert!(matches!(a.end(), Release::At(_)));
+        assert!(is_now(&a.idle(), false));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closing_with_writes_in_flight_releases_after_the_last() {
+        let a = registration();
+        assert!(matches!(admit(&a, 7, LASTS), Local::Admitted));
+        assert!(matches!(a.close(), Release::Keep));
+        assert!(matches!(admit(&a, 7, LASTS), Local::No));
+        assert!(matches!(a.end(), Release::Keep));
+        assert!(is_now(&a.end(), false));
     }
 }

@@ -69,6 +69,7 @@ pub(super) struct Check<'a> {
 impl Drop for Check<'_> {
     fn drop(&mut self) {
         if let Some(a) = self.active.take() {
+            // No grant admits nothing: always `Refused`.
             if let Checked::Refused(release) = a.checked(None, Duration::ZERO) {
                 self.fence.release_active(&self.key, &a, release);
             }

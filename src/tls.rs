@@ -23,7 +23,6 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -585,18 +584,15 @@ impl rustls::client::danger::ServerCertVerifier for LaxVerifier {
     }
 }
 
-/// The connector of a route: plain HTTP or verified TLS, as the upstream's
-/// scheme says.
-pub type UpstreamConnector = HttpsConnector<HttpConnector>;
-
-/// Builds a route's connector. `field` is the route's field prefix
-/// (`routes[0]`), for errors.
-pub fn upstream_connector(
+/// Builds a route's connector over the TCP dialer `tcp`: plain HTTP or
+/// verified TLS, as the upstream's scheme says. `field` is the route's
+/// field prefix (`routes[0]`), for errors.
+pub fn upstream_connector<C>(
     field: &str,
     scheme: &http::uri::Scheme,
     tls: &UpstreamTls,
-    http: HttpConnector,
-) -> Result<UpstreamConnector, TlsError> {
+    tcp: C,
+) -> Result<HttpsConnector<C>, TlsError> {
     let f = |name: &str| format!("{field}.{name}");
     let https = *scheme == http::uri::Scheme::HTTPS;
     let roots = match (&tls.ca, https) {
@@ -632,7 +628,7 @@ pub fn upstream_connector(
         vec![b"http/1.1".to_vec()]
     };
     // Plain HTTP for http:// upstreams, TLS for https:// ones.
-    Ok(HttpsConnector::from((http, config)))
+    Ok(HttpsConnector::from((tcp, config)))
 }
 
 /// Whether `e` (or an error it wraps) is a TLS certificate refusal: ours of

@@ -88,7 +88,7 @@ impl RouteTable {
                 &format!("routes[{i}]"),
                 &route.upstream.scheme,
                 &route.upstream_tls,
-                http,
+                crate::upstream::Dialer::new(http),
             )?;
             let dial = Uri::builder()
                 .scheme(route.upstream.scheme.clone())

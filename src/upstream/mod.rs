@@ -13,18 +13,23 @@
 //! A request that may have been written is never sent again; its error is a
 //! 502 (a write must not reach the backend twice).
 //!
+//! Every upstream connection is dialled by `dial.rs`, which makes closing
+//! one discard what its kernel still holds for the backend.
+//!
 //! Files: `pool.rs` (the [`Upstream`], its pools and hyper's exchange),
 //! `h1.rs` (the own HTTP/1.1 lane's exchange with a plain upstream: the
 //! request as bytes, the answer read on the asking task), `limit.rs` (the
 //! cap on connections and its queue), `forms.rs` (a request's HTTP/1.1 and
 //! HTTP/2 forms), `error.rs` (how an exchange fails).
 
+mod dial;
 mod error;
 mod forms;
 mod h1;
 mod limit;
 mod pool;
 
+pub use dial::{Connector, Dialer};
 pub use error::UpstreamError;
 pub use limit::LimitSettings;
 pub use pool::{retires_connection, Upstream};

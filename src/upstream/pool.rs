@@ -17,11 +17,11 @@ use hyper_util::client::legacy::connect::Connection;
 use hyper_util::rt::TokioExecutor;
 use tower_service::Service;
 
+use super::dial::Connector;
 use super::error::UpstreamError;
 use super::forms::{h1_form, h2_form};
 use super::limit::{Limit, LimitSettings, Permit};
 use crate::error::{BoxError, ProxyBody};
-use crate::tls::UpstreamConnector;
 
 /// Idle connections kept per worker and route; the oldest go first.
 pub(super) const MAX_IDLE: usize = 1024;
@@ -31,7 +31,7 @@ pub struct Upstream {
     /// Where connections go (`scheme://authority` of the route), whatever
     /// the request's own URI or Host says.
     pub(super) dial: Uri,
-    pub(super) connector: UpstreamConnector,
+    pub(super) connector: Connector,
     /// One pool per worker thread ([`crate::slot::current`]).
     pub(super) pools: Box<[Mutex<Pool>]>,
     /// An idle connection older than this is closed, not reused.
@@ -84,7 +84,7 @@ pub fn retires_connection(status: http::StatusCode) -> bool {
 impl Upstream {
     pub fn new(
         dial: Uri,
-        connector: UpstreamConnector,
+        connector: Connector,
         workers: usize,
         idle_timeout: Duration,
         h2c: bool,
@@ -546,7 +546,10 @@ mod tests {
     fn upstream(addr: SocketAddr, workers: usize, idle: Duration) -> Arc<Upstream> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
-        let connector = UpstreamConnector::from((http, crate::tls::plain_client_config()));
+        let connector = Connector::from((
+            super::super::Dialer::new(http),
+            crate::tls::plain_client_config(),
+        ));
         let dial: Uri = format!("http://{addr}/").parse().unwrap();
         Arc::new(Upstream::new(
             dial,

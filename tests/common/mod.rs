@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 pub mod cluster;
 pub mod history;
+pub mod netns;
 pub mod servers;
 pub mod tls;
 
@@ -185,6 +186,22 @@ pub async fn start_upstream() -> Upstream {
 /// Starts the recording upstream on `addr`.
 pub async fn start_upstream_on(addr: &str) -> Upstream {
     let listener = listen(addr).unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
+    serve_upstream(listener, |stream, service| {
+        Box::pin(async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        })
+    })
+}
+
+/// Starts the recording upstream on `host`'s address, port `port` (0: a
+/// free one): its socket lives in the host's network namespace.
+pub fn start_upstream_in(host: &netns::Host, port: u16) -> Upstream {
+    let addr = format!("{}:{port}", host.addr);
+    let listener = host
+        .enter(|| listen(&addr))
+        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
     serve_upstream(listener, |stream, service| {
         Box::pin(async move {
             let _ = hyper::server::conn::http1::Builder::new()
@@ -455,6 +472,11 @@ impl ProxyBuilder {
     pub fn nofile(self, n: u32) -> Self {
         self.env(NOFILE, &n.to_string())
     }
+    /// Runs the process on a test host ([`netns::Host`]): its listeners
+    /// take addresses in that host's namespace.
+    pub fn netns(self, host: &netns::Host) -> Self {
+        self.env(NETNS, &host.ns)
+    }
     /// An environment variable for the process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
@@ -507,11 +529,21 @@ pub fn bin() -> &'static str {
 /// environment so that a restart keeps it.
 const NOFILE: &str = "FENCEGATE_TEST_NOFILE";
 
+/// The builder's [`ProxyBuilder::netns`] setting, carried likewise.
+const NETNS: &str = "FENCEGATE_TEST_NETNS";
+
 /// The command that starts fencegate: under `prlimit` if a descriptor limit
-/// was asked for.
+/// was asked for, on a test host if one was.
 fn command(env: &[(String, String)]) -> Command {
-    match env.iter().find(|(k, _)| k == NOFILE) {
-        Some((_, n)) => {
+    let setting = |key: &str| env.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+    if let Some(ns) = setting(NETNS) {
+        assert!(setting(NOFILE).is_none(), "netns and nofile do not combine");
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns, bin()]);
+        return c;
+    }
+    match setting(NOFILE) {
+        Some(n) => {
             let mut c = Command::new(require_prlimit());
             c.arg(format!("--nofile={n}:{n}")).arg("--").arg(bin());
             c

@@ -1,0 +1,159 @@
+//! Network faults (issue 43): fencegate replicas, their store and the
+//! backend on test hosts of their own, each in a network namespace joined
+//! by a switch (`tests/common/netns.rs`), and partitions made in the
+//! switch. Needs root, iproute2 and nftables (scripts/test installs them).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::netns::{Host, Net, RedisOn};
+use common::*;
+use http::StatusCode;
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+
+/// A write of `body` to `path` with `token`, sent from `from` to the proxy
+/// at `to` on a connection of its own; its status, or `None` if no answer
+/// came within 30 s.
+async fn put(
+    from: &Host,
+    to: SocketAddr,
+    path: &str,
+    token: u64,
+    body: usize,
+) -> Option<StatusCode> {
+    let exchange = async {
+        let io = from.connect(to).await.ok()?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .ok()?;
+        tokio::spawn(conn);
+        let req = http::Request::put(path)
+            .header("host", to.to_string())
+            .header("x-fence-token", token.to_string())
+            .body(Full::new(Bytes::from(vec![b'x'; body])))
+            .unwrap();
+        Some(send.send_request(req).await.ok()?.status())
+    };
+    tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The lines of `ss -tn` on `host` for connections to `peer` that still
+/// hold bytes for it, or are closing with bytes it may not have: a
+/// non-empty send queue, or a FIN not yet acknowledged.
+fn queued_for(host: &Host, peer: &Host) -> Vec<String> {
+    host.sockets_to(peer.addr)
+        .lines()
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let send_q = f.get(2).and_then(|q| q.parse::<u64>().ok()).unwrap_or(0);
+            send_q > 0 || f.first().is_some_and(|s| s.starts_with("FIN-WAIT-1"))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// The tokens the backend applied to `path`, in arrival order.
+fn applied(up: &Upstream, path: &str) -> Vec<u64> {
+    up.records()
+        .iter()
+        .filter(|r| r.target == path)
+        .map(|r| r.token.as_deref().unwrap_or("").parse().unwrap())
+        .collect()
+}
+
+/// Issue 43's critical finding. A replica cut from the backend with writes
+/// in flight answers each 504 at its deadline; a newer token then goes
+/// through another replica. When the partition heals, nothing of the
+/// older writes may reach the backend: before the fix, their bytes waited
+/// in the replica's kernel (FIN-WAIT-1, bytes unsent) and were delivered
+/// after the heal, after the newer tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_given_up_at_its_deadline_never_reaches_the_backend_after_the_heal() {
+    let mut net = Net::new();
+    let (store, backend, a, b, client) =
+        (net.host(), net.host(), net.host(), net.host(), net.host());
+    let redis = RedisOn::start(&store, &client).await;
+    let up = start_upstream_in(&backend, 8080);
+    let dir = common::cluster::scratch_dir();
+    let replica = |host: &Host| {
+        ProxyBuilder::new(&up.url(), dir.path())
+            .store_url(&redis.url)
+            .listen(&format!("{}:0", host.addr))
+            .netns(host)
+            .args(&["--upstream-timeout", "2s", "--store-timeout", "1s"])
+            .spawn()
+    };
+    let (pa, pb) = (replica(&a), replica(&b));
+    // Small bodies go on the lane's own path, large ones through hyper's.
+    let keys: Vec<(String, usize)> = (0..4)
+        .map(|k| (format!("/k{k}"), if k < 2 { 16 << 10 } else { 512 << 10 }))
+        .collect();
+
+    // Connections from A to the backend exist and are idle.
+    let small: Vec<(String, usize)> = keys.iter().map(|(p, _)| (p.clone(), 10)).collect();
+    for status in puts(&client, pa.addr, &small, 1).await {
+        assert_eq!(status, Some(StatusCode::OK));
+    }
+
+    net.cut(&a, &backend);
+    let cut_at = Instant::now();
+    for status in puts(&client, pa.addr, &keys, 5).await {
+        let status = status.expect("A answers at its deadline");
+        assert!(
+            status == StatusCode::GATEWAY_TIMEOUT || status == StatusCode::BAD_GATEWAY,
+            "a write A cannot deliver is answered 504 or 502, got {status}"
+        );
+    }
+    // Given up: nothing of those writes is left in A's kernel to deliver.
+    let left = queued_for(&a, &backend);
+    assert!(
+        left.is_empty(),
+        "A still holds bytes for the backend after giving up on its writes (delivered when the link heals):\n{}",
+        left.join("\n")
+    );
+
+    for status in puts(&client, pb.addr, &small, 6).await {
+        assert_eq!(status, Some(StatusCode::OK), "B forwards the newer token");
+    }
+    net.heal();
+    eprintln!("partition lasted {:?}", cut_at.elapsed());
+
+    // A resumes on its own, and the backend saw each key's tokens in order,
+    // none of the given-up ones among them.
+    for (p, _) in &keys {
+        assert_eq!(put(&client, pa.addr, p, 7, 10).await, Some(StatusCode::OK));
+    }
+    for (p, _) in &keys {
+        assert_eq!(applied(&up, p), vec![1, 6, 7], "history of {p}");
+    }
+    assert!(queued_for(&a, &backend).is_empty());
+}
+
+/// Writes at once, one per `(path, body size)`, with `token`: their
+/// statuses in order.
+async fn puts(
+    from: &Host,
+    to: SocketAddr,
+    writes: &[(String, usize)],
+    token: u64,
+) -> Vec<Option<StatusCode>> {
+    let tasks: Vec<_> = writes
+        .iter()
+        .map(|(path, body)| {
+            let (from, path, body) = (from.clone(), path.clone(), *body);
+            tokio::spawn(async move { put(&from, to, &path, token, body).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}

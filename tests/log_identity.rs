@@ -219,3 +219,120 @@ async fn a_first_start_killed_at_once_leaves_a_store_that_opens() {
         assert_eq!(put(&p.url("/k"), "1").await.status, 200, "round {i}");
     }
 }
+
+/// The attack's finding A1: after `kill -9`, a store file deleted, or
+/// emptied (a filesystem that lost it, `> file`), beside the log that
+/// holds its last raises started as a new, empty store and overwrote the
+/// log; a stale token was forwarded. Both are refused now, the log left as
+/// it was; accepting the loss makes a new store that holds every key.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_file_deleted_or_emptied_beside_its_log_is_refused_not_made_anew() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let store = dir.path().join("fences.redb");
+    seven_in_the_table_ten_in_the_log(&up, &store, dir.path()).await;
+    let before: Vec<Vec<u8>> = logs(&store)
+        .iter()
+        .map(|l| std::fs::read(l).unwrap())
+        .collect();
+    let table = std::fs::read(&store).unwrap();
+
+    std::fs::remove_file(&store).unwrap();
+    let (status, err) = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .start_refused();
+    assert!(!status.success());
+    assert!(
+        err.contains("is missing, but its write-ahead log is there"),
+        "{err}"
+    );
+    assert!(err.contains("--accept-store-reset"), "the way out: {err}");
+    assert!(!store.exists(), "no new store was made");
+
+    std::fs::write(&store, b"").unwrap();
+    let (status, err) = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .start_refused();
+    assert!(!status.success());
+    assert!(err.contains("is empty"), "{err}");
+    assert_eq!(std::fs::read(&store).unwrap(), b"", "left as it was");
+    let after: Vec<Vec<u8>> = logs(&store)
+        .iter()
+        .map(|l| std::fs::read(l).unwrap())
+        .collect();
+    assert_eq!(before, after, "the log is left as it was");
+
+    // Restored, nothing was lost.
+    std::fs::write(&store, &table).unwrap();
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .spawn();
+    let a = put(&p.url("/k"), "9").await;
+    assert_eq!(a.status, 409, "{}", a.text());
+    p.kill9();
+
+    // Emptied again and the loss accepted: a new store that holds every
+    // key for the recovery window; the empty file and the log set aside.
+    std::fs::write(&store, b"").unwrap();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .args(&["--accept-store-reset", "--upstream-timeout", "30s"])
+        .spawn();
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    assert_series(&m, "fencegate_recovering", 1.0);
+    let a = put(&p.url("/k"), "11").await;
+    assert_eq!(a.status, 503, "held for the recovery window: {}", a.text());
+    let aside = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains(".rejected-"))
+        .count();
+    assert_eq!(aside, 3, "the empty file and both log files are set aside");
+}
+
+/// The attack's finding A1, after a clean stop: a store file replaced by
+/// another store's (a fresh one, or a copy) beside the log of the store
+/// that was there started with the other store's fences, silently.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_file_replaced_by_another_stores_after_a_clean_stop_is_refused() {
+    let up = start_upstream().await;
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let (sa, sb) = (a.path().join("fences.redb"), b.path().join("fences.redb"));
+    let mut p = ProxyBuilder::new(&up.url(), a.path()).store(&sa).spawn();
+    assert_eq!(put(&p.url("/k"), "100").await.status, 200);
+    assert!(p.sigterm().success());
+    let mut p = ProxyBuilder::new(&up.url(), b.path()).store(&sb).spawn();
+    assert!(p.sigterm().success());
+    std::fs::copy(&sb, &sa).unwrap();
+
+    let (status, err) = ProxyBuilder::new(&up.url(), a.path())
+        .store(&sa)
+        .start_refused();
+    assert!(!status.success());
+    assert!(
+        err.contains("is not the store that wrote the write-ahead log"),
+        "{err}"
+    );
+}
+
+/// A brand-new store still starts where nothing was, and an empty file
+/// with no log (a `touch`) is refused: fencegate never leaves one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_store_starts_where_nothing_was_and_an_empty_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let store = dir.path().join("fences.redb");
+    std::fs::write(&store, b"").unwrap();
+    let (status, err) = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .start_refused();
+    assert!(!status.success());
+    assert!(err.contains("is empty"), "{err}");
+    std::fs::remove_file(&store).unwrap();
+    let mut p = ProxyBuilder::new(&up.url(), dir.path())
+        .store(&store)
+        .spawn();
+    assert_eq!(put(&p.url("/k"), "1").await.status, 200);
+    assert!(p.sigterm().success());
+}

@@ -14,7 +14,13 @@
 //!   another store's means the advances acknowledged since the last
 //!   checkpoint may be gone: refused;
 //! - after a clean stop the log holds nothing the table lacks: a missing
-//!   or foreign log is replaced by an empty one of this store.
+//!   log, or one of another run, is replaced by an empty one of this
+//!   store; but a log of another store means the table beside it is not
+//!   the one that wrote it (replaced by another store's file): refused;
+//! - before a table is created ([`before_create`]): a missing table with a
+//!   log beside it was deleted or moved, not new, and an empty one was
+//!   emptied (fencegate creates its table whole): refused, not replaced by
+//!   a new store.
 //!
 //! The way out of a refusal is to put the log files back, or to accept the
 //! loss (`--accept-store-reset`): the files are set aside, not deleted, and
@@ -86,7 +92,8 @@ pub(super) fn read(
         }
         if let Some(g) = wal::first_generation(p, FILE_HEADER)?.filter(|g| *g > e.logged + 1) {
             let problem = format!(
-                "is older than its write-ahead log ({} holds generation {g}, the store file only up                  to {}): was the store file restored from a backup without its log?",
+                "is older than its write-ahead log ({} holds generation {g}, the store file only \
+                 up to {}): was the store file restored from a backup without its log?",
                 p.display(),
                 e.logged.saturating_sub(1)
             );
@@ -99,6 +106,19 @@ pub(super) fn read(
         .collect();
     if problems.is_empty() {
         return Ok(Ok(Log::Replay(wal::replay(paths, e.logged, FILE_HEADER)?)));
+    }
+    let foreign = owners.iter().find_map(|o| match o {
+        Owner::Log { header, .. } if header.store != e.store => Some(header.store),
+        _ => None,
+    });
+    if let (true, Some(other)) = (e.clean, foreign) {
+        let problem = format!(
+            "is not the store that wrote the write-ahead log beside it (the log is store \
+             {other:016x}'s, the file is store {:016x}'s): was the store file replaced by \
+             another store's?",
+            e.store
+        );
+        return refuse_or_accept(paths, problem, accept);
     }
     if e.clean {
         return Ok(Ok(Log::Replace));
@@ -183,9 +203,7 @@ pub(super) fn read_format_2(
 /// Renames the log files that exist to `<name>.rejected-<unix seconds>`,
 /// durably: an operator who accepted the loss may still want them.
 fn set_aside(paths: &[PathBuf; 2]) -> std::io::Result<()> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = unix_secs();
     for p in paths {
         let mut to = p.as_os_str().to_owned();
         to.push(format!(".rejected-{secs}"));
@@ -200,6 +218,79 @@ fn set_aside(paths: &[PathBuf; 2]) -> std::io::Result<()> {
         None => PathBuf::from("."),
     };
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// What is where the store file should be, before it is created.
+pub(super) enum Table {
+    /// A file: opened as it is.
+    There,
+    /// Nothing, and no log: a new store.
+    New,
+    /// Lost, and the loss accepted (`--accept-store-reset`): the log and
+    /// any empty file were set aside; a new store is made, and every key is
+    /// held for the recovery window.
+    Accepted,
+}
+
+/// Checks where the store file should be before one is created: a missing
+/// file with a non-empty log beside it was deleted or moved, not new; an
+/// empty file was emptied after fencegate made it whole (a filesystem
+/// that lost it in a crash, `> file`). Either would start as a new, empty
+/// store, and every fence it held would be gone: refused unless `accept`.
+pub(super) fn before_create(
+    path: &Path,
+    paths: &[PathBuf; 2],
+    accept: bool,
+) -> std::io::Result<Result<Table, Lost>> {
+    let empty = match std::fs::metadata(path) {
+        Ok(m) if m.len() > 0 => return Ok(Ok(Table::There)),
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e),
+    };
+    let mut logs = Vec::new();
+    for p in paths {
+        match std::fs::metadata(p) {
+            Ok(m) if m.len() > 0 => logs.push(p.display().to_string()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let problem = match (empty, logs.is_empty()) {
+        (false, true) => return Ok(Ok(Table::New)),
+        (true, _) => {
+            "is empty: fencegate creates its store file whole, so it was emptied since (a \
+                      filesystem that lost it in a crash, or a mistake such as `> file`), and \
+                      every fence it held is gone"
+                .to_string()
+        }
+        (false, false) => format!(
+            "is missing, but its write-ahead log is there ({}): was the store file deleted, \
+             moved, or restored without it?",
+            logs.join(", ")
+        ),
+    };
+    if !accept {
+        return Ok(Err(Lost { problem }));
+    }
+    tracing::warn!(
+        "fence store: {problem}; accepted (--accept-store-reset): a new store is made, the log \
+         is set aside and every key is held for the recovery window"
+    );
+    if empty {
+        let mut to = path.as_os_str().to_owned();
+        to.push(format!(".rejected-{}", unix_secs()));
+        std::fs::rename(path, &to)?;
+    }
+    set_aside(paths)?;
+    Ok(Ok(Table::Accepted))
+}
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Makes a store file that does not exist yet whole before it takes its

@@ -93,6 +93,9 @@ pub enum OpenError {
         /// Where log files of this store may be instead.
         hint: String,
     },
+    /// The table is missing beside its log, or emptied.
+    #[error("store file {path} {problem}. Restore the store file as it was, with its log files; or, to accept that fences may have gone back, start once with --accept-store-reset: a new store is made, what was there is set aside, and every key is held for the recovery window")]
+    TableLost { path: PathBuf, problem: String },
 }
 
 pub(super) fn open_db(path: &Path, cache_bytes: usize) -> Result<Database, OpenError> {
@@ -165,6 +168,7 @@ pub(super) fn init_meta(
     wal: &[PathBuf; 2],
     window: Duration,
     accept_loss: bool,
+    table_lost: bool,
 ) -> Result<Found, OpenError> {
     let corrupt = |e: &dyn std::fmt::Display| OpenError::Corrupt {
         path: path.to_path_buf(),
@@ -228,10 +232,13 @@ pub(super) fn init_meta(
                 accept_loss,
             ),
             (Some(2), _) => identity::read_format_2(wal, logged, clean_flag, accept_loss),
-            // A new file, or one of version 1, has no log yet: log files
-            // left beside it belonged to a file that is gone, and are
-            // bound to this one after this commit, before anything is
-            // logged.
+            // A new file made for a lost one (`identity::before_create`):
+            // every key waits.
+            (None, _) if table_lost => Ok(Ok(identity::Log::Accepted)),
+            // A new file, or one of version 1, has no log yet (a log left
+            // beside a new file was refused before it was made); files
+            // under the log's names are bound to this one after this
+            // commit, before anything is logged.
             _ => Ok(Ok(identity::Log::Replay(Vec::new()))),
         }
         .map_err(io)?
@@ -295,6 +302,10 @@ pub(super) fn init_meta(
                         .map_err(|e| corrupt(&e))?
                         .map(|v| Duration::from_millis(v.value())),
                 },
+            },
+            // A new file made for a lost one: its writes may be in flight.
+            None if accepted => StartState::Unclean {
+                previous_window: None,
             },
             // A new file: nothing can be in flight.
             None => StartState::Clean,

@@ -99,13 +99,23 @@ impl EmbeddedStore {
             path: given.to_path_buf(),
             reason: e.to_string(),
         })?;
+        let wal_paths = super::wal::paths(path);
+        let table = super::identity::before_create(path, &wal_paths, accept_loss)
+            .map_err(|e| OpenError::Io {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?
+            .map_err(|lost| OpenError::TableLost {
+                path: path.to_path_buf(),
+                problem: lost.problem,
+            })?;
         super::identity::create_whole(path).map_err(|e| OpenError::Io {
             path: path.to_path_buf(),
             reason: format!("cannot create the store file: {e}"),
         })?;
         let db = open_db(path, cache_bytes)?;
-        let wal_paths = super::wal::paths(path);
-        let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss)
+        let lost = matches!(table, super::identity::Table::Accepted);
+        let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss, lost)
             .map_err(|e| with_hint(e, given, path))?;
         let wal = bind_log(&db, path, &wal_paths, &found.bind, found.generation)?;
         let (tx, rx) = mpsc::channel();

@@ -472,11 +472,12 @@ async fn a_version_1_store_is_upgraded() {
     assert_eq!(s.highest("b").await.unwrap(), Some(4));
 }
 
-/// Log files left beside a store file that was deleted belong to that
-/// file: a new file at the same path empties them first, so none of their
-/// records (whose generations the new file reuses) is replayed into it.
+/// Log files left beside a store file that was deleted hold what that
+/// file lacked: a new store there is refused (it would start with none of
+/// their fences). Accepted, the new file replays none of their records
+/// (whose generations it reuses), sets them aside, and holds every key.
 #[tokio::test]
-async fn the_log_of_a_deleted_store_file_is_not_replayed_into_a_new_one() {
+async fn the_log_of_a_deleted_store_file_is_refused_and_never_replayed_into_a_new_one() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.redb");
     let s = open(&dir);
@@ -484,8 +485,18 @@ async fn the_log_of_a_deleted_store_file_is_not_replayed_into_a_new_one() {
     s.advance("c", 6).await.unwrap();
     drop(s); // a crash: both live only in the log
     std::fs::remove_file(&path).unwrap();
-    let s = open(&dir);
-    assert_eq!(s.start_state(), StartState::Clean, "a new file");
+    match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(9)) {
+        Err(OpenError::TableLost { problem, .. }) => {
+            assert!(problem.contains("is missing"), "{problem}")
+        }
+        other => panic!("expected TableLost, got {:?}", other.err()),
+    }
+    assert!(!path.exists(), "no new file was made");
+    let s = EmbeddedStore::open_with(&path, 1 << 20, Duration::from_secs(9), true).unwrap();
+    assert!(
+        matches!(s.start_state(), StartState::Unclean { .. }),
+        "every key is held"
+    );
     // Same length as a's record: without the emptying, c's would follow it.
     s.advance("b", 1).await.unwrap();
     drop(s);

@@ -355,3 +355,78 @@ async fn a_client_that_stops_reading_is_closed_at_the_response_idle_timeout() {
         assert!(got < TOTAL, "the whole body came: {got}");
     }
 }
+
+/// An upstream that answers in HTTP/1.0, its body delimited by the close:
+/// `rst` ends it with a reset (a cut), otherwise with a FIN (whole).
+async fn http10_upstream(rst: bool) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut b = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut b).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&b[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\ndata: 1\n\n")
+                    .await;
+                let _ = s.flush().await;
+                // Let the first bytes go out before the end.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if rst {
+                    socket2::SockRef::from(&s)
+                        .set_linger(Some(Duration::ZERO))
+                        .unwrap();
+                } else {
+                    let _ = s.shutdown().await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The attack's finding D1: an HTTP/1.0 upstream's close-delimited answer
+/// went to an HTTP/1.1 client on hyper's path as `HTTP/1.0`, close-
+/// delimited, so a cut body ended as cleanly as a whole one. Every answer
+/// is now HTTP/1.1 and framed: a whole body ends with its last chunk, a cut
+/// one never does, on the lane and on hyper's path alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_1_0_upstreams_cut_body_is_never_passed_off_as_whole() {
+    for rst in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let up = http10_upstream(rst).await;
+        let p = ProxyBuilder::new(&format!("http://{up}"), dir.path()).spawn();
+        for how in ["lane", "hyper"] {
+            let request = match how {
+                "lane" => "GET /t HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                _ => "GET /t HTTP/1.1\r\nHost: x\r\nTE: trailers\r\nConnection: close\r\n\r\n",
+            };
+            let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+            s.write_all(request.as_bytes()).await.unwrap();
+            let mut got = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got));
+            let _ = read.await.expect("the answer ends");
+            let got = String::from_utf8_lossy(&got).to_lowercase();
+            assert!(got.starts_with("http/1.1 200"), "{how}, rst {rst}: {got:?}");
+            assert!(
+                got.contains("transfer-encoding: chunked"),
+                "{how}, rst {rst}: framed, not close-delimited: {got:?}"
+            );
+            assert!(got.contains("data: 1"), "{how}, rst {rst}: {got:?}");
+            assert_eq!(
+                got.ends_with("\r\n0\r\n\r\n"),
+                !rst,
+                "{how}, rst {rst}: whole only if the upstream ended it cleanly: {got:?}"
+            );
+        }
+    }
+}

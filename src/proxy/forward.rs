@@ -739,6 +739,13 @@ impl Proxy {
         }
         let upgrade = resp.headers().get(header::UPGRADE).cloned();
         strip_hop_by_hop(resp.headers_mut(), None);
+        // The answer goes out in the client's protocol, not the upstream's:
+        // hyper's server writes the version it is given, and an HTTP/1.0
+        // upstream's answer of unknown length would reach an HTTP/1.1
+        // client close-delimited, where a cut body ends as cleanly as a
+        // whole one. (hyper answers an HTTP/1.0 client in HTTP/1.0 all the
+        // same; HTTP/2 has no version on the wire.)
+        *resp.version_mut() = http::Version::HTTP_11;
         if let (Some(client), Some(upgrade), http::StatusCode::SWITCHING_PROTOCOLS) =
             (client_upgrade, upgrade, resp.status())
         {

@@ -157,3 +157,83 @@ async fn puts(
     }
     out
 }
+
+/// Scenario 1 of issue 43: a replica cut from its store (but not from the
+/// backend or its clients) refuses writes with 503 for as long as the cut
+/// lasts, each within its bound on the store (`store_timeout` for the
+/// whole wait, not per call), and forwards nothing; the other replica goes
+/// on; after the heal the cut replica resumes without an operator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cut_from_its_store_fails_closed_within_its_bound_and_recovers() {
+    let mut net = Net::new();
+    let (store, backend, a, b, client) =
+        (net.host(), net.host(), net.host(), net.host(), net.host());
+    let redis = RedisOn::start(&store, &client).await;
+    let up = start_upstream_in(&backend, 8080);
+    let dir = common::cluster::scratch_dir();
+    let store_timeout = Duration::from_secs(1);
+    let replica = |host: &Host| {
+        ProxyBuilder::new(&up.url(), dir.path())
+            .store_url(&redis.url)
+            .listen(&format!("{}:0", host.addr))
+            .netns(host)
+            .args(&["--upstream-timeout", "2s", "--store-timeout", "1s"])
+            .spawn()
+    };
+    let (pa, pb) = (replica(&a), replica(&b));
+    let keys: Vec<(String, usize)> = (0..4).map(|k| (format!("/k{k}"), 10)).collect();
+    for status in puts(&client, pa.addr, &keys, 1).await {
+        assert_eq!(status, Some(StatusCode::OK));
+    }
+
+    net.cut(&a, &store);
+    let cut_at = Instant::now();
+    // Newer tokens, then the equal one (the steady case) once the store's
+    // last confirmation is older than its check period (the first
+    // refusal took longer than that).
+    let mut slowest = Duration::ZERO;
+    for token in [2, 3, 1] {
+        let sent = Instant::now();
+        for status in puts(&client, pa.addr, &keys, token).await {
+            assert_eq!(
+                status,
+                Some(StatusCode::SERVICE_UNAVAILABLE),
+                "token {token}"
+            );
+        }
+        slowest = slowest.max(sent.elapsed());
+    }
+    eprintln!("cut from its store: slowest refusal {slowest:?}");
+    assert!(
+        slowest <= store_timeout * 2 + Duration::from_millis(500),
+        "a write waited {slowest:?} for a store it cannot reach (store_timeout {store_timeout:?})"
+    );
+    // B goes on.
+    for status in puts(&client, pb.addr, &keys, 4).await {
+        assert_eq!(status, Some(StatusCode::OK), "B reaches the store");
+    }
+    net.heal();
+    eprintln!("partition lasted {:?}", cut_at.elapsed());
+    // A resumes on its own.
+    let resumed = Instant::now();
+    loop {
+        let statuses = puts(&client, pa.addr, &keys, 5).await;
+        if statuses.iter().all(|s| *s == Some(StatusCode::OK)) {
+            break;
+        }
+        assert!(
+            resumed.elapsed() < Duration::from_secs(30),
+            "A did not resume within 30 s of the heal: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("A resumed {:?} after the heal", resumed.elapsed());
+    for (p, _) in &keys {
+        let applied = applied(&up, p);
+        assert!(applied.windows(2).all(|w| w[0] <= w[1]), "{p}: {applied:?}");
+        assert!(
+            !applied.contains(&2) && !applied.contains(&3),
+            "{p}: {applied:?}"
+        );
+    }
+}

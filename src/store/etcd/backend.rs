@@ -22,6 +22,10 @@ impl Backend for EtcdBackend {
         "etcd"
     }
 
+    fn timeout(&self) -> std::time::Duration {
+        self.timeout
+    }
+
     fn session(&self) -> u64 {
         self.session.load(Ordering::Acquire) + self.dials.load(Ordering::Acquire)
     }

@@ -20,6 +20,10 @@ impl Backend for RedisBackend {
         "redis"
     }
 
+    fn timeout(&self) -> std::time::Duration {
+        self.timeout
+    }
+
     fn session(&self) -> u64 {
         self.session.load(Ordering::Acquire)
     }

@@ -13,6 +13,10 @@ use super::marker::*;
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
+    /// `store_timeout`: what one of its calls may take, each of its
+    /// server round trips, and a caller's whole wait on the store
+    /// (`SharedStore::bounded`).
+    fn timeout(&self) -> Duration;
     /// Changes every time a new connection (session) to the server is made,
     /// so the marker is checked again after each reconnect.
     fn session(&self) -> u64;

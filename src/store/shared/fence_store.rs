@@ -29,37 +29,47 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         StartState::Clean
     }
 
+    // Every call a request waits on is `bounded` by `store_timeout` as a
+    // whole (the lock service's through `lock`, leases' through
+    // `guarded`).
+
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        self.backend.highest(key).await
+        self.bounded(self.backend.highest(key)).await
     }
 
     async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
-        self.ensure().await?;
-        let sent = self.ticket();
-        let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
-        self.recheck().await?;
-        if let Some(h) = h {
-            self.witness(key, sent, Some(h), None).await?;
-        }
-        Ok(h)
+        self.bounded(async {
+            self.ensure().await?;
+            let sent = self.ticket();
+            let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
+            self.recheck().await?;
+            if let Some(h) = h {
+                self.witness(key, sent, Some(h), None).await?;
+            }
+            Ok(h)
+        })
+        .await
     }
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
-        self.ensure().await?;
-        let sent = self.ticket();
-        let a = self
-            .backend
-            .advance(key, token)
-            .await
-            .map_err(|e| self.latch(e))?;
-        self.recheck().await?;
-        match a {
-            Advance::Stale { highest } => self.witness(key, sent, Some(highest), None).await?,
-            Advance::Raised { .. } | Advance::Equal => {
-                self.witness(key, sent, None, Some(token)).await?
+        self.bounded(async {
+            self.ensure().await?;
+            let sent = self.ticket();
+            let a = self
+                .backend
+                .advance(key, token)
+                .await
+                .map_err(|e| self.latch(e))?;
+            self.recheck().await?;
+            match a {
+                Advance::Stale { highest } => self.witness(key, sent, Some(highest), None).await?,
+                Advance::Raised { .. } | Advance::Equal => {
+                    self.witness(key, sent, None, Some(token)).await?
+                }
             }
-        }
-        Ok(a)
+            Ok(a)
+        })
+        .await
     }
 
     // In-flight marks are for exclusive stores; a shared store keeps
@@ -140,14 +150,19 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         // Batched per lease (a lease released twice at once is sent once
         // per batch).
-        self.releases
-            .call(&lease.id, (key.to_string(), lease.clone()))
-            .await
+        self.bounded(
+            self.releases
+                .call(&lease.id, (key.to_string(), lease.clone())),
+        )
+        .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.backend.ping().await?;
-        self.ensure().await
+        self.bounded(async {
+            self.backend.ping().await?;
+            self.ensure().await
+        })
+        .await
     }
 
     async fn check_marker(&self) -> Result<(), StoreError> {

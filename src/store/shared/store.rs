@@ -159,6 +159,30 @@ impl<B: Backend> SharedStore<B> {
         &self.backend
     }
 
+    /// Bounds a caller's whole wait on the store by `store_timeout`.
+    ///
+    /// Each round trip inside is bounded by it too, but one call may make
+    /// several (a marker check on a new connection, a reconnect after the
+    /// backoff, the batch ahead of it in the group commit), and they
+    /// stacked: a replica cut from its store kept writes waiting 5-10 s
+    /// with a 2 s `store_timeout` (issue 43). From this bound on, the
+    /// write is refused (503) at once; what the abandoned call may still
+    /// do on the server is what any timed-out call may (an acquire is
+    /// released by its `PendingLease`, twice).
+    pub(super) async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let limit = self.backend.timeout();
+        match tokio::time::timeout(limit, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "{}: no answer within store_timeout ({limit:?})",
+                self.backend.kind()
+            ))),
+        }
+    }
+
     pub(super) fn set_amnesia(&self, why: String) -> StoreError {
         tracing::error!(store = self.backend.kind(), reason = %why, "fence store may have lost data: refusing writes until an operator confirms");
         let mut g = self.guard.lock().expect("guard lock");
@@ -484,12 +508,15 @@ impl<B: Backend> SharedStore<B> {
         key: &str,
         call: impl std::future::Future<Output = Result<LeaseOutcome, StoreError>>,
     ) -> Result<LeaseOutcome, StoreError> {
-        self.ensure().await?;
-        let sent = self.ticket();
-        let outcome = call.await.map_err(|e| self.latch(e))?;
-        self.recheck().await?;
-        self.witness_lease(key, sent, &outcome).await?;
-        Ok(outcome)
+        self.bounded(async {
+            self.ensure().await?;
+            let sent = self.ticket();
+            let outcome = call.await.map_err(|e| self.latch(e))?;
+            self.recheck().await?;
+            self.witness_lease(key, sent, &outcome).await?;
+            Ok(outcome)
+        })
+        .await
     }
 
     /// After a call: if a new connection was made since the marker was last
@@ -512,18 +539,21 @@ impl<B: Backend> SharedStore<B> {
         key: &str,
         call: LockCall<'_>,
     ) -> Result<LockReply, StoreError> {
-        self.ensure().await?;
-        let sent = self.ticket();
-        let reply = self
-            .backend
-            .lock(key, call)
-            .await
-            .map_err(|e| self.latch(e))?;
-        self.recheck().await?;
-        if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
-            self.witness(key, sent, None, Some(*token)).await?;
-        }
-        Ok(reply)
+        self.bounded(async {
+            self.ensure().await?;
+            let sent = self.ticket();
+            let reply = self
+                .backend
+                .lock(key, call)
+                .await
+                .map_err(|e| self.latch(e))?;
+            self.recheck().await?;
+            if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
+                self.witness(key, sent, None, Some(*token)).await?;
+            }
+            Ok(reply)
+        })
+        .await
     }
 
     /// [`FenceStore::confirm_reset`](crate::store::api::FenceStore::confirm_reset), with the marker-check lock held.

@@ -84,7 +84,7 @@ core() {
 }
 
 shared() {
-  run shared --timeout 600 --file src/fence/shared.rs --file src/fence/active.rs --file src/fence/state.rs --re "$SHARED" "$@" --cargo-arg=--test=shared_stores
+  run shared --timeout 600 --file src/fence/shared.rs --file src/fence/active.rs --file src/fence/state.rs --re "$SHARED" "$@" --cargo-arg=--lib --cargo-arg=--test=shared_stores
 }
 
 proxy() {

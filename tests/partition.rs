@@ -77,15 +77,14 @@ fn applied(up: &Upstream, path: &str) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_given_up_at_its_deadline_never_reaches_the_backend_after_the_heal() {
     let mut net = Net::new();
-    let (store, backend, a, b, client) =
-        (net.host(), net.host(), net.host(), net.host(), net.host());
-    let redis = RedisOn::start(&store, &client).await;
+    let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
+    let client = net.local();
+    let redis = RedisOn::start(&store).await;
     let up = start_upstream_in(&backend, 8080);
     let dir = common::cluster::scratch_dir();
     let replica = |host: &Host| {
         ProxyBuilder::new(&up.url(), dir.path())
             .store_url(&redis.url)
-            .listen(&format!("{}:0", host.addr))
             .netns(host)
             .args(&["--upstream-timeout", "2s", "--store-timeout", "1s"])
             .spawn()
@@ -166,16 +165,15 @@ async fn puts(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_cut_from_its_store_fails_closed_within_its_bound_and_recovers() {
     let mut net = Net::new();
-    let (store, backend, a, b, client) =
-        (net.host(), net.host(), net.host(), net.host(), net.host());
-    let redis = RedisOn::start(&store, &client).await;
+    let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
+    let client = net.local();
+    let redis = RedisOn::start(&store).await;
     let up = start_upstream_in(&backend, 8080);
     let dir = common::cluster::scratch_dir();
     let store_timeout = Duration::from_secs(1);
     let replica = |host: &Host| {
         ProxyBuilder::new(&up.url(), dir.path())
             .store_url(&redis.url)
-            .listen(&format!("{}:0", host.addr))
             .netns(host)
             .args(&["--upstream-timeout", "2s", "--store-timeout", "1s"])
             .spawn()

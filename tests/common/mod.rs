@@ -426,6 +426,7 @@ pub struct ProxyBuilder {
     args: Vec<String>,
     env: Vec<(String, String)>,
     listen: String,
+    admin: String,
 }
 
 impl ProxyBuilder {
@@ -437,6 +438,7 @@ impl ProxyBuilder {
             args: Vec::new(),
             env: Vec::new(),
             listen: "127.0.0.1:0".into(),
+            admin: "127.0.0.1:0".into(),
         }
     }
     /// Routes from a config file instead of `--upstream`.
@@ -448,6 +450,7 @@ impl ProxyBuilder {
             args: vec!["--config".into(), config.display().to_string()],
             env: Vec::new(),
             listen: "127.0.0.1:0".into(),
+            admin: "127.0.0.1:0".into(),
         }
     }
     pub fn store(mut self, path: &Path) -> Self {
@@ -472,9 +475,11 @@ impl ProxyBuilder {
     pub fn nofile(self, n: u32) -> Self {
         self.env(NOFILE, &n.to_string())
     }
-    /// Runs the process on a test host ([`netns::Host`]): its listeners
-    /// take addresses in that host's namespace.
-    pub fn netns(self, host: &netns::Host) -> Self {
+    /// Runs the process on a test host ([`netns::Host`]), its proxy and
+    /// admin listeners on the host's address.
+    pub fn netns(mut self, host: &netns::Host) -> Self {
+        self.listen = format!("{}:0", host.addr);
+        self.admin = format!("{}:0", host.addr);
         self.env(NETNS, &host.ns)
     }
     /// An environment variable for the process.
@@ -503,7 +508,7 @@ impl ProxyBuilder {
             "--listen".to_string(),
             self.listen.clone(),
             "--admin-listen".into(),
-            "127.0.0.1:0".into(),
+            self.admin.clone(),
             "--store".into(),
             self.store.clone(),
         ];

@@ -1,11 +1,14 @@
 //! Test hosts in network namespaces, for network faults (issue 43).
 //!
 //! A [`Net`] is a switch: a namespace of its own holding a bridge, and each
-//! [`Host`] a namespace with one veth link to it and an address in
-//! 198.18.0.0/24 (198.18.0.0/15 is set aside for testing network
-//! equipment). The addresses exist only inside these namespaces and no
-//! namespace has a route out: nothing a test sends leaves the machine, nor
-//! even reaches the machine's own stack.
+//! [`Host`] a namespace with one veth link to it and an address in a /24 of
+//! 198.18.0.0/15 (the range set aside for testing network equipment), one
+//! /24 per net. The test process itself is on the switch too
+//! ([`Net::local`], the `.254` of the net, on a link whose other end is in
+//! the switch), so every fixture that speaks HTTP from the test (clients,
+//! the history checker, curl) reaches the hosts as it reaches loopback. No
+//! host has a route out and the switch forwards nothing else: nothing a
+//! test sends leaves the machine.
 //!
 //! Faults are made where a network makes them, in the switch: an
 //! nftables `bridge` filter drops a link's frames (one direction or both).
@@ -30,6 +33,8 @@ pub struct Net {
     /// Unique per net: names are `<tag>s` for the switch, `<tag>h<n>` for
     /// hosts (interface names have at most 15 bytes).
     tag: String,
+    /// The net's /24 is 198.18.<subnet>.0 (198.19 past 255).
+    subnet: u16,
     hosts: u8,
 }
 
@@ -61,11 +66,34 @@ impl Net {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let tag = format!("fg{}n{n}", std::process::id() % 100_000);
-        let net = Net { tag, hosts: 0 };
+        // Nets of one test binary never share a /24 (the test's own
+        // namespace has a link on each); nor, unless 512 nets apart, do
+        // those of binaries run one after another.
+        let subnet = ((std::process::id() % 512 + n * 37) % 512) as u16;
+        let net = Net {
+            tag,
+            subnet,
+            hosts: 0,
+        };
         let sw = net.switch();
         ip(&["netns", "add", &sw]);
         ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"]);
         ip(&["-n", &sw, "link", "set", "br0", "up"]);
+        // The test's own link: its far end in the switch, so that the
+        // switch's removal takes it away.
+        let (near, far) = (format!("{}r", net.tag), format!("{}rs", net.tag));
+        ip(&["link", "add", &near, "type", "veth", "peer", "name", &far]);
+        ip(&["link", "set", &far, "netns", &sw]);
+        ip(&["-n", &sw, "link", "set", &far, "master", "br0"]);
+        ip(&["-n", &sw, "link", "set", &far, "up"]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", net.addr(254)),
+            "dev",
+            &near,
+        ]);
+        ip(&["link", "set", &near, "up"]);
         // The filter every fault is a rule of.
         net.nft(&["add", "table", "bridge", "faults"]);
         net.nft(&[
@@ -81,6 +109,20 @@ impl Net {
 
     fn switch(&self) -> String {
         format!("{}s", self.tag)
+    }
+
+    fn addr(&self, last: u8) -> Ipv4Addr {
+        let [hi, lo] = (0x12_00u16 + self.subnet).to_be_bytes();
+        Ipv4Addr::new(198, hi, lo, last)
+    }
+
+    /// The test process on the switch: its address, and its namespace for
+    /// cuts (it cannot run commands as a host).
+    pub fn local(&self) -> Host {
+        Host {
+            ns: String::new(),
+            addr: self.addr(254),
+        }
     }
 
     fn nft(&self, args: &[&str]) {
@@ -115,7 +157,7 @@ impl Net {
             "br0",
         ]);
         ip(&["-n", &self.switch(), "link", "set", &outside, "up"]);
-        let addr = Ipv4Addr::new(198, 18, 0, n + 1);
+        let addr = self.addr(n + 1);
         ip(&[
             "-n",
             &ns,
@@ -168,6 +210,7 @@ impl Drop for Net {
 impl Host {
     /// A command that runs `program` on this host.
     pub fn command(&self, program: &str) -> Command {
+        assert!(!self.ns.is_empty(), "the test's own link runs no commands");
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.ns, program]);
         c
@@ -177,6 +220,10 @@ impl Host {
     /// sockets `f` makes belong to the host for their whole life, whichever
     /// thread then uses them. `f` must not block on the async runtime.
     pub fn enter<T>(&self, f: impl FnOnce() -> T) -> T {
+        assert!(
+            !self.ns.is_empty(),
+            "the test's own link is no host to enter"
+        );
         use rustix::thread::{move_into_link_name_space, LinkNameSpaceType};
         let home = std::fs::File::open("/proc/thread-self/ns/net").expect("own namespace");
         let there = std::fs::File::open(format!("/run/netns/{}", self.ns))
@@ -194,6 +241,9 @@ impl Host {
         &self,
         to: std::net::SocketAddr,
     ) -> std::io::Result<tokio::net::TcpStream> {
+        if self.ns.is_empty() {
+            return tokio::net::TcpStream::connect(to).await;
+        }
         let socket = self.enter(tokio::net::TcpSocket::new_v4)?;
         socket.connect(to).await
     }
@@ -217,7 +267,7 @@ pub struct RedisOn {
 }
 
 impl RedisOn {
-    pub async fn start(host: &Host, from: &Host) -> RedisOn {
+    pub async fn start(host: &Host) -> RedisOn {
         let server = super::servers::require("redis-server", "redis-server");
         let child = host
             .command(&server)
@@ -235,7 +285,7 @@ impl RedisOn {
         let addr = std::net::SocketAddr::from((host.addr, 6379));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
-            if let Ok(mut s) = from.connect(addr).await {
+            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
                 use tokio::io::{AsyncReadExt, AsyncWriteExt};
                 let mut buf = [0u8; 7];
                 if s.write_all(b"PING\r\n").await.is_ok()
@@ -243,8 +293,7 @@ impl RedisOn {
                     && &buf == b"+PONG\r\n"
                 {
                     // As an operator does once for a new store.
-                    let out = from
-                        .command(super::bin())
+                    let out = Command::new(super::bin())
                         .args(["init-store", "--store", &redis.url])
                         .output()
                         .expect("run fencegate init-store");

@@ -259,63 +259,104 @@ impl Host {
     }
 }
 
-/// A redis-server on a test host, port 6379, without persistence (the
-/// tests here are about the network, not the disk); killed on drop.
-pub struct RedisOn {
+/// A store server on a test host, on its address, with a fresh data
+/// directory, initialised with `fencegate init-store` as an operator does
+/// (which also waits until it answers); killed on drop. Redis keeps no
+/// persistence here: these tests are about the network, not the disk.
+pub struct StoreOn {
     pub url: String,
     child: std::process::Child,
+    _dir: tempfile::TempDir,
 }
 
-impl RedisOn {
-    pub async fn start(host: &Host) -> RedisOn {
-        let server = super::servers::require("redis-server", "redis-server");
-        let child = host
-            .command(&server)
-            .args(["--port", "6379", "--bind", &host.addr.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        let redis = RedisOn {
-            url: format!("redis://{}:6379", host.addr),
-            child,
-        };
-        // Ready when it answers a PING from `from`.
-        let addr = std::net::SocketAddr::from((host.addr, 6379));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut buf = [0u8; 7];
-                if s.write_all(b"PING\r\n").await.is_ok()
-                    && s.read_exact(&mut buf).await.is_ok()
-                    && &buf == b"+PONG\r\n"
-                {
-                    // As an operator does once for a new store.
-                    let out = Command::new(super::bin())
-                        .args(["init-store", "--store", &redis.url])
-                        .output()
-                        .expect("run fencegate init-store");
-                    assert!(
-                        out.status.success(),
-                        "fencegate init-store: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                    return redis;
-                }
+impl StoreOn {
+    pub fn start(kind: super::servers::StoreKind, host: &Host) -> StoreOn {
+        use super::servers::{as_postgres, postgres_bin, require, StoreKind};
+        let dir = super::cluster::scratch_dir();
+        let a = host.addr.to_string();
+        let log = |name: &str| std::fs::File::create(dir.path().join(name)).unwrap();
+        let (url, child) = match kind {
+            StoreKind::Redis => {
+                let child = host
+                    .command(&require("redis-server", "redis-server"))
+                    .args(["--port", "6379", "--bind", &a, "--protected-mode", "no"])
+                    .args(["--save", "", "--appendonly", "no"])
+                    .stdout(log("redis.log"))
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .expect("start redis-server");
+                (format!("redis://{a}:6379/0"), child)
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "redis-server on {} did not answer within 20 s",
-                host.ns
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+            StoreKind::Etcd => {
+                let child = host
+                    .command(&require("etcd", "etcd-server"))
+                    .args(["--name", "m", "--data-dir"])
+                    .arg(dir.path().join("etcd"))
+                    .args(["--listen-client-urls", &format!("http://{a}:2379")])
+                    .args(["--advertise-client-urls", &format!("http://{a}:2379")])
+                    .args(["--listen-peer-urls", &format!("http://{a}:2380")])
+                    .args(["--initial-advertise-peer-urls", &format!("http://{a}:2380")])
+                    .args(["--initial-cluster", &format!("m=http://{a}:2380")])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(log("etcd.log"))
+                    .spawn()
+                    .expect("start etcd");
+                (format!("etcd://{a}:2379"), child)
+            }
+            StoreKind::Postgres => {
+                let data = dir.path().join("pg");
+                std::fs::create_dir_all(&data).unwrap();
+                if super::servers::is_root() {
+                    let ok = Command::new("chown")
+                        .args(["-R", "postgres:postgres"])
+                        .arg(dir.path())
+                        .status()
+                        .is_ok_and(|s| s.success());
+                    assert!(ok, "chown for postgres failed");
+                }
+                let out = as_postgres(&postgres_bin("initdb"))
+                    .arg("-D")
+                    .arg(&data)
+                    .args(["-A", "trust", "-U", "postgres", "--no-sync"])
+                    .output()
+                    .expect("run initdb");
+                assert!(
+                    out.status.success(),
+                    "initdb: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                // The test network's clients, on the host's address.
+                let hba = data.join("pg_hba.conf");
+                let mut rules = std::fs::read_to_string(&hba).unwrap();
+                rules.push_str("host all all 198.18.0.0/15 trust\n");
+                std::fs::write(&hba, rules).unwrap();
+                let mut c = host.command("runuser");
+                c.args(["-u", "postgres", "--"])
+                    .arg(postgres_bin("postgres"));
+                let child = c
+                    .arg("-D")
+                    .arg(&data)
+                    .args(["-p", "5432", "-c", &format!("listen_addresses={a}"), "-k"])
+                    .arg(dir.path())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(log("postgres.log"))
+                    .spawn()
+                    .expect("start postgres");
+                (format!("postgres://postgres@{a}:5432/postgres"), child)
+            }
+            StoreKind::Embedded => panic!("the embedded store is no server"),
+        };
+        let store = StoreOn {
+            url,
+            child,
+            _dir: dir,
+        };
+        super::servers::init_store(&store.url);
+        store
     }
 }
 
-impl Drop for RedisOn {
+impl Drop for StoreOn {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -6,9 +6,12 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::history::*;
 use common::netns::{Host, Net, StoreOn};
 use common::servers::StoreKind;
 use common::*;
@@ -70,6 +73,7 @@ struct Cluster {
     store: Host,
     backend: Host,
     a: Host,
+    b: Host,
     up: Upstream,
     pa: Proxy,
     pb: Proxy,
@@ -107,6 +111,7 @@ impl Cluster {
             store,
             backend,
             a,
+            b,
             up,
             pa,
             pb,
@@ -216,6 +221,110 @@ async fn a_replica_cut_from_its_store_fails_closed_and_recovers(kind: StoreKind)
     }
 }
 
+/// The longest stretch, from `from` to `until`, in which no write to one
+/// key was admitted (from `from` or an admitted write's sending to the
+/// next one's), over the keys: the slowest key's outage.
+fn slowest_key(attempts: &[Attempt], from: Instant, until: Instant) -> Duration {
+    (0..KEYS)
+        .map(|k| {
+            let mine: Vec<Attempt> = attempts.iter().filter(|a| a.key == k).cloned().collect();
+            outage_until(&mine, from, Some(until)).unwrap_or(until - from)
+        })
+        .max()
+        .unwrap_or_default()
+}
+
+/// The history checker's clients (stale holders, paused bodies, both
+/// replicas) while partitions come and go: each replica cut from the store
+/// and then from the backend in turn, for `CUT` each. The history must
+/// hold (no stale write applied, none overtaking an older one, none lost);
+/// each fault's write outage is printed, overall and for the slowest key.
+async fn history_under_partitions(kind: StoreKind) {
+    const CUT: Duration = Duration::from_millis(1500);
+    let c = Cluster::start(kind);
+    let secs: u64 = std::env::var("HISTORY_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(14);
+    let seed: u64 = std::env::var("HISTORY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    let run = Arc::new(Run {
+        attempts: Mutex::new(Vec::new()),
+        replicas: RwLock::new(vec![c.pa.addr, c.pb.addr]),
+        locks: LockService::in_test_with(LEASE),
+        seq: AtomicU64::new(0),
+        deadline: Instant::now() + Duration::from_secs(secs),
+        prefix: String::new(),
+        pause_percent: 25,
+        routes: vec![(String::new(), 200)],
+        long_percent: 10,
+    });
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| tokio::spawn(client_loop(run.clone(), i, seed)))
+        .collect();
+    let replicas = [(&c.a, "A"), (&c.b, "B")];
+    let mut faults = Vec::new();
+    let mut i = 0;
+    while Instant::now() + CUT * 2 < run.deadline {
+        tokio::time::sleep(CUT / 2).await;
+        let (host, name) = replicas[i % 2];
+        let (from, what) = if i % 4 < 2 {
+            (&c.store, "store")
+        } else {
+            (&c.backend, "backend")
+        };
+        c.net.cut(host, from);
+        let at = Instant::now();
+        tokio::time::sleep(CUT).await;
+        c.net.heal();
+        faults.push((format!("{name} cut from the {what}"), at));
+        i += 1;
+    }
+    for client in clients {
+        client.await.unwrap();
+    }
+    // Let detached applies finish (the backend's longest delay is 200 ms).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let attempts = run.attempts.lock().unwrap().clone();
+    let records = c.up.records();
+    let report = Report::new(&attempts, &records, faults.len());
+    let name = format!("partitions-{kind:?}");
+    eprintln!("{}", report.line(&name, seed));
+    let ends: Vec<Instant> = faults
+        .iter()
+        .skip(1)
+        .map(|(_, at)| *at)
+        .chain([Instant::now()])
+        .collect();
+    for ((what, at), until) in faults.iter().zip(ends) {
+        eprintln!(
+            "history {name}: {what} for {CUT:?}: write outage {:?} overall, {:?} on the slowest key",
+            outage_until(&attempts, *at, Some(until)).unwrap_or(until - *at),
+            slowest_key(&attempts, *at, until),
+        );
+    }
+    if let Err(why) = check(&attempts, &records) {
+        let kept = keep_failure(&name, seed, &attempts, &records, &why);
+        panic!("history {name} violated the fence (seed {seed}, kept in {kept}):\n{why}");
+    }
+    assert!(
+        report.stale_attempts > 0 && report.refused_409 > 0,
+        "the run never exercised a stale holder (seed {seed})"
+    );
+    assert!(report.applied > 0);
+    if let Err(why) = report.check_unknowns(&attempts) {
+        panic!("history {name} (seed {seed}): {why}");
+    }
+}
+
 macro_rules! on_each_store {
     ($($m:ident => $kind:expr),*) => {$(
         mod $m {
@@ -229,6 +338,11 @@ macro_rules! on_each_store {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_replica_cut_from_its_store_fails_closed_within_its_bound_and_recovers() {
                 super::a_replica_cut_from_its_store_fails_closed_and_recovers($kind).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread")]
+            async fn history_holds_while_partitions_come_and_go() {
+                super::history_under_partitions($kind).await;
             }
         }
     )*};

@@ -284,6 +284,8 @@ impl LockService {
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub id: String,
+    /// The key written (`k<key>`).
+    pub key: usize,
     pub token: u64,
     /// The lock service's newest token for the key when this was sent.
     pub latest_at_send: u64,
@@ -372,6 +374,7 @@ pub async fn write(run: &Run, rng: &mut Rng, key: usize, token: u64) {
     };
     run.attempts.lock().unwrap().push(Attempt {
         id,
+        key,
         token,
         latest_at_send,
         status,

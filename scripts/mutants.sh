@@ -29,8 +29,10 @@
 #
 # Scope, so that a run fits this 2-core machine: the core files are covered
 # by their unit tests (`--lib`), which run in seconds; the fence's
-# shared-store admission by the suite that runs it against real Redis,
-# PostgreSQL and etcd servers (tests/shared_stores.rs); the proxy's
+# shared-store admission by its registrations' unit tests and the suites
+# that run it against real Redis, PostgreSQL and etcd servers
+# (tests/shared_stores.rs, and tests/partition.rs for what a partition
+# does to an admission); the proxy's
 # classification functions by the integration tests that exercise them
 # against the real binary (contract, hostile, hostile_routes, and reload
 # for the key-mapping barrier a request holds). A mutant
@@ -84,7 +86,7 @@ core() {
 }
 
 shared() {
-  run shared --timeout 600 --file src/fence/shared.rs --file src/fence/active.rs --file src/fence/state.rs --re "$SHARED" "$@" --cargo-arg=--lib --cargo-arg=--test=shared_stores
+  run shared --timeout 600 --file src/fence/shared.rs --file src/fence/active.rs --file src/fence/state.rs --re "$SHARED" "$@" --cargo-arg=--lib --cargo-arg=--test=shared_stores --cargo-arg=--test=partition
 }
 
 proxy() {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::history::*;
-use common::netns::{Host, Net, StoreOn};
+use common::netns::{Host, Net, Relay, StoreOn};
 use common::servers::StoreKind;
 use common::*;
 use http::StatusCode;
@@ -69,6 +69,8 @@ fn applied(up: &Upstream, path: &str) -> Vec<u64> {
 /// Two replicas sharing a store, and the backend, each on a host of its
 /// own; the test's clients on the switch.
 struct Cluster {
+    /// The relay's host and the relay, when the store is reached through it.
+    relay: Option<(Host, Relay)>,
     net: Net,
     store: Host,
     backend: Host,
@@ -88,14 +90,32 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Cluster {
     fn start(kind: StoreKind) -> Cluster {
+        Self::start_with(kind, None)
+    }
+
+    /// With `slow` (a delay and its jitter), the replicas reach the store
+    /// through a relay on a host of its own that delays what it forwards.
+    fn start_with(kind: StoreKind, slow: Option<(Duration, Duration)>) -> Cluster {
         let mut net = Net::new();
         let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
         let server = StoreOn::start(kind, &store);
         let up = start_upstream_in(&backend, 8080);
         let dir = common::cluster::scratch_dir();
+        let (store_url, relay) = match slow {
+            None => (server.url.clone(), None),
+            Some((delay, jitter)) => {
+                let host = net.host();
+                let port = server.port();
+                let relay = Relay::start(&host, (store.addr, port).into(), delay, jitter);
+                let url = server
+                    .url
+                    .replace(&format!("{}:{port}", store.addr), &relay.addr.to_string());
+                (url, Some((host, relay)))
+            }
+        };
         let replica = |host: &Host| {
             ProxyBuilder::new(&up.url(), dir.path())
-                .store_url(&server.url)
+                .store_url(&store_url)
                 .netns(host)
                 .args(&[
                     "--upstream-timeout",
@@ -107,6 +127,7 @@ impl Cluster {
         };
         let (pa, pb) = (replica(&a), replica(&b));
         Cluster {
+            relay,
             net,
             store,
             backend,
@@ -221,6 +242,57 @@ async fn a_replica_cut_from_its_store_fails_closed_and_recovers(kind: StoreKind)
     }
 }
 
+/// A write whose admission is abandoned (its client hangs up) while its
+/// registration's check is out, the store unreachable, must not leave the
+/// registration marked as checking: it would never be released, and its
+/// lease would hold newer tokens on every replica until it expired. Here
+/// the release lands once the partition heals, and a newer token through
+/// the other replica goes through within its own wait.
+async fn an_admission_abandoned_during_its_check_releases_the_registration(kind: StoreKind) {
+    let c = Cluster::start(kind);
+    // A long write keeps token 5's registration on A open.
+    let url = format!("http://{}/k", c.pa.addr);
+    let long = tokio::spawn(async move {
+        let headers = [("x-fence-token", "5"), ("x-test-delay-ms", "1500")];
+        send("PUT", &url, &headers, "long").await.status
+    });
+    eventually_async("the long write reached the backend", || async {
+        c.up.arrivals() == 1
+    })
+    .await;
+    // Past the registration's check period, the next write of token 5 is
+    // admitted once the store confirms it, with its whole deadline.
+    tokio::time::sleep(CHECK_PERIOD * 2).await;
+    let headers = [("x-fence-token", "5"), ("x-test-delay-ms", "300")];
+    let checked = send(
+        "PUT",
+        &format!("http://{}/k", c.pa.addr),
+        &headers,
+        "checked",
+    )
+    .await;
+    assert_eq!(checked.status, StatusCode::OK, "{}", checked.text());
+    // Again past it, the check cannot reach the store; the client gives up.
+    tokio::time::sleep(CHECK_PERIOD * 2).await;
+    c.net.cut(&c.a, &c.store);
+    let abandoned = tokio::time::timeout(Duration::from_millis(300), put(c.pa.addr, "/k", 5, 10));
+    assert!(abandoned.await.is_err(), "the check waits for the store");
+    assert_eq!(long.await.unwrap(), StatusCode::OK);
+    c.net.heal();
+    let sent = Instant::now();
+    let newer = put(c.pb.addr, "/k", 6, 10).await;
+    assert_eq!(
+        newer,
+        Some(StatusCode::OK),
+        "token 6 waited out A's registration for {:?}: it was never released",
+        sent.elapsed()
+    );
+    assert_eq!(applied(&c.up, "/k"), vec![5, 5, 6]);
+}
+
+/// fencegate's check period of a registration (`fence::CHECK_EVERY`).
+const CHECK_PERIOD: Duration = Duration::from_millis(50);
+
 /// The longest stretch, from `from` to `until`, in which no write to one
 /// key was admitted (from `from` or an admitted write's sending to the
 /// next one's), over the keys: the slowest key's outage.
@@ -240,12 +312,42 @@ fn slowest_key(attempts: &[Attempt], from: Instant, until: Instant) -> Duration 
 /// hold (no stale write applied, none overtaking an older one, none lost);
 /// each fault's write outage is printed, overall and for the slowest key.
 async fn history_under_partitions(kind: StoreKind) {
+    history(kind, Plan::Partitions).await;
+}
+
+/// Scenario 4 of issue 43: the replicas reach the store over a lossy, slow
+/// link (7% of frames dropped each way, 20-70 ms of delay each way) for
+/// the whole run, under the history checker's clients. No violation; the
+/// refusals (503 when a call outlives `store_timeout`) are counted.
+async fn history_over_a_lossy_slow_link_to_the_store(kind: StoreKind) {
+    history(kind, Plan::Lossy { percent: 7 }).await;
+}
+
+/// What a history run does to the network.
+enum Plan {
+    /// Each replica cut from the store, then from the backend, in turn.
+    Partitions,
+    /// The replicas' links to the store (through a slow relay) drop this
+    /// share of frames, the whole run.
+    Lossy { percent: u8 },
+}
+
+async fn history(kind: StoreKind, plan: Plan) {
     const CUT: Duration = Duration::from_millis(1500);
-    let c = Cluster::start(kind);
+    let c = match plan {
+        Plan::Partitions => Cluster::start(kind),
+        Plan::Lossy { .. } => Cluster::start_with(
+            kind,
+            Some((Duration::from_millis(20), Duration::from_millis(50))),
+        ),
+    };
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(14);
+        .unwrap_or(match plan {
+            Plan::Partitions => 14,
+            Plan::Lossy { .. } => 10,
+        });
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -272,8 +374,16 @@ async fn history_under_partitions(kind: StoreKind) {
         .collect();
     let replicas = [(&c.a, "A"), (&c.b, "B")];
     let mut faults = Vec::new();
+    if let (Plan::Lossy { percent }, Some((relay, _))) = (&plan, &c.relay) {
+        c.net.lossy(&c.a, relay, *percent);
+        c.net.lossy(&c.b, relay, *percent);
+        faults.push((
+            format!("{percent}% loss and 20-70 ms each way to the store"),
+            Instant::now(),
+        ));
+    }
     let mut i = 0;
-    while Instant::now() + CUT * 2 < run.deadline {
+    while matches!(plan, Plan::Partitions) && Instant::now() + CUT * 2 < run.deadline {
         tokio::time::sleep(CUT / 2).await;
         let (host, name) = replicas[i % 2];
         let (from, what) = if i % 4 < 2 {
@@ -296,7 +406,10 @@ async fn history_under_partitions(kind: StoreKind) {
     let attempts = run.attempts.lock().unwrap().clone();
     let records = c.up.records();
     let report = Report::new(&attempts, &records, faults.len());
-    let name = format!("partitions-{kind:?}");
+    let name = match plan {
+        Plan::Partitions => format!("partitions-{kind:?}"),
+        Plan::Lossy { .. } => format!("lossy-{kind:?}"),
+    };
     eprintln!("{}", report.line(&name, seed));
     let ends: Vec<Instant> = faults
         .iter()
@@ -306,7 +419,8 @@ async fn history_under_partitions(kind: StoreKind) {
         .collect();
     for ((what, at), until) in faults.iter().zip(ends) {
         eprintln!(
-            "history {name}: {what} for {CUT:?}: write outage {:?} overall, {:?} on the slowest key",
+            "history {name}: {what} for {:?}: write outage {:?} overall, {:?} on the slowest key",
+            until - *at,
             outage_until(&attempts, *at, Some(until)).unwrap_or(until - *at),
             slowest_key(&attempts, *at, until),
         );
@@ -344,11 +458,21 @@ macro_rules! on_each_store {
             async fn history_holds_while_partitions_come_and_go() {
                 super::history_under_partitions($kind).await;
             }
+
+            #[tokio::test(flavor = "multi_thread")]
+            async fn history_holds_over_a_lossy_slow_link_to_the_store() {
+                super::history_over_a_lossy_slow_link_to_the_store($kind).await;
+            }
         }
     )*};
 }
 
 on_each_store!(redis => StoreKind::Redis, postgres => StoreKind::Postgres, etcd => StoreKind::Etcd);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_abandoned_during_its_check_releases_the_registration_redis() {
+    an_admission_abandoned_during_its_check_releases_the_registration(StoreKind::Redis).await;
+}
 
 /// [`puts`], each refused write sent again until all are admitted, at
 /// most `within`: how long that took. Every refusal meanwhile must be a

@@ -16,7 +16,7 @@ pub const CLIENTS: usize = 8;
 pub const LEASE: Duration = Duration::from_millis(150);
 
 /// xorshift64*: enough randomness for schedules, reproducible by seed.
-pub struct Rng(u64);
+pub struct Rng(pub u64);
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
@@ -24,7 +24,7 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545F4914F6CDD1D)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
     fn chance(&mut self, percent: u64) -> bool {

@@ -187,6 +187,20 @@ impl Net {
         self.cut_one_way(b, a);
     }
 
+    /// Drops `percent` of the frames between `a` and `b`, each direction
+    /// drawn on its own (nftables' `numgen random`: this kernel has no
+    /// netem).
+    pub fn lossy(&self, a: &Host, b: &Host, percent: u8) {
+        for (f, t) in [(a, b), (b, a)] {
+            let (f, t) = (f.addr.to_string(), t.addr.to_string());
+            let p = percent.to_string();
+            self.nft(&[
+                "add", "rule", "bridge", "faults", "links", "ip", "saddr", &f, "ip", "daddr", &t,
+                "numgen", "random", "mod", "100", "<", &p, "drop",
+            ]);
+        }
+    }
+
     /// Every cut healed.
     pub fn heal(&self) {
         self.nft(&["flush", "chain", "bridge", "faults", "links"]);
@@ -257,6 +271,96 @@ impl Host {
             .expect("ss (iproute2)");
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
+}
+
+/// A TCP relay on a host that delays what it forwards: each chunk read
+/// goes out `delay` plus up to `jitter` later, in order (a link's latency
+/// and jitter as a TCP stream sees them; the kernel has no netem).
+pub struct Relay {
+    pub addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    pub fn start(
+        on: &Host,
+        to: std::net::SocketAddr,
+        delay: std::time::Duration,
+        jitter: std::time::Duration,
+    ) -> Relay {
+        let listener = on
+            .enter(|| {
+                let s = tokio::net::TcpSocket::new_v4()?;
+                s.bind((on.addr, 0).into())?;
+                s.listen(128)
+            })
+            .expect("relay listener");
+        let addr = listener.local_addr().unwrap();
+        let on = on.clone();
+        let task = tokio::spawn(async move {
+            let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let Ok(outbound) = on.connect(to).await else {
+                    continue;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                tokio::spawn(pump(ri, wo, delay, jitter, seed));
+                tokio::spawn(pump(ro, wi, delay, jitter, seed ^ 1));
+            }
+        });
+        Relay { addr, task }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`, each chunk held until its time.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: std::time::Duration,
+    jitter: std::time::Duration,
+    seed: u64,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    });
+    let mut rng = super::history::Rng(seed | 1);
+    let mut last = tokio::time::Instant::now();
+    let mut buf = vec![0u8; 16 * 1024];
+    let jitter_us = jitter.as_micros() as u64 + 1;
+    loop {
+        match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let d = delay + std::time::Duration::from_micros(rng.below(jitter_us));
+                // In order: never before the chunk ahead of it.
+                last = last.max(tokio::time::Instant::now() + d);
+                if tx.send((last, buf[..n].to_vec())).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
 }
 
 /// A store server on a test host, on its address, with a fresh data
@@ -353,6 +457,14 @@ impl StoreOn {
         };
         super::servers::init_store(&store.url);
         store
+    }
+}
+
+impl StoreOn {
+    /// The port its clients connect to.
+    pub fn port(&self) -> u16 {
+        let rest = self.url.rsplit_once(':').expect("host:port").1;
+        rest.split('/').next().unwrap().parse().expect("a port")
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::history::*;
-use common::netns::{Host, Net, Relay, StoreOn};
+use common::netns::{EtcdOn, Host, Net, Relay, StoreOn};
 use common::servers::StoreKind;
 use common::*;
 use http::StatusCode;
@@ -72,14 +72,17 @@ struct Cluster {
     /// The relay's host and the relay, when the store is reached through it.
     relay: Option<(Host, Relay)>,
     net: Net,
+    /// The store's host (its first member's, for etcd's three).
     store: Host,
+    /// A three-member etcd's members, when the store is one.
+    etcd: Option<EtcdOn>,
     backend: Host,
     a: Host,
     b: Host,
     up: Upstream,
     pa: Proxy,
     pb: Proxy,
-    _server: StoreOn,
+    _server: Option<StoreOn>,
     _dir: tempfile::TempDir,
 }
 
@@ -88,29 +91,52 @@ struct Cluster {
 const UPSTREAM_TIMEOUT: &str = "2s";
 const STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// What the replicas' store is.
+enum Store {
+    /// One server of this kind.
+    One(StoreKind),
+    /// One server, reached through a relay that delays by the first
+    /// duration plus up to the second.
+    Slow(StoreKind, Duration, Duration),
+    /// Three etcd members.
+    EtcdCluster,
+}
+
 impl Cluster {
     fn start(kind: StoreKind) -> Cluster {
-        Self::start_with(kind, None)
+        Self::start_with(Store::One(kind))
     }
 
-    /// With `slow` (a delay and its jitter), the replicas reach the store
-    /// through a relay on a host of its own that delays what it forwards.
-    fn start_with(kind: StoreKind, slow: Option<(Duration, Duration)>) -> Cluster {
+    fn start_with(what: Store) -> Cluster {
         let mut net = Net::new();
         let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
-        let server = StoreOn::start(kind, &store);
         let up = start_upstream_in(&backend, 8080);
         let dir = common::cluster::scratch_dir();
-        let (store_url, relay) = match slow {
-            None => (server.url.clone(), None),
-            Some((delay, jitter)) => {
+        let (mut server, mut etcd, mut relay) = (None, None, None);
+        let store_url = match what {
+            Store::One(kind) => {
+                let s = StoreOn::start(kind, &store);
+                let url = s.url.clone();
+                server = Some(s);
+                url
+            }
+            Store::Slow(kind, delay, jitter) => {
+                let s = StoreOn::start(kind, &store);
                 let host = net.host();
-                let port = server.port();
-                let relay = Relay::start(&host, (store.addr, port).into(), delay, jitter);
-                let url = server
+                let port = s.port();
+                let r = Relay::start(&host, (store.addr, port).into(), delay, jitter);
+                let url = s
                     .url
-                    .replace(&format!("{}:{port}", store.addr), &relay.addr.to_string());
-                (url, Some((host, relay)))
+                    .replace(&format!("{}:{port}", store.addr), &r.addr.to_string());
+                (server, relay) = (Some(s), Some((host, r)));
+                url
+            }
+            Store::EtcdCluster => {
+                let members = [store.clone(), net.host(), net.host()];
+                let e = EtcdOn::start(&members);
+                let url = e.url.clone();
+                etcd = Some(e);
+                url
             }
         };
         let replica = |host: &Host| {
@@ -130,6 +156,7 @@ impl Cluster {
             relay,
             net,
             store,
+            etcd,
             backend,
             a,
             b,
@@ -290,6 +317,47 @@ async fn an_admission_abandoned_during_its_check_releases_the_registration(kind:
     assert_eq!(applied(&c.up, "/k"), vec![5, 5, 6]);
 }
 
+/// Split brains until `deadline`: etcd's leader cut from the other two
+/// members and from replica B, replica A from the other two (A reaches
+/// only the old leader, which cannot commit without a quorum; B reaches
+/// the majority, which elects a new leader), for 3 s each, healed for 2 s
+/// in between. Each one's start, named.
+async fn split_brains(c: &Cluster, etcd: &EtcdOn, deadline: Instant) -> Vec<(String, Instant)> {
+    let mut faults = Vec::new();
+    while Instant::now() + Duration::from_secs(4) < deadline {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let Some(l) = etcd.leader() else {
+            continue;
+        };
+        let leader = &etcd.members[l];
+        let others: Vec<&Host> = (0..3)
+            .filter(|i| *i != l)
+            .map(|i| &etcd.members[i])
+            .collect();
+        for o in &others {
+            c.net.cut(leader, o);
+            c.net.cut(&c.a, o);
+        }
+        c.net.cut(&c.b, leader);
+        let at = Instant::now();
+        faults.push((format!("etcd leader m{l} in a minority with A"), at));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        c.net.heal();
+        let healed = Instant::now();
+        let mut settled = None;
+        while Instant::now() < healed + Duration::from_secs(10) {
+            if etcd.leader().is_some() {
+                settled = Some(healed.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        eprintln!("split brain healed: a leader answers {settled:?} after the heal");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    faults
+}
+
 /// fencegate's check period of a registration (`fence::CHECK_EVERY`).
 const CHECK_PERIOD: Duration = Duration::from_millis(50);
 
@@ -330,22 +398,28 @@ enum Plan {
     /// The replicas' links to the store (through a slow relay) drop this
     /// share of frames, the whole run.
     Lossy { percent: u8 },
+    /// A three-member etcd whose leader is cut from the other members and
+    /// from replica B, while replica A reaches only it, in turn with
+    /// healed stretches.
+    SplitBrain,
 }
 
 async fn history(kind: StoreKind, plan: Plan) {
     const CUT: Duration = Duration::from_millis(1500);
     let c = match plan {
         Plan::Partitions => Cluster::start(kind),
-        Plan::Lossy { .. } => Cluster::start_with(
+        Plan::Lossy { .. } => Cluster::start_with(Store::Slow(
             kind,
-            Some((Duration::from_millis(20), Duration::from_millis(50))),
-        ),
+            Duration::from_millis(20),
+            Duration::from_millis(50),
+        )),
+        Plan::SplitBrain => Cluster::start_with(Store::EtcdCluster),
     };
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(match plan {
-            Plan::Partitions => 14,
+            Plan::Partitions | Plan::SplitBrain => 14,
             Plan::Lossy { .. } => 10,
         });
     let seed: u64 = std::env::var("HISTORY_SEED")
@@ -382,6 +456,9 @@ async fn history(kind: StoreKind, plan: Plan) {
             Instant::now(),
         ));
     }
+    if let (Plan::SplitBrain, Some(etcd)) = (&plan, &c.etcd) {
+        faults.extend(split_brains(&c, etcd, run.deadline).await);
+    }
     let mut i = 0;
     while matches!(plan, Plan::Partitions) && Instant::now() + CUT * 2 < run.deadline {
         tokio::time::sleep(CUT / 2).await;
@@ -409,6 +486,7 @@ async fn history(kind: StoreKind, plan: Plan) {
     let name = match plan {
         Plan::Partitions => format!("partitions-{kind:?}"),
         Plan::Lossy { .. } => format!("lossy-{kind:?}"),
+        Plan::SplitBrain => "split-brain-etcd".to_string(),
     };
     eprintln!("{}", report.line(&name, seed));
     let ends: Vec<Instant> = faults
@@ -419,7 +497,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         .collect();
     for ((what, at), until) in faults.iter().zip(ends) {
         eprintln!(
-            "history {name}: {what} for {:?}: write outage {:?} overall, {:?} on the slowest key",
+            "history {name}: {what} (window to the next fault {:?}): write outage {:?} overall, {:?} on the slowest key",
             until - *at,
             outage_until(&attempts, *at, Some(until)).unwrap_or(until - *at),
             slowest_key(&attempts, *at, until),
@@ -468,6 +546,13 @@ macro_rules! on_each_store {
 }
 
 on_each_store!(redis => StoreKind::Redis, postgres => StoreKind::Postgres, etcd => StoreKind::Etcd);
+
+/// Scenario 2 of issue 43 on etcd: the leader in a minority with one
+/// replica, the majority with the other, under the history checker.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_holds_while_etcds_leader_is_in_a_minority() {
+    history(StoreKind::Etcd, Plan::SplitBrain).await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_abandoned_during_its_check_releases_the_registration_redis() {

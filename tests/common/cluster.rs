@@ -687,7 +687,7 @@ fn etcd_status(port: u16) -> Option<String> {
 }
 
 /// A string field of a flat JSON answer (`"name":"value"`), or "".
-fn json_field(json: &str, name: &str) -> String {
+pub fn json_field(json: &str, name: &str) -> String {
     let key = format!("\"{name}\":\"");
     json.find(&key)
         .map(|i| &json[i + key.len()..])

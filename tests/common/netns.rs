@@ -460,6 +460,92 @@ impl StoreOn {
     }
 }
 
+/// Three etcd members, each on a host of its own, with quick elections
+/// (50 ms heartbeats, 250 ms election timeout); killed on drop.
+pub struct EtcdOn {
+    pub url: String,
+    pub members: Vec<Host>,
+    children: Vec<std::process::Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdOn {
+    pub fn start(members: &[Host]) -> EtcdOn {
+        let dir = super::cluster::scratch_dir();
+        let bin = super::servers::require("etcd", "etcd-server");
+        let cluster: Vec<String> = members
+            .iter()
+            .enumerate()
+            .map(|(i, h)| format!("m{i}=http://{}:2380", h.addr))
+            .collect();
+        let children = members
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let a = h.addr;
+                let log = std::fs::File::create(dir.path().join(format!("m{i}.log"))).unwrap();
+                h.command(&bin)
+                    .args(["--name", &format!("m{i}"), "--data-dir"])
+                    .arg(dir.path().join(format!("m{i}")))
+                    .args(["--listen-client-urls", &format!("http://{a}:2379")])
+                    .args(["--advertise-client-urls", &format!("http://{a}:2379")])
+                    .args(["--listen-peer-urls", &format!("http://{a}:2380")])
+                    .args(["--initial-advertise-peer-urls", &format!("http://{a}:2380")])
+                    .args(["--initial-cluster", &cluster.join(",")])
+                    .args(["--initial-cluster-state", "new"])
+                    .args(["--heartbeat-interval", "50", "--election-timeout", "250"])
+                    .stdout(log.try_clone().unwrap())
+                    .stderr(log)
+                    .spawn()
+                    .expect("start etcd")
+            })
+            .collect();
+        let addrs: Vec<String> = members.iter().map(|h| format!("{}:2379", h.addr)).collect();
+        let etcd = EtcdOn {
+            url: format!("etcd://{}", addrs.join(",")),
+            members: members.to_vec(),
+            children,
+            _dir: dir,
+        };
+        super::servers::init_store(&etcd.url);
+        etcd
+    }
+
+    /// The member that is leader, as the first member that answers says.
+    pub fn leader(&self) -> Option<usize> {
+        let statuses: Vec<(String, String)> = self
+            .members
+            .iter()
+            .map(|h| {
+                let out = Command::new("curl")
+                    .args(["-s", "-m", "1", "-X", "POST", "-d", "{}"])
+                    .arg(format!("http://{}:2379/v3/maintenance/status", h.addr))
+                    .output();
+                let s = out
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                    .unwrap_or_default();
+                (
+                    super::cluster::json_field(&s, "member_id"),
+                    super::cluster::json_field(&s, "leader"),
+                )
+            })
+            .collect();
+        let leader = statuses.iter().find(|(_, l)| !l.is_empty())?.1.clone();
+        statuses.iter().position(|(id, _)| *id == leader)
+    }
+}
+
+impl Drop for EtcdOn {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 impl StoreOn {
     /// The port its clients connect to.
     pub fn port(&self) -> u16 {

@@ -375,6 +375,16 @@ pub struct StoreOn {
 
 impl StoreOn {
     pub fn start(kind: super::servers::StoreKind, host: &Host) -> StoreOn {
+        Self::start_env(kind, host, &[])
+    }
+
+    /// [`start`](Self::start), with these environment variables for the
+    /// server (libfaketime's, say).
+    pub fn start_env(
+        kind: super::servers::StoreKind,
+        host: &Host,
+        env: &[(String, String)],
+    ) -> StoreOn {
         use super::servers::{as_postgres, postgres_bin, require, StoreKind};
         let dir = super::cluster::scratch_dir();
         let a = host.addr.to_string();
@@ -383,6 +393,7 @@ impl StoreOn {
             StoreKind::Redis => {
                 let child = host
                     .command(&require("redis-server", "redis-server"))
+                    .envs(env.iter().map(|(k, v)| (k, v)))
                     .args(["--port", "6379", "--bind", &a, "--protected-mode", "no"])
                     .args(["--save", "", "--appendonly", "no"])
                     .stdout(log("redis.log"))
@@ -394,6 +405,7 @@ impl StoreOn {
             StoreKind::Etcd => {
                 let child = host
                     .command(&require("etcd", "etcd-server"))
+                    .envs(env.iter().map(|(k, v)| (k, v)))
                     .args(["--name", "m", "--data-dir"])
                     .arg(dir.path().join("etcd"))
                     .args(["--listen-client-urls", &format!("http://{a}:2379")])
@@ -435,6 +447,7 @@ impl StoreOn {
                 rules.push_str("host all all 198.18.0.0/15 trust\n");
                 std::fs::write(&hba, rules).unwrap();
                 let mut c = host.command("runuser");
+                c.envs(env.iter().map(|(k, v)| (k, v)));
                 c.args(["-u", "postgres", "--"])
                     .arg(postgres_bin("postgres"));
                 let child = c

@@ -108,6 +108,12 @@ impl Cluster {
     }
 
     fn start_with(what: Store) -> Cluster {
+        Self::start_full(what, &[], &[])
+    }
+
+    /// With environment variables for replica A and for replica B
+    /// (libfaketime's, say).
+    fn start_full(what: Store, env_a: &[(String, String)], env_b: &[(String, String)]) -> Cluster {
         let mut net = Net::new();
         let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
         let up = start_upstream_in(&backend, 8080);
@@ -139,8 +145,8 @@ impl Cluster {
                 url
             }
         };
-        let replica = |host: &Host| {
-            ProxyBuilder::new(&up.url(), dir.path())
+        let replica = |host: &Host, env: &[(String, String)]| {
+            let mut p = ProxyBuilder::new(&up.url(), dir.path())
                 .store_url(&store_url)
                 .netns(host)
                 .args(&[
@@ -148,10 +154,13 @@ impl Cluster {
                     UPSTREAM_TIMEOUT,
                     "--store-timeout",
                     "1s",
-                ])
-                .spawn()
+                ]);
+            for (k, v) in env {
+                p = p.env(k, v);
+            }
+            p.spawn()
         };
-        let (pa, pb) = (replica(&a), replica(&b));
+        let (pa, pb) = (replica(&a, env_a), replica(&b, env_b));
         Cluster {
             relay,
             net,
@@ -358,6 +367,26 @@ async fn split_brains(c: &Cluster, etcd: &EtcdOn, deadline: Instant) -> Vec<(Str
     faults
 }
 
+/// libfaketime under a replica, its clocks (wall and monotonic) running at
+/// `rate` (`x2`, `x0.5`).
+fn clock_rate(rate: &str) -> Vec<(String, String)> {
+    let lib = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|d| std::path::PathBuf::from(d).join("faketime/libfaketimeMT.so.1"))
+    .find(|p| p.exists())
+    .unwrap_or_else(|| {
+        panic!("libfaketime not found: install the Debian package `faketime` (scripts/test does)")
+    });
+    vec![
+        ("LD_PRELOAD".into(), lib.display().to_string()),
+        ("FAKETIME".into(), format!("+0 {rate}")),
+    ]
+}
+
 /// fencegate's check period of a registration (`fence::CHECK_EVERY`).
 const CHECK_PERIOD: Duration = Duration::from_millis(50);
 
@@ -402,6 +431,9 @@ enum Plan {
     /// from replica B, while replica A reaches only it, in turn with
     /// healed stretches.
     SplitBrain,
+    /// Replica A's clocks (wall and monotonic) run at twice the real rate,
+    /// replica B's at half, the whole run (libfaketime).
+    ClockRates,
 }
 
 async fn history(kind: StoreKind, plan: Plan) {
@@ -414,13 +446,16 @@ async fn history(kind: StoreKind, plan: Plan) {
             Duration::from_millis(50),
         )),
         Plan::SplitBrain => Cluster::start_with(Store::EtcdCluster),
+        Plan::ClockRates => {
+            Cluster::start_full(Store::One(kind), &clock_rate("x2"), &clock_rate("x0.5"))
+        }
     };
     let secs: u64 = std::env::var("HISTORY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(match plan {
             Plan::Partitions | Plan::SplitBrain => 14,
-            Plan::Lossy { .. } => 10,
+            Plan::Lossy { .. } | Plan::ClockRates => 10,
         });
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
@@ -443,6 +478,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         routes: vec![(String::new(), 200)],
         long_percent: 10,
     });
+    let started = Instant::now();
     let clients: Vec<_> = (0..CLIENTS)
         .map(|i| tokio::spawn(client_loop(run.clone(), i, seed)))
         .collect();
@@ -455,6 +491,9 @@ async fn history(kind: StoreKind, plan: Plan) {
             format!("{percent}% loss and 20-70 ms each way to the store"),
             Instant::now(),
         ));
+    }
+    if let Plan::ClockRates = plan {
+        faults.push(("A's clocks at 2x, B's at 0.5x".to_string(), Instant::now()));
     }
     if let (Plan::SplitBrain, Some(etcd)) = (&plan, &c.etcd) {
         faults.extend(split_brains(&c, etcd, run.deadline).await);
@@ -478,6 +517,24 @@ async fn history(kind: StoreKind, plan: Plan) {
     for client in clients {
         client.await.unwrap();
     }
+    if let Plan::ClockRates = plan {
+        // The rates took: A's clock is ahead by about the run's length, B's
+        // behind by about half of it (the Date of an answer each made
+        // itself, a write with no token).
+        let ran = started.elapsed().as_secs() as i64;
+        for (p, want) in [(&c.pa, ran), (&c.pb, -ran / 2)] {
+            let a = send("PUT", &p.url("/probe"), &[], "").await;
+            let date = httpdate::parse_http_date(a.header("date").expect("a Date")).unwrap();
+            let off = match date.duration_since(std::time::SystemTime::now()) {
+                Ok(d) => d.as_secs() as i64,
+                Err(e) => -(e.duration().as_secs() as i64),
+            };
+            assert!(
+                (off - want).abs() <= 3,
+                "clock off by {off} s, not about {want}"
+            );
+        }
+    }
     // Let detached applies finish (the backend's longest delay is 200 ms).
     tokio::time::sleep(Duration::from_millis(600)).await;
     let attempts = run.attempts.lock().unwrap().clone();
@@ -487,6 +544,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         Plan::Partitions => format!("partitions-{kind:?}"),
         Plan::Lossy { .. } => format!("lossy-{kind:?}"),
         Plan::SplitBrain => "split-brain-etcd".to_string(),
+        Plan::ClockRates => format!("clock-rates-{kind:?}"),
     };
     eprintln!("{}", report.line(&name, seed));
     let ends: Vec<Instant> = faults
@@ -546,6 +604,16 @@ macro_rules! on_each_store {
 }
 
 on_each_store!(redis => StoreKind::Redis, postgres => StoreKind::Postgres, etcd => StoreKind::Etcd);
+
+/// Scenario 5 of issue 43, rates: one replica's clocks at twice the real
+/// rate, the other's at half, under the history checker (Redis; the
+/// stores' own clocks are stepped in tests/clocks.rs). Short writes are
+/// not touched by either; contract.md says how slow a replica's clock may
+/// run before a write that runs to its deadline outlives its lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_holds_with_replica_clocks_at_twice_and_half_the_rate() {
+    history(StoreKind::Redis, Plan::ClockRates).await;
+}
 
 /// Scenario 2 of issue 43 on etcd: the leader in a minority with one
 /// replica, the majority with the other, under the history checker.

@@ -740,3 +740,61 @@ async fn a_start_killed_while_creating_the_file_leaves_nothing_refused() {
     drop(s);
     assert_eq!(open(&dir).highest("a").await.unwrap(), Some(1));
 }
+
+/// After a clean stop the table holds everything: a log of this store
+/// from another run is replaced, but a log of another store means the
+/// table beside it was replaced by another store's, and is refused.
+#[tokio::test]
+async fn after_a_clean_stop_an_older_own_log_is_replaced_and_another_stores_refused() {
+    let (dir, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let path = dir.path().join("f.redb");
+    let logs = super::wal::paths(&path);
+    let s = open(&dir);
+    s.advance("k", 5).await.unwrap();
+    s.close_clean().await.unwrap();
+    drop(s);
+    let older: Vec<Vec<u8>> = logs.iter().map(|l| std::fs::read(l).unwrap()).collect();
+    let s = open(&dir);
+    s.advance("k", 6).await.unwrap();
+    s.close_clean().await.unwrap();
+    drop(s);
+    for (l, bytes) in logs.iter().zip(&older) {
+        std::fs::write(l, bytes).unwrap();
+    }
+    let s = open(&dir);
+    assert_eq!(s.highest("k").await.unwrap(), Some(6), "the table is whole");
+    s.close_clean().await.unwrap();
+    drop(s);
+
+    let b = open(&other);
+    b.close_clean().await.unwrap();
+    drop(b);
+    std::fs::copy(other.path().join("f.redb"), &path).unwrap();
+    match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(9)) {
+        Err(OpenError::LogLost { problem, .. }) => {
+            assert!(problem.contains("is not the store that wrote"), "{problem}")
+        }
+        other => panic!("expected LogLost, got {:?}", other.err()),
+    }
+}
+
+/// Where the table should be: an empty file is refused (log or not), and
+/// log files that are empty are no log (a new store is made beside them).
+#[tokio::test]
+async fn an_empty_table_is_refused_and_empty_log_files_are_no_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.redb");
+    std::fs::write(&path, b"").unwrap();
+    match EmbeddedStore::open(&path, 1 << 20, Duration::from_secs(9)) {
+        Err(OpenError::TableLost { problem, .. }) => {
+            assert!(problem.contains("is empty"), "{problem}")
+        }
+        other => panic!("expected TableLost, got {:?}", other.err()),
+    }
+    std::fs::remove_file(&path).unwrap();
+    for l in super::wal::paths(&path) {
+        std::fs::write(l, b"").unwrap();
+    }
+    let s = open(&dir);
+    assert_eq!(s.start_state(), StartState::Clean, "a new store");
+}

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::history::*;
-use common::netns::{EtcdOn, Host, Net, Relay, StoreOn};
+use common::netns::{EtcdOn, Host, Net, RedisSentinelOn, Relay, StoreOn};
 use common::servers::StoreKind;
 use common::*;
 use http::StatusCode;
@@ -76,6 +76,8 @@ struct Cluster {
     store: Host,
     /// A three-member etcd's members, when the store is one.
     etcd: Option<EtcdOn>,
+    /// Redis with Sentinel, when the store is that.
+    sentinel: Option<RedisSentinelOn>,
     backend: Host,
     a: Host,
     b: Host,
@@ -100,6 +102,8 @@ enum Store {
     Slow(StoreKind, Duration, Duration),
     /// Three etcd members.
     EtcdCluster,
+    /// Redis: a primary, a replica and three Sentinels on three hosts.
+    RedisSentinel,
 }
 
 impl Cluster {
@@ -118,7 +122,7 @@ impl Cluster {
         let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
         let up = start_upstream_in(&backend, 8080);
         let dir = common::cluster::scratch_dir();
-        let (mut server, mut etcd, mut relay) = (None, None, None);
+        let (mut server, mut etcd, mut relay, mut sentinel) = (None, None, None, None);
         let store_url = match what {
             Store::One(kind) => {
                 let s = StoreOn::start(kind, &store);
@@ -144,6 +148,13 @@ impl Cluster {
                 etcd = Some(e);
                 url
             }
+            Store::RedisSentinel => {
+                let hosts = [store.clone(), net.host(), net.host()];
+                let r = RedisSentinelOn::start(&hosts);
+                let url = r.url.clone();
+                sentinel = Some(r);
+                url
+            }
         };
         let replica = |host: &Host, env: &[(String, String)]| {
             let mut p = ProxyBuilder::new(&up.url(), dir.path())
@@ -166,6 +177,7 @@ impl Cluster {
             net,
             store,
             etcd,
+            sentinel,
             backend,
             a,
             b,
@@ -367,6 +379,63 @@ async fn split_brains(c: &Cluster, etcd: &EtcdOn, deadline: Instant) -> Vec<(Str
     faults
 }
 
+/// Split brains on Redis with Sentinel until `deadline`: the primary's host
+/// cut from the replica's, from the third Sentinel's and from replica B;
+/// replica A cut from all but the primary's host (A reaches only the old
+/// primary and its Sentinel, which cannot fail it over alone). The other
+/// two Sentinels promote the replica; B follows them. Held until they
+/// have, healed until the old primary is a replica again.
+async fn redis_split_brains(
+    c: &Cluster,
+    r: &RedisSentinelOn,
+    deadline: Instant,
+) -> Vec<(String, Instant)> {
+    let mut faults = Vec::new();
+    while Instant::now() + Duration::from_secs(9) < deadline {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let seen = r.primary_seen_by(2);
+        let Some(p) = r.hosts.iter().position(|h| h.addr.to_string() == seen) else {
+            continue;
+        };
+        let (old, other, third) = (&r.hosts[p], &r.hosts[1 - p], &r.hosts[2]);
+        for far in [other, third, &c.b] {
+            c.net.cut(old, far);
+        }
+        for far in [other, third] {
+            c.net.cut(&c.a, far);
+        }
+        let at = Instant::now();
+        faults.push((format!("Redis primary {} isolated with A", old.addr), at));
+        let promoted = other.addr.to_string();
+        let mut took = None;
+        while at.elapsed() < Duration::from_secs(15) {
+            if r.primary_seen_by(2) == promoted {
+                took = Some(at.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!("split brain: the replica promoted {took:?} after the cut");
+        // A while on the two sides.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        c.net.heal();
+        let healed = Instant::now();
+        let mut rejoined = None;
+        while healed.elapsed() < Duration::from_secs(20) {
+            let info = common::netns::redis_cli(other, 6379, &["INFO", "replication"]);
+            if info.contains("role:master") && info.contains("connected_slaves:1") {
+                rejoined = Some(healed.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!(
+            "split brain healed: the old primary a replica again {rejoined:?} after the heal"
+        );
+    }
+    faults
+}
+
 /// libfaketime under a replica, its clocks (wall and monotonic) running at
 /// `rate` (`x2`, `x0.5`).
 fn clock_rate(rate: &str) -> Vec<(String, String)> {
@@ -431,6 +500,10 @@ enum Plan {
     /// from replica B, while replica A reaches only it, in turn with
     /// healed stretches.
     SplitBrain,
+    /// Redis with Sentinel: the primary cut from its replica, from the
+    /// third Sentinel's host and from replica B, replica A from all but the
+    /// primary, until Sentinel promoted the replica; healed in between.
+    RedisSplitBrain,
     /// Replica A's clocks (wall and monotonic) run at twice the real rate,
     /// replica B's at half, the whole run (libfaketime).
     ClockRates,
@@ -446,6 +519,7 @@ async fn history(kind: StoreKind, plan: Plan) {
             Duration::from_millis(50),
         )),
         Plan::SplitBrain => Cluster::start_with(Store::EtcdCluster),
+        Plan::RedisSplitBrain => Cluster::start_with(Store::RedisSentinel),
         Plan::ClockRates => {
             Cluster::start_full(Store::One(kind), &clock_rate("x2"), &clock_rate("x0.5"))
         }
@@ -455,6 +529,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(match plan {
             Plan::Partitions | Plan::SplitBrain => 14,
+            Plan::RedisSplitBrain => 20,
             Plan::Lossy { .. } | Plan::ClockRates => 10,
         });
     let seed: u64 = std::env::var("HISTORY_SEED")
@@ -494,6 +569,9 @@ async fn history(kind: StoreKind, plan: Plan) {
     }
     if let Plan::ClockRates = plan {
         faults.push(("A's clocks at 2x, B's at 0.5x".to_string(), Instant::now()));
+    }
+    if let (Plan::RedisSplitBrain, Some(r)) = (&plan, &c.sentinel) {
+        faults.extend(redis_split_brains(&c, r, run.deadline).await);
     }
     if let (Plan::SplitBrain, Some(etcd)) = (&plan, &c.etcd) {
         faults.extend(split_brains(&c, etcd, run.deadline).await);
@@ -544,6 +622,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         Plan::Partitions => format!("partitions-{kind:?}"),
         Plan::Lossy { .. } => format!("lossy-{kind:?}"),
         Plan::SplitBrain => "split-brain-etcd".to_string(),
+        Plan::RedisSplitBrain => "split-brain-redis-sentinel".to_string(),
         Plan::ClockRates => format!("clock-rates-{kind:?}"),
     };
     eprintln!("{}", report.line(&name, seed));
@@ -613,6 +692,14 @@ on_each_store!(redis => StoreKind::Redis, postgres => StoreKind::Postgres, etcd 
 #[tokio::test(flavor = "multi_thread")]
 async fn history_holds_with_replica_clocks_at_twice_and_half_the_rate() {
     history(StoreKind::Redis, Plan::ClockRates).await;
+}
+
+/// Scenario 2 of issue 43 on Redis with Sentinel: the primary isolated
+/// with one replica while Sentinel promotes its replica for the other,
+/// under the history checker (fencegate's default replica wait).
+#[tokio::test(flavor = "multi_thread")]
+async fn history_holds_while_a_redis_primary_is_isolated_and_its_replica_promoted() {
+    history(StoreKind::Redis, Plan::RedisSplitBrain).await;
 }
 
 /// Scenario 2 of issue 43 on etcd: the leader in a minority with one

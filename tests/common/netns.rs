@@ -550,6 +550,146 @@ impl EtcdOn {
     }
 }
 
+/// Redis with Sentinel on three hosts: a primary on the first and a
+/// replica on the second, a Sentinel on each of the three (quorum 2,
+/// failover 1 s after the primary stops answering); killed on drop.
+pub struct RedisSentinelOn {
+    pub url: String,
+    pub hosts: Vec<Host>,
+    children: Vec<std::process::Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisSentinelOn {
+    pub fn start(hosts: &[Host]) -> RedisSentinelOn {
+        use std::process::Stdio;
+        let dir = super::cluster::scratch_dir();
+        let bin = super::servers::require("redis-server", "redis-server");
+        let (p, r) = (&hosts[0], &hosts[1]);
+        let mut children = Vec::new();
+        for (i, h) in [p, r].into_iter().enumerate() {
+            let d = dir.path().join(format!("n{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let mut c = h.command(&bin);
+            c.args(["--port", "6379", "--bind", &h.addr.to_string()])
+                .args(["--protected-mode", "no", "--save", ""])
+                .args(["--appendonly", "yes", "--appendfsync", "always"])
+                .args(["--repl-diskless-sync-delay", "0", "--dir"])
+                .arg(&d);
+            if i == 1 {
+                c.args(["--replicaof", &p.addr.to_string(), "6379"]);
+            }
+            children.push(
+                c.stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-server"),
+            );
+        }
+        wait_until("the replica online", || {
+            redis_cli(p, 6379, &["INFO", "replication"]).contains("connected_slaves:1")
+        });
+        for (i, h) in hosts.iter().enumerate() {
+            let d = dir.path().join(format!("s{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let conf = d.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port 26379\nbind {}\nprotected-mode no\ndir {}\n\
+                     sentinel monitor fg {} 6379 2\n\
+                     sentinel down-after-milliseconds fg 1000\n\
+                     sentinel failover-timeout fg 2000\n\
+                     sentinel parallel-syncs fg 1\n",
+                    h.addr,
+                    d.display(),
+                    p.addr
+                ),
+            )
+            .unwrap();
+            children.push(
+                h.command(&bin)
+                    .arg(&conf)
+                    .arg("--sentinel")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start redis-sentinel"),
+            );
+        }
+        wait_until("the Sentinels to know the replica and each other", || {
+            hosts.iter().all(|h| {
+                let m = redis_cli(h, 26379, &["SENTINEL", "MASTER", "fg"]);
+                let field = |name: &str| {
+                    let mut lines = m.lines();
+                    while let Some(l) = lines.next() {
+                        if l == name {
+                            return lines.next().unwrap_or("").to_string();
+                        }
+                    }
+                    String::new()
+                };
+                field("num-slaves") == "1" && field("num-other-sentinels") == "2"
+            })
+        });
+        let sentinels: Vec<String> = hosts.iter().map(|h| format!("{}:26379", h.addr)).collect();
+        let redis = RedisSentinelOn {
+            url: format!("redis+sentinel://{}/fg", sentinels.join(",")),
+            hosts: hosts.to_vec(),
+            children,
+            _dir: dir,
+        };
+        super::servers::init_store(&redis.url);
+        redis
+    }
+
+    /// The address of the primary, as the Sentinel on `host` sees it.
+    pub fn primary_seen_by(&self, host: usize) -> String {
+        redis_cli(
+            &self.hosts[host],
+            26379,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "fg"],
+        )
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
+    }
+}
+
+impl Drop for RedisSentinelOn {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// What `redis-cli` prints for a command to `host:port` (from the test's
+/// own link), "" if it cannot.
+pub fn redis_cli(host: &Host, port: u16, args: &[&str]) -> String {
+    let cli = super::servers::require("redis-cli", "redis-tools");
+    Command::new(cli)
+        .args(["-h", &host.addr.to_string(), "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// Polls `f` every 50 ms for up to 30 s.
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 impl Drop for EtcdOn {
     fn drop(&mut self) {
         for c in &mut self.children {

@@ -52,13 +52,7 @@ async fn main() {
     let secs: u64 = arg("--secs").and_then(|s| s.parse().ok()).unwrap_or(60);
     let seed: u64 = arg("--seed")
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+        .unwrap_or_else(common::history::clock_seed);
     let up = common::start_upstream_on(&backend).await;
     eprintln!(
         "recording backend on {}; running {secs}s against {proxies}",

@@ -97,20 +97,7 @@ where
     } else {
         config
     };
-    let secs: u64 = std::env::var("HISTORY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(secs);
-    let seed: u64 = std::env::var("HISTORY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let (secs, seed) = length_and_seed(secs);
     let up = start_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let lock_server = lock_service.map(StoreServer::start);

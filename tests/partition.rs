@@ -524,24 +524,11 @@ async fn history(kind: StoreKind, plan: Plan) {
             Cluster::start_full(Store::One(kind), &clock_rate("x2"), &clock_rate("x0.5"))
         }
     };
-    let secs: u64 = std::env::var("HISTORY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(match plan {
-            Plan::Partitions | Plan::SplitBrain => 14,
-            Plan::RedisSplitBrain => 20,
-            Plan::Lossy { .. } | Plan::ClockRates => 10,
-        });
-    let seed: u64 = std::env::var("HISTORY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let (secs, seed) = length_and_seed(match plan {
+        Plan::Partitions | Plan::SplitBrain => 14,
+        Plan::RedisSplitBrain => 20,
+        Plan::Lossy { .. } | Plan::ClockRates => 10,
+    });
     let run = Arc::new(Run {
         attempts: Mutex::new(Vec::new()),
         replicas: RwLock::new(vec![c.pa.addr, c.pb.addr]),

@@ -118,14 +118,22 @@ async fn a_stalled_request_body_gets_408_and_is_not_applied() {
 /// A raw upstream that answers every request with a chunked event stream:
 /// `data: 1`, a pause of `gap`, `data: 2`, and the body's end. It reads
 /// the request's head only (the tests send bodiless requests).
-async fn event_stream_upstream(gap: Duration) -> std::net::SocketAddr {
+/// A raw upstream: each connection's request head is read, then `answer`
+/// writes what it likes on the connection.
+async fn raw_upstream<F, Fut>(answer: F) -> std::net::SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let answer = std::sync::Arc::new(answer);
     tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = listener.accept().await else {
                 continue;
             };
+            let answer = answer.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut b = [0u8; 4096];
@@ -135,21 +143,30 @@ async fn event_stream_upstream(gap: Duration) -> std::net::SocketAddr {
                         Ok(n) => buf.extend_from_slice(&b[..n]),
                     }
                 }
-                let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
-                let one = "9\r\ndata: 1\n\n\r\n";
-                if s.write_all(format!("{head}{one}").as_bytes())
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                tokio::time::sleep(gap).await;
-                let _ = s.write_all(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n").await;
-                let _ = s.read(&mut b).await;
+                answer(s).await;
             });
         }
     });
     addr
+}
+
+async fn event_stream_upstream(gap: Duration) -> std::net::SocketAddr {
+    raw_upstream(move |mut s| async move {
+        let mut b = [0u8; 4096];
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+                    Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        let one = "9\r\ndata: 1\n\n\r\n";
+        if s.write_all(format!("{head}{one}").as_bytes())
+            .await
+            .is_err()
+        {
+            return;
+        }
+        tokio::time::sleep(gap).await;
+        let _ = s.write_all(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n").await;
+        let _ = s.read(&mut b).await;
+    })
+    .await
 }
 
 /// The three ways a request reaches the upstream: the own lane (plain
@@ -359,39 +376,22 @@ async fn a_client_that_stops_reading_is_closed_at_the_response_idle_timeout() {
 /// An upstream that answers in HTTP/1.0, its body delimited by the close:
 /// `rst` ends it with a reset (a cut), otherwise with a FIN (whole).
 async fn http10_upstream(rst: bool) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut b = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut b).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&b[..n]),
-                    }
-                }
-                let _ = s
-                    .write_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\ndata: 1\n\n")
-                    .await;
-                let _ = s.flush().await;
-                // Let the first bytes go out before the end.
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                if rst {
-                    socket2::SockRef::from(&s)
-                        .set_linger(Some(Duration::ZERO))
-                        .unwrap();
-                } else {
-                    let _ = s.shutdown().await;
-                }
-            });
+    raw_upstream(move |mut s| async move {
+        let _ = s
+            .write_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\ndata: 1\n\n")
+            .await;
+        let _ = s.flush().await;
+        // Let the first bytes go out before the end.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if rst {
+            socket2::SockRef::from(&s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
+        } else {
+            let _ = s.shutdown().await;
         }
-    });
-    addr
+    })
+    .await
 }
 
 /// The attack's finding D1: an HTTP/1.0 upstream's close-delimited answer

@@ -17,6 +17,25 @@ pub const LEASE: Duration = Duration::from_millis(150);
 
 /// xorshift64*: enough randomness for schedules, reproducible by seed.
 pub struct Rng(pub u64);
+
+/// A seed from the clock: odd, so never the generator's stuck state.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
+}
+
+/// A run's length and seed: `HISTORY_SECS` (or `secs`) and `HISTORY_SEED`
+/// (or one from the clock), so that a run can be made longer or repeated.
+pub fn length_and_seed(secs: u64) -> (u64, u64) {
+    let var = |name: &str| std::env::var(name).ok().and_then(|s| s.parse().ok());
+    (
+        var("HISTORY_SECS").unwrap_or(secs),
+        var("HISTORY_SEED").unwrap_or_else(clock_seed),
+    )
+}
 impl Rng {
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;

@@ -385,7 +385,7 @@ impl StoreOn {
         host: &Host,
         env: &[(String, String)],
     ) -> StoreOn {
-        use super::servers::{as_postgres, postgres_bin, require, StoreKind};
+        use super::servers::{postgres_bin, require, StoreKind};
         let dir = super::cluster::scratch_dir();
         let a = host.addr.to_string();
         let log = |name: &str| std::fs::File::create(dir.path().join(name)).unwrap();
@@ -420,27 +420,7 @@ impl StoreOn {
                 (format!("etcd://{a}:2379"), child)
             }
             StoreKind::Postgres => {
-                let data = dir.path().join("pg");
-                std::fs::create_dir_all(&data).unwrap();
-                if super::servers::is_root() {
-                    let ok = Command::new("chown")
-                        .args(["-R", "postgres:postgres"])
-                        .arg(dir.path())
-                        .status()
-                        .is_ok_and(|s| s.success());
-                    assert!(ok, "chown for postgres failed");
-                }
-                let out = as_postgres(&postgres_bin("initdb"))
-                    .arg("-D")
-                    .arg(&data)
-                    .args(["-A", "trust", "-U", "postgres", "--no-sync"])
-                    .output()
-                    .expect("run initdb");
-                assert!(
-                    out.status.success(),
-                    "initdb: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                let data = super::servers::initdb(dir.path());
                 // The test network's clients, on the host's address.
                 let hba = data.join("pg_hba.conf");
                 let mut rules = std::fs::read_to_string(&hba).unwrap();

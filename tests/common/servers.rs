@@ -143,6 +143,33 @@ pub fn postgres_bin(name: &str) -> PathBuf {
     }
 }
 
+/// A new PostgreSQL cluster in `dir/pg` (trust authentication, user
+/// `postgres`), `dir` handed to the `postgres` user when run as root.
+pub fn initdb(dir: &Path) -> PathBuf {
+    let data = dir.join("pg");
+    std::fs::create_dir_all(&data).unwrap();
+    if is_root() {
+        let ok = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "chown for postgres failed");
+    }
+    let out = as_postgres(&postgres_bin("initdb"))
+        .arg("-D")
+        .arg(&data)
+        .args(["-A", "trust", "-U", "postgres", "--no-sync"])
+        .output()
+        .expect("run initdb");
+    assert!(
+        out.status.success(),
+        "initdb: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    data
+}
+
 pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
@@ -220,28 +247,7 @@ impl StoreServer {
             secure,
         };
         if kind == StoreKind::Postgres {
-            let data = s.dir.path().join("pg");
-            std::fs::create_dir_all(&data).unwrap();
-            if is_root() {
-                let ok = Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(s.dir.path())
-                    .status()
-                    .unwrap()
-                    .success();
-                assert!(ok, "chown for postgres failed");
-            }
-            let out = as_postgres(&postgres_bin("initdb"))
-                .args(["-D"])
-                .arg(&data)
-                .args(["-A", "trust", "-U", "postgres", "--no-sync"])
-                .output()
-                .expect("run initdb");
-            assert!(
-                out.status.success(),
-                "initdb: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            initdb(s.dir.path());
         }
         s.run();
         if s.secure.is_some() {

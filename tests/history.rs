@@ -462,10 +462,12 @@ fn grant_checker_catches_overlaps_and_lower_tokens() {
         token,
         from: ms(from),
         until: ms(until),
+        wall_offset_us: from as i128 * 10,
     };
     assert!(check_grants(&[g(0, 1, 0, 100), g(0, 2, 100, 200), g(1, 1, 50, 150)]).is_ok());
     let e = check_grants(&[g(0, 1, 0, 100), g(0, 2, 90, 200)]).unwrap_err();
     assert!(e.contains("before token 1's lease could end"), "{e}");
+    assert!(e.contains("wall clock moved 900 µs"), "{e}");
     let e = check_grants(&[g(0, 5, 0, 100), g(0, 4, 100, 200)]).unwrap_err();
     assert!(e.contains("token 4 granted after token 5"), "{e}");
 }

@@ -96,6 +96,25 @@ pub struct Grant {
     pub token: u64,
     pub from: Instant,
     pub until: Instant,
+    /// The host's wall clock less its monotonic clock at `from`, in µs:
+    /// lock-service leases end on a wall clock (the embedded store's and
+    /// PostgreSQL's on this host's), so a step of it between two grants
+    /// moves their ends by as much.
+    pub wall_offset_us: i128,
+}
+
+/// The wall clock less the monotonic clock (from a fixed origin), in µs
+/// now: constant while the two run together, moved by a step of the wall
+/// clock.
+pub fn wall_less_monotonic_us() -> i128 {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let origin = *ORIGIN.get_or_init(Instant::now);
+    let mono = origin.elapsed().as_micros() as i128;
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i128;
+    wall - mono
 }
 
 impl FencegateLocks {
@@ -247,6 +266,7 @@ impl LockService {
                     token,
                     from,
                     until: sent + f.ttl,
+                    wall_offset_us: wall_less_monotonic_us(),
                 });
                 Some(token)
             }
@@ -719,10 +739,20 @@ pub fn check_grants(grants: &[Grant]) -> Result<(), String> {
     }
     errors.truncate(20);
     if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("\n"))
+        return Ok(());
     }
+    // A step of the host's wall clock ends wall-clock leases early: say
+    // whether one happened, so that such a failure reads as what it is.
+    let offsets = grants.iter().map(|g| g.wall_offset_us);
+    let (lo, hi) = (
+        offsets.clone().min().unwrap_or(0),
+        offsets.max().unwrap_or(0),
+    );
+    errors.push(format!(
+        "(this host's wall clock moved {} µs against its monotonic clock between the first and last grant)",
+        hi - lo
+    ));
+    Err(errors.join("\n"))
 }
 
 pub fn keep_failure(

@@ -689,6 +689,11 @@ impl StoreOn {
 
 impl Drop for StoreOn {
     fn drop(&mut self) {
+        // runuser (PostgreSQL's) forwards nothing on SIGKILL: the server's
+        // processes are found by their data directory.
+        let _ = Command::new("pkill")
+            .args(["-9", "-f", &format!("{}/pg", self._dir.path().display())])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -673,3 +673,53 @@ async fn history_etcd_cluster_leader_kill_and_stopped_member() {
         "no write was admitted while one member of three was stopped"
     );
 }
+
+/// The history checker: a newer token reaching the backend while an older
+/// write is still being applied is a violation, unless fencegate had
+/// answered that older write 504 by then (it ended for fencegate at its
+/// deadline, whatever the backend still does with it).
+#[test]
+fn history_checker_lets_a_504_end_a_write_for_fencegate() {
+    let t0 = Instant::now();
+    let ms = |n| t0 + Duration::from_millis(n);
+    let record = |id: &str, token: &str, arrived, completed| {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-write-id", id.parse().unwrap());
+        Record {
+            method: "PUT".into(),
+            target: "/k0".into(),
+            token: Some(token.into()),
+            headers,
+            body_len: 0,
+            body_hash: 0,
+            arrived: ms(arrived),
+            completed: ms(completed),
+        }
+    };
+    let attempt = |id: &str, token, status, answered| Attempt {
+        id: id.into(),
+        key: 0,
+        token,
+        latest_at_send: token,
+        status,
+        lost: None,
+        paused: false,
+        sent: ms(0),
+        answered: ms(answered),
+    };
+    // The older write's apply outlasts its 504 at 100 ms; the newer one
+    // arrives after that answer.
+    let records = [record("a", "1", 0, 150), record("b", "2", 120, 130)];
+    let given_up = [attempt("a", 1, 504, 100), attempt("b", 2, 200, 130)];
+    assert!(check(&given_up, &records).is_ok());
+    // The same with the older write answered 200: a violation.
+    let answered = [attempt("a", 1, 200, 150), attempt("b", 2, 200, 130)];
+    let e = check(&answered, &records).unwrap_err();
+    assert!(
+        e.contains("token 2 arrived while 1 was being applied"),
+        "{e}"
+    );
+    // A newer write before the 504: a violation too.
+    let early = [attempt("a", 1, 504, 125), attempt("b", 2, 200, 130)];
+    assert!(check(&early, &records).is_err());
+}

@@ -150,11 +150,12 @@ impl<B: Backend> FenceStore for SharedStore<B> {
     async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
         // Batched per lease (a lease released twice at once is sent once
         // per batch).
-        self.bounded(
-            self.releases
-                .call(&lease.id, (key.to_string(), lease.clone())),
-        )
-        .await
+        // Not bounded: only background tasks release, and a release
+        // abandoned while queued would never be sent (its lease would hold
+        // its key until its TTL on every replica).
+        self.releases
+            .call(&lease.id, (key.to_string(), lease.clone()))
+            .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -14,6 +14,18 @@ use crate::store::batch::{Batcher, Run};
 use super::backend::*;
 use super::marker::*;
 
+/// `--accept-store-reset`, taken for one confirmation: it is spent only
+/// when the confirmation completes (the guard is forgotten then). A
+/// confirmation that fails, or is abandoned at the caller's bound on the
+/// store (`SharedStore::bounded`), puts it back for the next check.
+struct AcceptTaken<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for AcceptTaken<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// How often the marker is re-read even without a reconnect.
 pub(super) const MARKER_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -238,8 +250,10 @@ impl<B: Backend> SharedStore<B> {
                 // Never initialised silently: a wiped store looks just like a
                 // new one. `--accept-store-reset` is an operator's say-so.
                 (None, None) if self.accept_reset.swap(false, Ordering::AcqRel) => {
+                    let taken = AcceptTaken(&self.accept_reset);
                     tracing::warn!("--accept-store-reset: marking a store that has no marker");
                     self.confirm_reset_checked().await?;
+                    std::mem::forget(taken);
                     return Ok(());
                 }
                 (None, None) => return Err(StoreError::Uninitialised),
@@ -325,8 +339,10 @@ impl<B: Backend> SharedStore<B> {
                 }
                 let err = self.set_amnesia(why);
                 if self.accept_reset.swap(false, Ordering::AcqRel) {
+                    let taken = AcceptTaken(&self.accept_reset);
                     tracing::warn!("--accept-store-reset: confirming the reset");
                     self.confirm_reset_checked().await?;
+                    std::mem::forget(taken);
                     return Ok(());
                 }
                 if let Some((seen, found)) = trip {

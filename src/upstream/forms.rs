@@ -66,7 +66,7 @@ mod tests {
         assert_eq!(req.uri(), "http://name.example:81/a?b=1");
         assert!(!req.headers().contains_key(header::HOST));
         // Without a Host, the upstream's own address.
-        let mut req = Request::get("/a").body(full("")).unwrap();
+        let mut req = get("/a");
         h2_form(&mut req, &dial);
         assert_eq!(req.uri(), "http://10.0.0.1:8080/a");
         // Already in that form: as it is.

@@ -458,7 +458,7 @@ impl StoreOn {
 pub struct EtcdOn {
     pub url: String,
     pub members: Vec<Host>,
-    children: Vec<std::process::Child>,
+    _children: Children,
     _dir: tempfile::TempDir,
 }
 
@@ -497,7 +497,7 @@ impl EtcdOn {
         let etcd = EtcdOn {
             url: format!("etcd://{}", addrs.join(",")),
             members: members.to_vec(),
-            children,
+            _children: Children(children),
             _dir: dir,
         };
         super::servers::init_store(&etcd.url);
@@ -530,13 +530,25 @@ impl EtcdOn {
     }
 }
 
+/// Server processes, killed (and reaped) on drop.
+struct Children(Vec<std::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Redis with Sentinel on three hosts: a primary on the first and a
 /// replica on the second, a Sentinel on each of the three (quorum 2,
 /// failover 1 s after the primary stops answering); killed on drop.
 pub struct RedisSentinelOn {
     pub url: String,
     pub hosts: Vec<Host>,
-    children: Vec<std::process::Child>,
+    _children: Children,
     _dir: tempfile::TempDir,
 }
 
@@ -616,7 +628,7 @@ impl RedisSentinelOn {
         let redis = RedisSentinelOn {
             url: format!("redis+sentinel://{}/fg", sentinels.join(",")),
             hosts: hosts.to_vec(),
-            children,
+            _children: Children(children),
             _dir: dir,
         };
         super::servers::init_store(&redis.url);
@@ -634,15 +646,6 @@ impl RedisSentinelOn {
         .next()
         .unwrap_or("")
         .to_string()
-    }
-}
-
-impl Drop for RedisSentinelOn {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -667,15 +670,6 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
             "timed out waiting for {what}"
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-}
-
-impl Drop for EtcdOn {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 

@@ -39,10 +39,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
         self.bounded(async {
-            self.ensure().await?;
-            let sent = self.ticket();
-            let h = self.backend.highest(key).await.map_err(|e| self.latch(e))?;
-            self.recheck().await?;
+            let (h, sent) = self.checked(self.backend.highest(key)).await?;
             if let Some(h) = h {
                 self.witness(key, sent, Some(h), None).await?;
             }
@@ -53,14 +50,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         self.bounded(async {
-            self.ensure().await?;
-            let sent = self.ticket();
-            let a = self
-                .backend
-                .advance(key, token)
-                .await
-                .map_err(|e| self.latch(e))?;
-            self.recheck().await?;
+            let (a, sent) = self.checked(self.backend.advance(key, token)).await?;
             match a {
                 Advance::Stale { highest } => self.witness(key, sent, Some(highest), None).await?,
                 Advance::Raised { .. } | Advance::Equal => {

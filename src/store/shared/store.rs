@@ -525,14 +525,26 @@ impl<B: Backend> SharedStore<B> {
         call: impl std::future::Future<Output = Result<LeaseOutcome, StoreError>>,
     ) -> Result<LeaseOutcome, StoreError> {
         self.bounded(async {
-            self.ensure().await?;
-            let sent = self.ticket();
-            let outcome = call.await.map_err(|e| self.latch(e))?;
-            self.recheck().await?;
+            let (outcome, sent) = self.checked(call).await?;
             self.witness_lease(key, sent, &outcome).await?;
             Ok(outcome)
         })
         .await
+    }
+
+    /// One call as every checked call runs: the marker checked before it
+    /// is sent (`call` is lazy) and again after it when a new session was
+    /// made ([`recheck`](Self::recheck)), a failure latched. The answer,
+    /// and the ticket it was sent under for the caller to witness it with.
+    pub(super) async fn checked<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<(T, u64), StoreError> {
+        self.ensure().await?;
+        let sent = self.ticket();
+        let answer = call.await.map_err(|e| self.latch(e))?;
+        self.recheck().await?;
+        Ok((answer, sent))
     }
 
     /// After a call: if a new connection was made since the marker was last
@@ -556,14 +568,7 @@ impl<B: Backend> SharedStore<B> {
         call: LockCall<'_>,
     ) -> Result<LockReply, StoreError> {
         self.bounded(async {
-            self.ensure().await?;
-            let sent = self.ticket();
-            let reply = self
-                .backend
-                .lock(key, call)
-                .await
-                .map_err(|e| self.latch(e))?;
-            self.recheck().await?;
+            let (reply, sent) = self.checked(self.backend.lock(key, call)).await?;
             if let LockReply::Claim(Claim::Granted { token, .. }) = &reply {
                 self.witness(key, sent, None, Some(*token)).await?;
             }

@@ -20,7 +20,7 @@ use tower_service::Service;
 
 use super::error::UpstreamError;
 use super::limit::Permit;
-use super::pool::{retires_connection, still_idle, Upstream, WireConn, MAX_IDLE};
+use super::pool::{refuses_body, retires_connection, still_idle, Upstream, WireConn, MAX_IDLE};
 use crate::error::{BoxError, ProxyBody};
 use crate::h1::{parse_response, ChunkedDecoder, Framing};
 
@@ -319,17 +319,6 @@ fn carries_body(wire: &[u8]) -> bool {
     wire.windows(4)
         .position(|w| w == b"\r\n\r\n")
         .is_some_and(|end| end + 4 < wire.len())
-}
-
-/// Whether an answer with `status` to a request that carried a body may
-/// have been sent without the body being read: any refusal (401, 403,
-/// 413, ...) may be an early one, and a request written whole into the
-/// socket's buffer says nothing of what the upstream read. Such a
-/// connection is not reused: an unread body would be read as the next
-/// request (what hyper's path does too for an answer that comes before
-/// the body's end, and the lane cannot tell apart from one after).
-fn refuses_body(status: http::StatusCode) -> bool {
-    status.is_client_error() || status.is_server_error()
 }
 
 /// A failed read or write once the request may have been sent.

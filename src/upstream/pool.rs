@@ -81,6 +81,17 @@ pub fn retires_connection(status: http::StatusCode) -> bool {
     status == http::StatusCode::REQUEST_TIMEOUT
 }
 
+/// Whether an answer with `status` to a request that carried a body may
+/// have been sent without the body being read: any refusal (401, 403,
+/// 413, ...) may be an early one, and a request written whole into the
+/// socket's buffer says nothing of what the upstream read. Such a
+/// connection is not reused on either path: an unread body would be read
+/// as the next request, and the upstream's answer to what it holds would
+/// go to the next request sent there.
+pub(super) fn refuses_body(status: http::StatusCode) -> bool {
+    status.is_client_error() || status.is_server_error()
+}
+
 impl Upstream {
     pub fn new(
         dial: Uri,
@@ -108,6 +119,7 @@ impl Upstream {
         mut req: Request<ProxyBody>,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let worker = crate::slot::current() % self.pools.len();
+        let with_body = !req.body().is_end_stream();
         // Each pass takes one idle connection out of the pool or dials a
         // fresh one, which ends the loop.
         loop {
@@ -126,8 +138,10 @@ impl Upstream {
                 Conn::H1(mut sender) => match sender.try_send_request(req).await {
                     Ok(resp) => {
                         // An upgraded connection (101) is the tunnel's now.
-                        let reusable = !retires_connection(resp.status())
-                            && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS;
+                        let status = resp.status();
+                        let reusable = !retires_connection(status)
+                            && status != http::StatusCode::SWITCHING_PROTOCOLS
+                            && !(with_body && refuses_body(status));
                         let back = reusable.then(|| (self.clone(), worker, sender));
                         return Ok(resp.map(|body| {
                             PooledBody {

@@ -213,11 +213,7 @@ fn set_aside(paths: &[PathBuf; 2]) -> std::io::Result<()> {
             Err(e) => return Err(e),
         }
     }
-    let dir = match paths[0].parent().filter(|d| !d.as_os_str().is_empty()) {
-        Some(d) => d.to_path_buf(),
-        None => PathBuf::from("."),
-    };
-    std::fs::File::open(dir)?.sync_all()
+    sync_dir(&paths[0])
 }
 
 /// What is where the store file should be, before it is created.
@@ -228,7 +224,8 @@ pub(super) enum Table {
     New,
     /// Lost, and the loss accepted (`--accept-store-reset`): the log and
     /// any empty file were set aside; a new store is made, and every key is
-    /// held for the recovery window.
+    /// held for the recovery window. Also the table an accepted reset made
+    /// before its start crashed (its marker is still there).
     Accepted,
 }
 
@@ -242,42 +239,58 @@ pub(super) fn before_create(
     paths: &[PathBuf; 2],
     accept: bool,
 ) -> std::io::Result<Result<Table, Lost>> {
+    let marker = reset_marker(path);
+    // A reset accepted by a start that did not finish it (a crash before
+    // the new table's log was bound): the table there, if any, is that new
+    // one, and it must still hold every key.
+    let resumed = marker.try_exists()?;
     let empty = match std::fs::metadata(path) {
-        Ok(m) if m.len() > 0 => return Ok(Ok(Table::There)),
+        Ok(m) if m.len() > 0 => {
+            return Ok(Ok(if resumed {
+                Table::Accepted
+            } else {
+                Table::There
+            }))
+        }
         Ok(_) => true,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
         Err(e) => return Err(e),
     };
-    let mut logs = Vec::new();
-    for p in paths {
-        match std::fs::metadata(p) {
-            Ok(m) if m.len() > 0 => logs.push(p.display().to_string()),
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+    if !resumed {
+        let mut logs = Vec::new();
+        for p in paths {
+            match std::fs::metadata(p) {
+                Ok(m) if m.len() > 0 => logs.push(p.display().to_string()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
         }
-    }
-    let problem = match (empty, logs.is_empty()) {
-        (false, true) => return Ok(Ok(Table::New)),
-        (true, _) => {
-            "is empty: fencegate creates its store file whole, so it was emptied since (a \
-                      filesystem that lost it in a crash, or a mistake such as `> file`), and \
-                      every fence it held is gone"
-                .to_string()
+        let problem = match (empty, logs.is_empty()) {
+            (false, true) => return Ok(Ok(Table::New)),
+            (true, _) => "is empty: fencegate creates its store file whole, so it was emptied \
+                          since (a filesystem that lost it in a crash, or a mistake such as \
+                          `> file`), and every fence it held is gone"
+                .to_string(),
+            (false, false) => format!(
+                "is missing, but its write-ahead log is there ({}): was the store file \
+                 deleted, moved, or restored without it?",
+                logs.join(", ")
+            ),
+        };
+        if !accept {
+            return Ok(Err(Lost { problem }));
         }
-        (false, false) => format!(
-            "is missing, but its write-ahead log is there ({}): was the store file deleted, \
-             moved, or restored without it?",
-            logs.join(", ")
-        ),
-    };
-    if !accept {
-        return Ok(Err(Lost { problem }));
+        tracing::warn!(
+            "fence store: {problem}; accepted (--accept-store-reset): a new store is made, the \
+             log is set aside and every key is held for the recovery window"
+        );
+        // Durable before anything is set aside: from here on, a start that
+        // crashes leaves a store that knows it was reset.
+        std::fs::write(&marker, b"an accepted reset of this store is under way\n")?;
+        std::fs::File::open(&marker)?.sync_all()?;
+        sync_dir(path)?;
     }
-    tracing::warn!(
-        "fence store: {problem}; accepted (--accept-store-reset): a new store is made, the log \
-         is set aside and every key is held for the recovery window"
-    );
     if empty {
         let mut to = path.as_os_str().to_owned();
         to.push(format!(".rejected-{}", unix_secs()));
@@ -285,6 +298,34 @@ pub(super) fn before_create(
     }
     set_aside(paths)?;
     Ok(Ok(Table::Accepted))
+}
+
+/// The file that says an accepted reset of the store at `path` is under
+/// way: made before the old files are set aside, removed once the new
+/// table's log is bound ([`reset_done`]).
+fn reset_marker(path: &Path) -> PathBuf {
+    let mut marker = path.as_os_str().to_owned();
+    marker.push(".reset");
+    PathBuf::from(marker)
+}
+
+/// Ends an accepted reset: the new table holds its keys by its own record
+/// now (its flags and its bound log), so the marker can go.
+pub(super) fn reset_done(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(reset_marker(path)) {
+        Ok(()) => sync_dir(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes the renames, creations and removals in `path`'s directory durable.
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(d) => d.to_path_buf(),
+        None => PathBuf::from("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 fn unix_secs() -> u64 {
@@ -314,11 +355,7 @@ pub(super) fn create_whole(path: &Path) -> std::io::Result<()> {
     drop(redb::Database::create(&tmp).map_err(std::io::Error::other)?);
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path)?;
-    let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        Some(d) => d.to_path_buf(),
-        None => PathBuf::from("."),
-    };
-    std::fs::File::open(dir)?.sync_all()
+    sync_dir(path)
 }
 
 /// A new identity: random, so that no two stores share one.

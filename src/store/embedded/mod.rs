@@ -29,6 +29,8 @@
 
 mod checkpoint;
 mod identity;
+#[cfg(test)]
+mod identity_tests;
 mod logged;
 mod ops;
 mod schema;

@@ -118,6 +118,10 @@ impl EmbeddedStore {
         let found = init_meta(&db, path, &wal_paths, recovery_window, accept_loss, lost)
             .map_err(|e| with_hint(e, given, path))?;
         let wal = bind_log(&db, path, &wal_paths, &found.bind, found.generation)?;
+        super::identity::reset_done(path).map_err(|e| OpenError::Io {
+            path: path.to_path_buf(),
+            reason: format!("cannot end the accepted reset: {e}"),
+        })?;
         let (tx, rx) = mpsc::channel();
         let healthy = Arc::new(AtomicBool::new(true));
         let commits = Arc::new(AtomicU64::new(0));

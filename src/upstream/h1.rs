@@ -20,7 +20,9 @@ use tower_service::Service;
 
 use super::error::UpstreamError;
 use super::limit::Permit;
-use super::pool::{refuses_body, retires_connection, still_idle, Upstream, WireConn, MAX_IDLE};
+use super::pool::{
+    may_leave_body_unread, retires_connection, still_idle, Upstream, WireConn, MAX_IDLE,
+};
 use crate::error::{BoxError, ProxyBody};
 use crate::h1::{parse_response, ChunkedDecoder, Framing};
 
@@ -176,8 +178,8 @@ impl Upstream {
         let mut resp = Response::new(());
         *resp.status_mut() = head.status;
         *resp.headers_mut() = head.headers;
-        // A refused upload's body may be unread (see `refuses_body`).
-        let maybe_unread = with_body && refuses_body(head.status);
+        // A refused upload's body may be unread (see `may_leave_body_unread`).
+        let maybe_unread = with_body && may_leave_body_unread(head.status);
         let body = WireBody {
             io: Some(WireConn {
                 io,

@@ -52,14 +52,14 @@ pub(super) struct WireConn {
 #[derive(Default)]
 pub(super) struct Pool {
     /// HTTP/1.1 connections waiting for a request, oldest first.
-    h1: VecDeque<(Instant, http1::SendRequest<ProxyBody>)>,
+    h1: VecDeque<(Instant, H1)>,
     /// An HTTP/2 connection carries every request of its worker at once.
     h2: Option<http2::SendRequest<ProxyBody>>,
     /// Requests dialing a connection of their own that would take one
     /// coming back first: under a burst a connection freed by a finished
     /// request is usually ready before a new one is, and a dial per waiting
     /// request would storm the upstream.
-    waiters: VecDeque<tokio::sync::oneshot::Sender<http1::SendRequest<ProxyBody>>>,
+    waiters: VecDeque<tokio::sync::oneshot::Sender<H1>>,
     /// The own lane's HTTP/1.1 connections ([`h1`]), oldest first.
     pub(super) wire: VecDeque<(Instant, WireConn)>,
     /// The lane's requests waiting for a connection while the cap is
@@ -67,8 +67,28 @@ pub(super) struct Pool {
     pub(super) wire_waiters: VecDeque<tokio::sync::oneshot::Sender<WireConn>>,
 }
 
+/// An HTTP/1.1 connection of hyper's: the handle requests are sent by, and
+/// its driver task's, to abort it.
+pub(super) struct H1 {
+    sender: http1::SendRequest<ProxyBody>,
+    driver: tokio::task::AbortHandle,
+}
+
+/// Aborts a connection's driver task when dropped armed: dropping it drops
+/// the socket (reset by `SO_LINGER` 0, `dial.rs`), where hyper would close
+/// the connection politely.
+struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(driver) = self.0.take() {
+            driver.abort();
+        }
+    }
+}
+
 enum Conn {
-    H1(http1::SendRequest<ProxyBody>),
+    H1(H1),
     H2(http2::SendRequest<ProxyBody>),
 }
 
@@ -82,14 +102,15 @@ pub fn retires_connection(status: http::StatusCode) -> bool {
 }
 
 /// Whether an answer with `status` to a request that carried a body may
-/// have been sent without the body being read: any refusal (401, 403,
-/// 413, ...) may be an early one, and a request written whole into the
-/// socket's buffer says nothing of what the upstream read. Such a
-/// connection is not reused on either path: an unread body would be read
-/// as the next request, and the upstream's answer to what it holds would
-/// go to the next request sent there.
-pub(super) fn refuses_body(status: http::StatusCode) -> bool {
-    status.is_client_error() || status.is_server_error()
+/// have been sent without the body being read: any answer but a success
+/// may be an early one (a refusal, 401, 403, 413; a redirect to a login
+/// page), and a request written whole into the socket's buffer says
+/// nothing of what the upstream read. Such a connection is not reused on
+/// either path: an unread body would be read as the next request, and the
+/// upstream's answer to what it holds would go to the next request sent
+/// there.
+pub(super) fn may_leave_body_unread(status: http::StatusCode) -> bool {
+    !status.is_success()
 }
 
 impl Upstream {
@@ -135,25 +156,38 @@ impl Upstream {
             // No wait for `ready()` first: a connection that closed while
             // idle hands the request back unsent, just below.
             let sent = match conn {
-                Conn::H1(mut sender) => match sender.try_send_request(req).await {
-                    Ok(resp) => {
-                        // An upgraded connection (101) is the tunnel's now.
-                        let status = resp.status();
-                        let reusable = !retires_connection(status)
-                            && status != http::StatusCode::SWITCHING_PROTOCOLS
-                            && !(with_body && refuses_body(status));
-                        let back = reusable.then(|| (self.clone(), worker, sender));
-                        return Ok(resp.map(|body| {
-                            PooledBody {
-                                body,
-                                back,
-                                ended: false,
-                            }
-                            .boxed()
-                        }));
+                Conn::H1(H1 { mut sender, driver }) => {
+                    // A request given up on before its answer (its deadline
+                    // passed, its client went away) must leave nothing to
+                    // be delivered later. Dropped, hyper would close the
+                    // connection politely, flushing first: through a
+                    // partition that waits for the heal, and the write then
+                    // reaches the backend after newer ones. Aborted, its
+                    // socket is reset and the kernel discards what it held.
+                    let mut given_up = AbortOnDrop(Some(driver.clone()));
+                    let sent = sender.try_send_request(req).await;
+                    given_up.0 = None;
+                    match sent {
+                        Ok(resp) => {
+                            // An upgraded connection (101) is the tunnel's now.
+                            let status = resp.status();
+                            let reusable = !retires_connection(status)
+                                && status != http::StatusCode::SWITCHING_PROTOCOLS
+                                && !(with_body && may_leave_body_unread(status));
+                            let back =
+                                reusable.then(|| (self.clone(), worker, H1 { sender, driver }));
+                            return Ok(resp.map(|body| {
+                                PooledBody {
+                                    body,
+                                    back,
+                                    ended: false,
+                                }
+                                .boxed()
+                            }));
+                        }
+                        Err(e) => e,
                     }
-                    Err(e) => e,
-                },
+                }
                 Conn::H2(mut sender) => match sender.try_send_request(req).await {
                     Ok(resp) => {
                         return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
@@ -183,14 +217,14 @@ impl Upstream {
             pool.h2 = None;
         }
         let now = Instant::now();
-        while let Some((since, sender)) = pool.h1.pop_back() {
+        while let Some((since, conn)) = pool.h1.pop_back() {
             if now.duration_since(since) > self.idle_timeout {
                 // Every older one has waited longer still.
                 pool.h1.clear();
                 break;
             }
-            if !sender.is_closed() {
-                return Some(Conn::H1(sender));
+            if !conn.sender.is_closed() {
+                return Some(Conn::H1(conn));
             }
         }
         None
@@ -304,36 +338,39 @@ impl Upstream {
             // Upgrades: a WebSocket route's 101 hands the connection over
             // (a tunnel no longer counts against the cap: tunnels have
             // their own limit).
-            tokio::spawn(async move {
+            let driver = tokio::spawn(async move {
                 let _ = conn.with_upgrades().await;
                 drop(permit);
             });
-            Ok(Conn::H1(sender))
+            Ok(Conn::H1(H1 {
+                sender,
+                driver: driver.abort_handle(),
+            }))
         }
     }
 
     /// A connection whose response ended. It may still be sending its
     /// request body (the upstream answered early): it goes back to the pool
     /// only once it is ready, so that no request queues behind an upload.
-    fn give_back(self: Arc<Self>, worker: usize, mut sender: http1::SendRequest<ProxyBody>) {
-        if sender.is_closed() {
+    fn give_back(self: Arc<Self>, worker: usize, mut conn: H1) {
+        if conn.sender.is_closed() {
             return;
         }
-        if !sender.is_ready() {
+        if !conn.sender.is_ready() {
             // Bounded: an upload the upstream stopped reading does not keep
             // the task (and the connection) past the idle timeout.
             tokio::spawn(async move {
-                let ready = tokio::time::timeout(self.idle_timeout, sender.ready()).await;
+                let ready = tokio::time::timeout(self.idle_timeout, conn.sender.ready()).await;
                 if matches!(ready, Ok(Ok(()))) {
-                    self.idle_again(worker, sender);
+                    self.idle_again(worker, conn);
                 }
             });
             return;
         }
-        self.idle_again(worker, sender);
+        self.idle_again(worker, conn);
     }
 
-    fn idle_again(&self, worker: usize, mut sender: http1::SendRequest<ProxyBody>) {
+    fn idle_again(&self, worker: usize, mut sender: H1) {
         let now = Instant::now();
         let mut pool = self.pool(worker);
         // A request waiting for a connection takes it at once.
@@ -358,8 +395,8 @@ impl Upstream {
     }
 
     pub(super) fn reap(&self, pool: &mut Pool, now: Instant) {
-        while let Some((since, sender)) = pool.h1.front() {
-            if now.duration_since(*since) <= self.idle_timeout && !sender.is_closed() {
+        while let Some((since, conn)) = pool.h1.front() {
+            if now.duration_since(*since) <= self.idle_timeout && !conn.sender.is_closed() {
                 break;
             }
             pool.h1.pop_front();
@@ -383,7 +420,7 @@ impl Upstream {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.reap(&mut pool, now);
-            pool.h1.retain(|(_, s)| !s.is_closed());
+            pool.h1.retain(|(_, s)| !s.sender.is_closed());
             pool.wire.retain(|(_, conn)| still_idle(&conn.io));
             if pool.h2.as_ref().is_some_and(http2::SendRequest::is_closed) {
                 pool.h2 = None;
@@ -407,7 +444,7 @@ impl Upstream {
 /// connection (dropping it closes it).
 enum Idle {
     Wire(#[allow(dead_code)] WireConn),
-    H1(#[allow(dead_code)] http1::SendRequest<ProxyBody>),
+    H1(#[allow(dead_code)] H1),
 }
 
 /// An idle connection of the lane (`h1.rs`) that is not readable:
@@ -433,14 +470,14 @@ fn closed_at_once(e: hyper::Error) -> UpstreamError {
 /// connection with it (hyper closes it: the rest of the body is unread).
 struct PooledBody {
     body: Incoming,
-    back: Option<(Arc<Upstream>, usize, http1::SendRequest<ProxyBody>)>,
+    back: Option<(Arc<Upstream>, usize, H1)>,
     ended: bool,
 }
 
 impl PooledBody {
     fn give_back(&mut self) {
-        if let Some((upstream, worker, sender)) = self.back.take() {
-            upstream.give_back(worker, sender);
+        if let Some((upstream, worker, conn)) = self.back.take() {
+            upstream.give_back(worker, conn);
         }
     }
 }

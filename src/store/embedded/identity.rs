@@ -244,6 +244,14 @@ pub(super) fn before_create(
     // the new table's log was bound): the table there, if any, is that new
     // one, and it must still hold every key.
     let resumed = marker.try_exists()?;
+    if resumed {
+        tracing::warn!(
+            marker = %marker.display(),
+            "fence store: finishing an accepted reset that a start did not complete: the old \
+             files are set aside and every key is held for the recovery window (remove the \
+             marker only if no reset was accepted here)"
+        );
+    }
     let empty = match std::fs::metadata(path) {
         Ok(m) if m.len() > 0 => {
             return Ok(Ok(if resumed {

@@ -370,6 +370,10 @@ async fn an_accepted_reset_that_crashed_before_its_log_was_bound_still_holds_eve
             "a reset cut short started clean (crash after its first commit: \
              {crash_after_first_commit})"
         );
+        assert!(
+            s.in_flight_at_crash().is_none(),
+            "every key is held, not only marked ones"
+        );
         s.close_clean().await.unwrap();
         drop(s);
         assert!(

@@ -8,15 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, ConnectionAddr, FromRedisValue,
-    IntoConnectionInfo, Script, TlsCertificates,
+    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, FromRedisValue, IntoConnectionInfo,
+    Script, TlsCertificates,
 };
 
 use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
 
 use super::scripts::*;
+use super::sentinel::Sentinels;
 
 /// How long after a failed connection or call the next connect waits.
 pub(super) const BACKOFF: Duration = Duration::from_millis(200);
@@ -24,8 +24,8 @@ pub(super) const BACKOFF: Duration = Duration::from_millis(200);
 /// Where the primary is.
 pub(super) enum Source {
     Direct(Client),
-    /// Asked of Sentinel at every connect; the master name.
-    Sentinel(tokio::sync::Mutex<SentinelClient>, String),
+    /// Asked of the Sentinels at every connect.
+    Sentinel(Sentinels),
 }
 
 /// How to reach Redis and how much to wait for its replicas.
@@ -99,10 +99,7 @@ impl RedisBackend {
     /// `sentinel` was parsed from. Connects lazily.
     pub fn new(url: &str, o: Options<'_>) -> Result<Self, String> {
         let source = match o.sentinel {
-            Some(s) => Source::Sentinel(
-                tokio::sync::Mutex::new(sentinel_client(s, o.password)?),
-                s.master.clone(),
-            ),
+            Some(s) => Source::Sentinel(Sentinels::new(s, o.password)?),
             None => {
                 let mut info = url
                     .into_connection_info()
@@ -231,14 +228,9 @@ impl RedisBackend {
     /// every write, and a primary demoted by a failover is one. With the
     /// replicas online it reported (or Sentinel sees up).
     pub(super) async fn connect(&self) -> Result<(MultiplexedConnection, u32), StoreError> {
-        let client = match &self.source {
-            Source::Direct(c) => c.clone(),
-            Source::Sentinel(s, _) => s
-                .lock()
-                .await
-                .async_get_client()
-                .await
-                .map_err(|e| connect_failed(e, "redis sentinel"))?,
+        let (client, named_by) = match &self.source {
+            Source::Direct(c) => (c.clone(), Vec::new()),
+            Source::Sentinel(s) => s.primary(self.timeout).await?,
         };
         let mut c = self
             .open(&client)
@@ -261,7 +253,7 @@ impl RedisBackend {
                 // promotion has no replica of its own, yet is about to
                 // become one and lose what it takes meanwhile.
                 let online = match self.replicas_to_wait {
-                    None => online.max(self.sentinel_replicas_up().await),
+                    None => online.max(self.sentinel_replicas_up(&named_by).await),
                     Some(_) => online,
                 };
                 if self.replicas_to_wait.is_none() && online == 0 {
@@ -300,27 +292,21 @@ impl RedisBackend {
             .await
     }
 
-    /// How many replicas of the master Sentinel reports up (not down, not
-    /// disconnected); 0 without Sentinel or when no Sentinel answers.
-    pub(super) async fn sentinel_replicas_up(&self) -> u32 {
-        let Source::Sentinel(s, master) = &self.source else {
+    /// How many replicas of the master the Sentinels in `named_by` (those
+    /// that named the primary connected to) report up (not down, not
+    /// disconnected), the most any of them reports: more replicas to wait
+    /// for only makes a write wait longer, fewer could let one be
+    /// acknowledged that a failover loses. 0 without Sentinel or when none
+    /// of them answers.
+    pub(super) async fn sentinel_replicas_up(&self, named_by: &[usize]) -> u32 {
+        let Source::Sentinel(s) = &self.source else {
             return 0;
         };
-        let ask = async {
-            let client = s.lock().await.async_get_sentinel_client().await.ok()?;
-            let mut c = self.open(&client).await.ok()?;
-            let replicas: Vec<Vec<String>> = redis::cmd("SENTINEL")
-                .arg("REPLICAS")
-                .arg(master)
-                .query_async(&mut c)
-                .await
-                .ok()?;
-            Some(sentinel_up(&replicas))
-        };
-        tokio::time::timeout(self.timeout, ask)
+        s.replicas(named_by, self.timeout)
             .await
-            .ok()
-            .flatten()
+            .iter()
+            .map(|replicas| sentinel_up(replicas))
+            .max()
             .unwrap_or(0)
     }
 
@@ -502,48 +488,27 @@ impl RedisBackend {
     }
 }
 
-/// The Sentinel client for `s`: the data nodes' user and password, and the
-/// Sentinels' own if they ask for the same.
-pub(super) fn sentinel_client(
-    s: &crate::config::Sentinel,
-    password: Option<&crate::config::Secret>,
-) -> Result<SentinelClient, String> {
-    let addrs = s
-        .addrs
-        .iter()
-        .map(|(host, port)| ConnectionAddr::Tcp(host.clone(), *port));
-    let mut b = SentinelClientBuilder::new(addrs, &s.master, SentinelServerType::Master)
-        .map_err(|e| e.to_string())?
-        .set_client_to_redis_db(s.db);
-    let password = password.or(s.password.as_ref());
-    if let Some(u) = &s.user {
-        b = b.set_client_to_redis_username(u);
-        if s.sentinel_auth {
-            b = b.set_client_to_sentinel_username(u);
-        }
-    }
-    if let Some(pw) = password {
-        b = b.set_client_to_redis_password(pw.expose());
-        if s.sentinel_auth {
-            b = b.set_client_to_sentinel_password(pw.expose());
-        }
-    }
-    b.build().map_err(|e| e.to_string())
-}
-
 /// How many of `SENTINEL REPLICAS`'s entries (flat field/value lists) are
-/// up: flags without `s_down`, `o_down` or `disconnected`.
+/// up: flags without `s_down`, `o_down` or `disconnected`, and not still
+/// reporting itself a primary (`role-reported`). The last is a demoted old
+/// primary back after a partition: Sentinel lists it as a replica of the
+/// promoted one at once, but it replicates nothing until Sentinel has
+/// reconfigured it (10 s here), and waiting for it refused every write
+/// meanwhile.
 pub(super) fn sentinel_up(replicas: &[Vec<String>]) -> u32 {
+    let field = |r: &[String], name: &str| {
+        r.chunks(2)
+            .find(|kv| kv.len() == 2 && kv[0] == name)
+            .map(|kv| kv[1].clone())
+    };
     replicas
         .iter()
         .filter(|r| {
-            r.chunks(2).any(|kv| {
-                kv.len() == 2
-                    && kv[0] == "flags"
-                    && !kv[1]
-                        .split(',')
-                        .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
-            })
+            field(r, "flags").is_some_and(|flags| {
+                !flags
+                    .split(',')
+                    .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
+            }) && field(r, "role-reported").as_deref() != Some("master")
         })
         .count() as u32
 }

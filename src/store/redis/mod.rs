@@ -32,13 +32,15 @@
 //! found directly (`redis://`) or asked of Sentinel (`redis+sentinel://`),
 //! again after every connection failure, so a promoted replica is followed.
 //!
-//! Files: `conn.rs` (connections, Sentinel, the replica wait),
+//! Files: `conn.rs` (connections, the replica wait), `sentinel.rs` (the
+//! primary as most Sentinels name it),
 //! `backend.rs` (the admission's operations), `scripts.rs` (the Lua
 //! scripts and the keyspace).
 
 mod backend;
 mod conn;
 mod scripts;
+mod sentinel;
 #[cfg(test)]
 mod tests;
 

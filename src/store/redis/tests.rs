@@ -34,6 +34,13 @@ fn sentinel_counts_the_replicas_it_sees_up() {
         entry("slave,promoted"),
     ];
     assert_eq!(sentinel_up(&replicas), 2);
+    // A demoted primary not yet reconfigured reports itself a primary.
+    let reported = |role: &str| {
+        let mut e = entry("slave");
+        e.extend(["role-reported".to_string(), role.to_string()]);
+        e
+    };
+    assert_eq!(sentinel_up(&[reported("master"), reported("slave")]), 1);
     assert_eq!(sentinel_up(&[]), 0);
     assert_eq!(sentinel_up(&[vec!["flags".into()]]), 0);
 }

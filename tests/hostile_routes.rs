@@ -262,6 +262,10 @@ write_methods = ["PUT", "PATCH", "DELETE"]
         "/orders/acme/42?_method=DELETE",
         "/orders/acme/42?x=1&_method=delete",
         "/orders/acme/42?%5Fmethod=PUT",
+        // Array and `;` spellings, as PHP, older Rack and Go parse them.
+        "/orders/acme/42?_method[]=PUT",
+        "/orders/acme/42?_method%5B0%5D=DELETE",
+        "/orders/acme/42?a=1;_method=PUT",
     ] {
         let a = send("POST", &p.url(target), &[], "").await;
         assert_eq!(a.status, 428, "{target}: {}", a.text());

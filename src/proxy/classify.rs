@@ -77,7 +77,9 @@ pub(super) fn host_sources_plain<B>(req: &Request<B>) -> bool {
 
 /// The percent-decoded values of `name` in a query string (`+` is a space
 /// there); `None` for a value that does not decode to UTF-8. Names are
-/// compared decoded, so `%5Fmethod` is `_method`.
+/// compared decoded, so `%5Fmethod` is `_method`; pairs are split at `;`
+/// as well as `&`, and `name[]` or `name[0]` is `name`, as the parsers
+/// that build arrays or take `;` (PHP, older Rack and Go) read them.
 pub(super) fn query_values<'a>(
     query: &'a str,
     name: &'a str,
@@ -90,11 +92,15 @@ pub(super) fn query_values<'a>(
     // Most queries name no `_method` in any spelling: skip the decoding.
     let maybe = query.contains(name) || query.contains('%');
     query
-        .split('&')
+        .split(['&', ';'])
         .filter(move |_| maybe)
         .filter_map(move |pair| {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (decode(k).as_deref() == Some(name)).then(|| decode(v))
+            let named = decode(k).is_some_and(|k| {
+                k.strip_prefix(name)
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('['))
+            });
+            named.then(|| decode(v))
         })
 }
 

@@ -102,8 +102,9 @@ enum Store {
     Slow(StoreKind, Duration, Duration),
     /// Three etcd members.
     EtcdCluster,
-    /// Redis: a primary, a replica and three Sentinels on three hosts.
-    RedisSentinel,
+    /// Redis: a primary, a replica and three Sentinels on three hosts; with
+    /// `min-replicas-to-write 1` on the data nodes if true.
+    RedisSentinel(bool),
 }
 
 impl Cluster {
@@ -148,9 +149,19 @@ impl Cluster {
                 etcd = Some(e);
                 url
             }
-            Store::RedisSentinel => {
+            Store::RedisSentinel(min_replicas) => {
                 let hosts = [store.clone(), net.host(), net.host()];
-                let r = RedisSentinelOn::start(&hosts);
+                let extra: &[&str] = if min_replicas {
+                    &[
+                        "--min-replicas-to-write",
+                        "1",
+                        "--min-replicas-max-lag",
+                        "2",
+                    ]
+                } else {
+                    &[]
+                };
+                let r = RedisSentinelOn::start_with(&hosts, extra);
                 let url = r.url.clone();
                 sentinel = Some(r);
                 url
@@ -510,7 +521,8 @@ enum Plan {
     /// Redis with Sentinel: the primary cut from its replica, from the
     /// third Sentinel's host and from replica B, replica A from all but the
     /// primary, until Sentinel promoted the replica; healed in between.
-    RedisSplitBrain,
+    /// With `min-replicas-to-write 1` if true.
+    RedisSplitBrain(bool),
     /// Replica A's clocks (wall and monotonic) run at twice the real rate,
     /// replica B's at half, the whole run (libfaketime).
     ClockRates,
@@ -526,14 +538,14 @@ async fn history(kind: StoreKind, plan: Plan) {
             Duration::from_millis(50),
         )),
         Plan::SplitBrain => Cluster::start_with(Store::EtcdCluster),
-        Plan::RedisSplitBrain => Cluster::start_with(Store::RedisSentinel),
+        Plan::RedisSplitBrain(min) => Cluster::start_with(Store::RedisSentinel(min)),
         Plan::ClockRates => {
             Cluster::start_full(Store::One(kind), &clock_rate("x2"), &clock_rate("x0.5"))
         }
     };
     let (secs, seed) = length_and_seed(match plan {
         Plan::Partitions | Plan::SplitBrain => 14,
-        Plan::RedisSplitBrain => 20,
+        Plan::RedisSplitBrain(_) => 20,
         Plan::Lossy { .. } | Plan::ClockRates => 10,
     });
     let run = Arc::new(Run {
@@ -564,7 +576,7 @@ async fn history(kind: StoreKind, plan: Plan) {
     if let Plan::ClockRates = plan {
         faults.push(("A's clocks at 2x, B's at 0.5x".to_string(), Instant::now()));
     }
-    if let (Plan::RedisSplitBrain, Some(r)) = (&plan, &c.sentinel) {
+    if let (Plan::RedisSplitBrain(_), Some(r)) = (&plan, &c.sentinel) {
         faults.extend(redis_split_brains(&c, r, run.deadline).await);
     }
     if let (Plan::SplitBrain, Some(etcd)) = (&plan, &c.etcd) {
@@ -616,7 +628,8 @@ async fn history(kind: StoreKind, plan: Plan) {
         Plan::Partitions => format!("partitions-{kind:?}"),
         Plan::Lossy { .. } => format!("lossy-{kind:?}"),
         Plan::SplitBrain => "split-brain-etcd".to_string(),
-        Plan::RedisSplitBrain => "split-brain-redis-sentinel".to_string(),
+        Plan::RedisSplitBrain(false) => "split-brain-redis-sentinel".to_string(),
+        Plan::RedisSplitBrain(true) => "split-brain-redis-sentinel-min-replicas".to_string(),
         Plan::ClockRates => format!("clock-rates-{kind:?}"),
     };
     eprintln!("{}", report.line(&name, seed));
@@ -693,7 +706,14 @@ async fn history_holds_with_replica_clocks_at_twice_and_half_the_rate() {
 /// under the history checker (fencegate's default replica wait).
 #[tokio::test(flavor = "multi_thread")]
 async fn history_holds_while_a_redis_primary_is_isolated_and_its_replica_promoted() {
-    history(StoreKind::Redis, Plan::RedisSplitBrain).await;
+    history(StoreKind::Redis, Plan::RedisSplitBrain(false)).await;
+}
+
+/// The same with `min-replicas-to-write 1` (and a lag of 2 s) on the data
+/// nodes, Redis's own guard against an isolated primary taking writes.
+#[tokio::test(flavor = "multi_thread")]
+async fn history_holds_while_a_redis_primary_with_min_replicas_is_isolated() {
+    history(StoreKind::Redis, Plan::RedisSplitBrain(true)).await;
 }
 
 /// Scenario 2 of issue 43 on etcd: the leader in a minority with one

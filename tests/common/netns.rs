@@ -554,6 +554,12 @@ pub struct RedisSentinelOn {
 
 impl RedisSentinelOn {
     pub fn start(hosts: &[Host]) -> RedisSentinelOn {
+        Self::start_with(hosts, &[])
+    }
+
+    /// With `extra` arguments for both data nodes (`min-replicas-to-write`,
+    /// say).
+    pub fn start_with(hosts: &[Host], extra: &[&str]) -> RedisSentinelOn {
         use std::process::Stdio;
         let dir = super::cluster::scratch_dir();
         let bin = super::servers::require("redis-server", "redis-server");
@@ -567,7 +573,8 @@ impl RedisSentinelOn {
                 .args(["--protected-mode", "no", "--save", ""])
                 .args(["--appendonly", "yes", "--appendfsync", "always"])
                 .args(["--repl-diskless-sync-delay", "0", "--dir"])
-                .arg(&d);
+                .arg(&d)
+                .args(extra);
             if i == 1 {
                 c.args(["--replicaof", &p.addr.to_string(), "6379"]);
             }

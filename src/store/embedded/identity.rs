@@ -29,7 +29,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::wal::{self, Owner, Record, FILE_HEADER};
+use super::wal::{self, sync_dir, Owner, Record, FILE_HEADER};
 
 /// The meta key of the store's identity (format 3 on).
 pub(super) const STORE_ID_KEY: &str = "store_id";
@@ -325,15 +325,6 @@ pub(super) fn reset_done(path: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
     }
-}
-
-/// Makes the renames, creations and removals in `path`'s directory durable.
-fn sync_dir(path: &Path) -> std::io::Result<()> {
-    let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        Some(d) => d.to_path_buf(),
-        None => PathBuf::from("."),
-    };
-    std::fs::File::open(dir)?.sync_all()
 }
 
 fn unix_secs() -> u64 {

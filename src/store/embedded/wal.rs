@@ -302,8 +302,9 @@ pub(super) fn replay(
     Ok(out)
 }
 
-/// Makes the log files' directory entries durable.
-fn sync_dir(file: &Path) -> std::io::Result<()> {
+/// Makes the directory entries beside `file` durable (its creations,
+/// renames and removals).
+pub(super) fn sync_dir(file: &Path) -> std::io::Result<()> {
     match file.parent().filter(|d| !d.as_os_str().is_empty()) {
         Some(dir) => File::open(dir)?.sync_all(),
         None => File::open(".")?.sync_all(),

@@ -647,18 +647,27 @@ async fn history(kind: StoreKind, plan: Plan) {
             slowest_key(&attempts, *at, until),
         );
     }
+    }
     if let Err(why) = check(&attempts, &records) {
         let kept = keep_failure(&name, seed, &attempts, &records, &why);
         panic!("history {name} violated the fence (seed {seed}, kept in {kept}):\n{why}");
     }
     assert!(
         report.stale_attempts > 0 && report.refused_409 > 0,
-        "the run never exercised a stale holder (seed {seed})"
+        "the run never exercised a stale holder (seed {seed}); A's log:\n{}\nB's log:\n{}",
+        tail(&c.pa.stderr(), 40),
+        tail(&c.pb.stderr(), 40),
     );
     assert!(report.applied > 0);
     if let Err(why) = report.check_unknowns(&attempts) {
         panic!("history {name} (seed {seed}): {why}");
     }
+}
+
+/// The last `n` lines of a replica's log, for a failure's message.
+fn tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 macro_rules! on_each_store {

@@ -25,7 +25,7 @@ impl Backend for PostgresBackend {
     }
 
     fn session(&self) -> u64 {
-        self.session.load(Ordering::Acquire)
+        self.dialer.session.load(Ordering::Acquire)
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {

@@ -11,6 +11,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::tls::PgTls;
 use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
+use crate::store::shared::dial::{dial_bound, Slot};
 
 use super::schema::*;
 
@@ -21,14 +22,20 @@ pub(super) const BACKOFF: Duration = Duration::from_millis(200);
 /// Several connections matter: one waiting on a key's row lock must not hold
 /// up admissions on other keys.
 pub struct PostgresBackend {
-    pub(super) url: String,
-    pub(super) connect: Connect,
+    pub(super) dialer: Arc<Dialer>,
     pub(super) timeout: Duration,
-    pub(super) slots: Vec<tokio::sync::Mutex<Option<Conn>>>,
+    pub(super) slots: Vec<tokio::sync::Mutex<Slot<Conn>>>,
     pub(super) next: AtomicUsize,
+}
+
+/// What a new connection needs, shared with the dials in flight.
+pub(super) struct Dialer {
+    url: String,
+    connect: Connect,
+    timeout: Duration,
     pub(super) session: AtomicU64,
-    pub(super) last_failure: Mutex<Option<Instant>>,
-    pub(super) schema_ready: tokio::sync::Mutex<bool>,
+    last_failure: Mutex<Option<Instant>>,
+    schema_ready: tokio::sync::Mutex<bool>,
 }
 
 /// A pooled connection and the statements prepared on it: each query is
@@ -144,31 +151,7 @@ pub(super) async fn drive<F: std::future::Future<Output = Result<(), tokio_postg
     }
 }
 
-impl PostgresBackend {
-    /// `url`: what the driver takes (libpq's TLS parameters already
-    /// taken out into `connect`).
-    pub fn new(
-        url: &str,
-        connect: Connect,
-        timeout: Duration,
-        pool_size: usize,
-    ) -> Result<Self, String> {
-        url.parse::<tokio_postgres::Config>()
-            .map_err(|e| e.to_string())?;
-        Ok(Self {
-            url: url.to_string(),
-            connect,
-            timeout,
-            slots: (0..pool_size.max(1))
-                .map(|_| tokio::sync::Mutex::new(None))
-                .collect(),
-            next: AtomicUsize::new(0),
-            session: AtomicU64::new(0),
-            last_failure: Mutex::new(None),
-            schema_ready: tokio::sync::Mutex::new(false),
-        })
-    }
-
+impl Dialer {
     pub(super) async fn connect(&self) -> Result<Conn, StoreError> {
         // Back off after a failure instead of hammering a server that is
         // down: the call waits out the pause, then tries (a server that
@@ -179,14 +162,14 @@ impl PostgresBackend {
             tokio::time::sleep(pause).await;
         }
         let mut config: tokio_postgres::Config = self.url.parse().map_err(unavailable)?;
-        config.connect_timeout(self.timeout);
+        config.connect_timeout(dial_bound(self.timeout));
         if let Some(pw) = &self.connect.password {
             config.password(pw.expose());
         }
         if self.connect.prefer {
             config.ssl_mode(tokio_postgres::config::SslMode::Prefer);
         }
-        let connected = tokio::time::timeout(self.timeout, async {
+        let connected = tokio::time::timeout(dial_bound(self.timeout), async {
             // The connection task drives the socket; its stream type
             // depends on TLS, so each arm spawns its own.
             match &self.connect.tls {
@@ -252,7 +235,35 @@ impl PostgresBackend {
         tracing::info!("connected to postgres; schema version {SCHEMA_VERSION} ready");
         Ok(())
     }
+}
 
+impl PostgresBackend {
+    /// `url`: what the driver takes (libpq's TLS parameters already
+    /// taken out into `connect`).
+    pub fn new(
+        url: &str,
+        connect: Connect,
+        timeout: Duration,
+        pool_size: usize,
+    ) -> Result<Self, String> {
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            dialer: Arc::new(Dialer {
+                url: url.to_string(),
+                connect,
+                timeout,
+                session: AtomicU64::new(0),
+                last_failure: Mutex::new(None),
+                schema_ready: tokio::sync::Mutex::new(false),
+            }),
+            timeout,
+            slots: (0..pool_size.max(1))
+                .map(|_| tokio::sync::Mutex::new(Slot::Empty))
+                .collect(),
+            next: AtomicUsize::new(0),
+        })
+    }
     /// Runs `f` on one pooled connection, reconnecting it if needed; a
     /// failed connection is dropped so the next call reconnects.
     pub(super) async fn with_client<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
@@ -262,19 +273,22 @@ impl PostgresBackend {
     {
         // One deadline for waiting on the slot, connecting and the query.
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let mut slot = tokio::time::timeout_at(deadline, self.slots[i].lock())
-            .await
-            .map_err(|_| unavailable("timed out waiting for a connection"))?;
-        let client = match slot.take() {
-            Some(c) if !c.is_closed() => c,
-            _ => tokio::time::timeout_at(deadline, self.connect())
-                .await
-                .map_err(|_| unavailable("connect timed out"))??,
-        };
+        let mut slot = self.slot(deadline).await?;
+        let dialer = &self.dialer;
+        let client = slot
+            .take(
+                "postgres",
+                deadline,
+                |c| !c.is_closed(),
+                || {
+                    let dialer = dialer.clone();
+                    async move { dialer.connect().await }
+                },
+            )
+            .await?;
         match tokio::time::timeout_at(deadline, f(client)).await {
             Ok((client, Ok(v))) => {
-                *slot = Some(client);
+                *slot = Slot::Ready(client);
                 Ok(v)
             }
             Ok((client, Err(e))) => {
@@ -286,13 +300,35 @@ impl PostgresBackend {
                 let stale_statement = e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED)
                     || e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME);
                 if !client.is_closed() && e.as_db_error().is_some() && !stale_statement {
-                    *slot = Some(client);
+                    *slot = Slot::Ready(client);
                 }
                 Err(unavailable(e))
             }
             // The client went with the timed-out future: reconnect next time.
             Err(_) => Err(unavailable("timed out")),
         }
+    }
+
+    /// A slot to call on: the first free one holding a connection
+    /// (from the round-robin start), else the round-robin one, waited for
+    /// until `deadline`. Calls prefer open connections, so that while
+    /// dials are slow (a lossy link) the ones made serve every call.
+    async fn slot(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<tokio::sync::MutexGuard<'_, Slot<Conn>>, StoreError> {
+        let n = self.slots.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        for k in 0..n {
+            if let Ok(slot) = self.slots[(start + k) % n].try_lock() {
+                if slot.is_ready(|c| !c.is_closed()) {
+                    return Ok(slot);
+                }
+            }
+        }
+        tokio::time::timeout_at(deadline, self.slots[start].lock())
+            .await
+            .map_err(|_| unavailable("timed out waiting for a connection"))
     }
 
     /// A lease function (poll, renew) on an existing lease: (key, token,

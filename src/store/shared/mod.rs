@@ -12,9 +12,11 @@
 //!
 //! Files: `backend.rs` (what an engine implements), `store.rs` (the
 //! `SharedStore` and its checks), `fence_store.rs` (the `FenceStore` over
-//! it), `marker.rs` (the marker and its copy on disk).
+//! it), `marker.rs` (the marker and its copy on disk), `dial.rs` (connection
+//! slots whose dials outlive their calls).
 
 mod backend;
+pub mod dial;
 mod fence_store;
 mod marker;
 mod store;

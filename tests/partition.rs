@@ -647,7 +647,6 @@ async fn history(kind: StoreKind, plan: Plan) {
             slowest_key(&attempts, *at, until),
         );
     }
-    }
     if let Err(why) = check(&attempts, &records) {
         let kept = keep_failure(&name, seed, &attempts, &records, &why);
         panic!("history {name} violated the fence (seed {seed}, kept in {kept}):\n{why}");

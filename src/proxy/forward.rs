@@ -646,12 +646,15 @@ impl Proxy {
 
         let started = Instant::now();
         let upstream = rt.upstream.clone();
+        let write = ctx.write;
         let exchange = async move {
             let result = match send {
                 Either::Left((wire, to_head)) => {
                     tokio::time::timeout_at(deadline, upstream.send_wire(&wire, to_head)).await
                 }
-                Either::Right(up) => tokio::time::timeout_at(deadline, upstream.send(up)).await,
+                Either::Right(up) => {
+                    tokio::time::timeout_at(deadline, upstream.send(up, write)).await
+                }
             };
             if let Some(hold) = hold {
                 // A 408 may not answer this write at all: it may still be

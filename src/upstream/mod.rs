@@ -20,12 +20,14 @@
 //! `h1.rs` (the own HTTP/1.1 lane's exchange with a plain upstream: the
 //! request as bytes, the answer read on the asking task), `limit.rs` (the
 //! cap on connections and its queue), `forms.rs` (a request's HTTP/1.1 and
-//! HTTP/2 forms), `error.rs` (how an exchange fails).
+//! HTTP/2 forms), `kill.rs` (the switch that throws an HTTP/2 connection
+//! when a write on it is given up), `error.rs` (how an exchange fails).
 
 mod dial;
 mod error;
 mod forms;
 mod h1;
+mod kill;
 mod limit;
 mod pool;
 

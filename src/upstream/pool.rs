@@ -20,6 +20,7 @@ use tower_service::Service;
 use super::dial::Connector;
 use super::error::UpstreamError;
 use super::forms::{h1_form, h2_form};
+use super::kill::{KillOnDrop, KillSwitch, Killable};
 use super::limit::{Limit, LimitSettings, Permit};
 use crate::error::{BoxError, ProxyBody};
 
@@ -54,7 +55,7 @@ pub(super) struct Pool {
     /// HTTP/1.1 connections waiting for a request, oldest first.
     h1: VecDeque<(Instant, H1)>,
     /// An HTTP/2 connection carries every request of its worker at once.
-    h2: Option<http2::SendRequest<ProxyBody>>,
+    h2: Option<H2>,
     /// Requests dialing a connection of their own that would take one
     /// coming back first: under a burst a connection freed by a finished
     /// request is usually ready before a new one is, and a dial per waiting
@@ -87,9 +88,17 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// An HTTP/2 connection of hyper's: the handle requests are sent by, and
+/// the switch that throws it ([`Killable`]).
+#[derive(Clone)]
+pub(super) struct H2 {
+    sender: http2::SendRequest<ProxyBody>,
+    kill: Arc<KillSwitch>,
+}
+
 enum Conn {
     H1(H1),
-    H2(http2::SendRequest<ProxyBody>),
+    H2(H2),
 }
 
 /// A 408 may have been sent on an idle connection just as a request went
@@ -135,9 +144,13 @@ impl Upstream {
     /// Sends `req` (origin-form URI, headers as they go upstream) and
     /// returns the response head; its body returns the connection to this
     /// worker's pool when it ends.
+    ///
+    /// `write`: a fenced write, whose exchange given up on before its
+    /// answer takes its HTTP/2 connection with it (see `kill.rs`).
     pub async fn send(
         self: &Arc<Self>,
         mut req: Request<ProxyBody>,
+        write: bool,
     ) -> Result<Response<ProxyBody>, UpstreamError> {
         let worker = crate::slot::current() % self.pools.len();
         let with_body = !req.body().is_end_stream();
@@ -188,12 +201,23 @@ impl Upstream {
                         Err(e) => e,
                     }
                 }
-                Conn::H2(mut sender) => match sender.try_send_request(req).await {
-                    Ok(resp) => {
-                        return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+                Conn::H2(H2 { mut sender, kill }) => {
+                    // A write given up on before its answer must leave
+                    // nothing to be delivered later: its stream's frames
+                    // may be queued whole on the shared connection, so the
+                    // connection goes (every stream on it fails), as for
+                    // hyper's HTTP/1.1 above. A read given up on only
+                    // resets its stream.
+                    let mut given_up = KillOnDrop(write.then_some(kill));
+                    let sent = sender.try_send_request(req).await;
+                    given_up.0 = None;
+                    match sent {
+                        Ok(resp) => {
+                            return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+                        }
+                        Err(e) => e,
                     }
-                    Err(e) => e,
-                },
+                }
             };
             let mut e = sent;
             match e.take_message() {
@@ -211,7 +235,7 @@ impl Upstream {
     fn checkout(&self, worker: usize) -> Option<Conn> {
         let mut pool = self.pool(worker);
         if let Some(h2) = &pool.h2 {
-            if !h2.is_closed() {
+            if !h2.sender.is_closed() {
                 return Some(Conn::H2(h2.clone()));
             }
             pool.h2 = None;
@@ -321,6 +345,7 @@ impl Upstream {
             UpstreamError::Connect(format!("handshake: {}", crate::error::error_chain(&e)))
         };
         if self.h2c || io.connected().is_negotiated_h2() {
+            let (io, kill) = Killable::new(io);
             let (sender, conn) = http2::handshake(TokioExecutor::new(), io)
                 .await
                 .map_err(handshake)?;
@@ -331,8 +356,9 @@ impl Upstream {
                 let _ = conn.await;
                 drop(permit);
             });
-            self.pool(worker).h2 = Some(sender.clone());
-            Ok(Conn::H2(sender))
+            let h2 = H2 { sender, kill };
+            self.pool(worker).h2 = Some(h2.clone());
+            Ok(Conn::H2(h2))
         } else {
             let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
             // Upgrades: a WebSocket route's 101 hands the connection over
@@ -422,7 +448,7 @@ impl Upstream {
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.sender.is_closed());
             pool.wire.retain(|(_, conn)| still_idle(&conn.io));
-            if pool.h2.as_ref().is_some_and(http2::SendRequest::is_closed) {
+            if pool.h2.as_ref().is_some_and(|h2| h2.sender.is_closed()) {
                 pool.h2 = None;
             }
         }

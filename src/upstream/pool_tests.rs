@@ -94,7 +94,7 @@ fn get(path: &str) -> Request<ProxyBody> {
 
 /// Sends a GET and reads its answer to the end.
 async fn fetch(up: &Arc<Upstream>, path: &str) -> Result<http::StatusCode, UpstreamError> {
-    let resp = up.send(get(path)).await?;
+    let resp = up.send(get(path), false).await?;
     let status = resp.status();
     resp.into_body().collect().await.unwrap();
     Ok(status)
@@ -131,7 +131,7 @@ async fn idle_connections_are_each_kept_until_the_idle_timeout() {
     let idle = Duration::from_millis(400);
     let up = upstream(srv.addr, 1, idle);
     // Two at once: neither connection is free when the other is needed.
-    let (a, b) = tokio::join!(up.send(get("/a")), up.send(get("/b")));
+    let (a, b) = tokio::join!(up.send(get("/a"), false), up.send(get("/b"), false));
     for resp in [a.unwrap(), b.unwrap()] {
         resp.into_body().collect().await.unwrap();
     }
@@ -180,7 +180,7 @@ async fn a_request_racing_the_close_of_an_idle_connection_is_not_sent_again() {
     close.send(()).unwrap();
     // Blocks this runtime: the close arrives, unseen by the pool.
     std::thread::sleep(Duration::from_millis(200));
-    let e = up.send(get("/b")).await.unwrap_err();
+    let e = up.send(get("/b"), false).await.unwrap_err();
     assert!(!e.is_connect(), "{e}");
     assert_eq!(srv.connections.load(Ordering::SeqCst), 1);
 }
@@ -191,7 +191,7 @@ async fn a_request_racing_the_close_of_an_idle_connection_is_not_sent_again() {
 async fn a_new_connection_closed_at_once_is_not_dialed_again() {
     let srv = server(|s, _| drop(s));
     let up = upstream(srv.addr, 1, Duration::from_secs(60));
-    let sent = tokio::time::timeout(Duration::from_secs(10), up.send(get("/a")))
+    let sent = tokio::time::timeout(Duration::from_secs(10), up.send(get("/a"), false))
         .await
         .expect("the request kept dialing");
     assert!(sent.is_err());
@@ -205,7 +205,7 @@ async fn no_listener_is_a_connect_error() {
         .local_addr()
         .unwrap();
     let up = upstream(free, 1, Duration::from_secs(60));
-    let e = up.send(get("/a")).await.unwrap_err();
+    let e = up.send(get("/a"), false).await.unwrap_err();
     assert!(e.is_connect(), "{e:?}");
 }
 
@@ -215,7 +215,7 @@ async fn a_connection_lost_after_the_request_is_an_exchange_error() {
         read_head(&mut s, &mut Vec::new());
     });
     let up = upstream(srv.addr, 1, Duration::from_secs(60));
-    let e = up.send(get("/a")).await.unwrap_err();
+    let e = up.send(get("/a"), false).await.unwrap_err();
     assert!(!e.is_connect(), "{e}");
     assert_eq!(srv.connections.load(Ordering::SeqCst), 1);
 }
@@ -224,11 +224,11 @@ async fn a_connection_lost_after_the_request_is_an_exchange_error() {
 async fn response_bodies_tell_their_length_and_their_end() {
     let srv = server(keep_alive);
     let up = upstream(srv.addr, 1, Duration::from_secs(60));
-    let body = up.send(get("/a")).await.unwrap().into_body();
+    let body = up.send(get("/a"), false).await.unwrap().into_body();
     assert_eq!(body.size_hint().exact(), Some(5));
     assert!(!body.is_end_stream());
     drop(body);
-    let resp = up.send(get("/empty")).await.unwrap();
+    let resp = up.send(get("/empty"), false).await.unwrap();
     assert_eq!(resp.status(), 204);
     assert!(resp.body().is_end_stream());
 }
@@ -258,11 +258,72 @@ async fn an_open_http2_connection_carries_the_next_request() {
             .await;
     });
     let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+    let (io, kill) = Killable::new(io);
     let (sender, conn) = http2::handshake(TokioExecutor::new(), io).await.unwrap();
     tokio::spawn(conn);
     let up = upstream(addr, 1, Duration::from_secs(60));
-    up.pool(0).h2 = Some(sender);
+    up.pool(0).h2 = Some(H2 { sender, kill });
     assert!(matches!(up.checkout(0), Some(Conn::H2(_))));
     assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
 }
 
+/// A write given up on before its answer takes its HTTP/2 connection with
+/// it (its frames may be queued whole on it: `kill.rs`); a read given up
+/// on only resets its stream, and the connection carries the next request.
+#[tokio::test]
+async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            counted.fetch_add(1, Ordering::SeqCst);
+            // `/slow` is never answered.
+            let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                if req.uri().path() == "/slow" {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, std::convert::Infallible>(Response::new(full("ok")))
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), service),
+            );
+        }
+    });
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    let connector = Connector::from((
+        super::super::Dialer::new(http),
+        crate::tls::plain_client_config(),
+    ));
+    let dial: Uri = format!("http://{addr}/").parse().unwrap();
+    let up = Arc::new(Upstream::new(
+        dial,
+        connector,
+        1,
+        Duration::from_secs(60),
+        true,
+        LimitSettings::unlimited(),
+    ));
+    let give_up = |req, write| {
+        let up = up.clone();
+        async move {
+            let sent = tokio::time::timeout(Duration::from_millis(200), up.send(req, write));
+            assert!(sent.await.is_err(), "`/slow` is never answered");
+        }
+    };
+    assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
+    give_up(get("/slow"), false).await;
+    assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
+    assert_eq!(connections.load(Ordering::SeqCst), 1, "a read kept it");
+    let write = Request::put("/slow")
+        .header(header::HOST, "backend")
+        .body(full("v"))
+        .unwrap();
+    give_up(write, true).await;
+    assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
+    assert_eq!(connections.load(Ordering::SeqCst), 2, "a write took it");
+}

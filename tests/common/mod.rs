@@ -23,6 +23,7 @@ pub mod history;
 pub mod netns;
 pub mod servers;
 pub mod tls;
+pub mod writes;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = BoxBody<Bytes, BoxError>;
@@ -198,17 +199,25 @@ pub async fn start_upstream_on(addr: &str) -> Upstream {
 /// Starts the recording upstream on `host`'s address, port `port` (0: a
 /// free one): its socket lives in the host's network namespace.
 pub fn start_upstream_in(host: &netns::Host, port: u16) -> Upstream {
-    let addr = format!("{}:{port}", host.addr);
-    let listener = host
-        .enter(|| listen(&addr))
-        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
-    serve_upstream(listener, |stream, service| {
+    start_upstream_in_with(host, port, |stream, service| {
         Box::pin(async move {
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         })
     })
+}
+
+/// [`start_upstream_in`], each connection served by `serve` (HTTP/2, say).
+pub fn start_upstream_in_with<F>(host: &netns::Host, port: u16, serve: F) -> Upstream
+where
+    F: Fn(tokio::net::TcpStream, Recording) -> ConnFuture + Send + 'static,
+{
+    let addr = format!("{}:{port}", host.addr);
+    let listener = host
+        .enter(|| listen(&addr))
+        .unwrap_or_else(|e| panic!("cannot listen on {addr}: {e}"));
+    serve_upstream(listener, serve)
 }
 
 /// Starts the recording upstream on a free loopback port, serving each

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::history::*;
 use common::netns::{EtcdOn, Host, Net, RedisSentinelOn, Relay, StoreOn};
+use common::pg_on::PgStandbyOn;
 use common::servers::StoreKind;
 use common::writes::{put, puts, queued_for};
 use common::*;
@@ -38,6 +39,8 @@ struct Cluster {
     etcd: Option<EtcdOn>,
     /// Redis with Sentinel, when the store is that.
     sentinel: Option<RedisSentinelOn>,
+    /// PostgreSQL with a synchronous standby, when the store is that.
+    pg: Option<PgStandbyOn>,
     backend: Host,
     a: Host,
     b: Host,
@@ -65,6 +68,8 @@ enum Store {
     /// Redis: a primary, a replica and three Sentinels on three hosts; with
     /// `min-replicas-to-write 1` on the data nodes if true.
     RedisSentinel(bool),
+    /// PostgreSQL: a primary and its synchronous standby on two hosts.
+    PgStandby,
 }
 
 impl Cluster {
@@ -83,7 +88,8 @@ impl Cluster {
         let (store, backend, a, b) = (net.host(), net.host(), net.host(), net.host());
         let up = start_upstream_in(&backend, 8080);
         let dir = common::cluster::scratch_dir();
-        let (mut server, mut etcd, mut relay, mut sentinel) = (None, None, None, None);
+        let (mut server, mut etcd, mut relay, mut sentinel, mut pg) =
+            (None, None, None, None, None);
         let store_url = match what {
             Store::One(kind) => {
                 let s = StoreOn::start(kind, &store);
@@ -126,6 +132,12 @@ impl Cluster {
                 sentinel = Some(r);
                 url
             }
+            Store::PgStandby => {
+                let p = PgStandbyOn::start(&store, &net.host());
+                let url = p.url.clone();
+                pg = Some(p);
+                url
+            }
         };
         let replica = |host: &Host, env: &[(String, String)]| {
             let mut p = ProxyBuilder::new(&up.url(), dir.path())
@@ -149,6 +161,7 @@ impl Cluster {
             store,
             etcd,
             sentinel,
+            pg,
             backend,
             a,
             b,
@@ -414,6 +427,45 @@ async fn redis_split_brains(
     faults
 }
 
+/// Scenario 2 of issue 43 on PostgreSQL: the primary isolated with replica
+/// A (cut from its synchronous standby and from replica B; A cut from the
+/// standby), the standby promoted a second later as a failover manager
+/// would, the partition healed two seconds after that, and the old primary
+/// stopped two seconds after the heal (what Patroni does, or an operator
+/// must). The primary cannot commit without its standby, so nothing A sends
+/// it is admitted; after the heal both replicas may still reach it first
+/// (it is first in the URL and still writable) until it is stopped.
+async fn pg_split_brain(c: &Cluster, pg: &PgStandbyOn) -> Vec<(String, Instant)> {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (old, new) = (&pg.primary, &pg.standby);
+    c.net.cut(old, new);
+    c.net.cut(old, &c.b);
+    c.net.cut(&c.a, new);
+    let at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::block_in_place(|| pg.promote());
+    eprintln!(
+        "split brain: the standby promoted {:?} after the cut",
+        at.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.net.heal();
+    let healed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::task::block_in_place(|| pg.stop_primary());
+    eprintln!(
+        "split brain healed; the old primary stopped {:?} after the heal",
+        healed.elapsed()
+    );
+    vec![(
+        format!(
+            "PostgreSQL primary {} isolated with A, its standby promoted",
+            old.addr
+        ),
+        at,
+    )]
+}
+
 /// libfaketime under a replica, its clocks (wall and monotonic) running at
 /// `rate` (`x2`, `x0.5`).
 fn clock_rate(rate: &str) -> Vec<(String, String)> {
@@ -486,6 +538,10 @@ enum Plan {
     /// Replica A's clocks (wall and monotonic) run at twice the real rate,
     /// replica B's at half, the whole run (libfaketime).
     ClockRates,
+    /// PostgreSQL: the primary cut from its standby and from replica B,
+    /// replica A from the standby; the standby promoted; healed, then the
+    /// old primary stopped.
+    PgSplitBrain,
 }
 
 async fn history(kind: StoreKind, plan: Plan) {
@@ -499,12 +555,13 @@ async fn history(kind: StoreKind, plan: Plan) {
         )),
         Plan::SplitBrain => Cluster::start_with(Store::EtcdCluster),
         Plan::RedisSplitBrain(min) => Cluster::start_with(Store::RedisSentinel(min)),
+        Plan::PgSplitBrain => Cluster::start_with(Store::PgStandby),
         Plan::ClockRates => {
             Cluster::start_full(Store::One(kind), &clock_rate("x2"), &clock_rate("x0.5"))
         }
     };
     let (secs, seed) = length_and_seed(match plan {
-        Plan::Partitions | Plan::SplitBrain => 14,
+        Plan::Partitions | Plan::SplitBrain | Plan::PgSplitBrain => 14,
         Plan::RedisSplitBrain(_) => 20,
         Plan::Lossy { .. } | Plan::ClockRates => 10,
     });
@@ -538,6 +595,9 @@ async fn history(kind: StoreKind, plan: Plan) {
     }
     if let (Plan::RedisSplitBrain(_), Some(r)) = (&plan, &c.sentinel) {
         faults.extend(redis_split_brains(&c, r, run.deadline).await);
+    }
+    if let (Plan::PgSplitBrain, Some(pg)) = (&plan, &c.pg) {
+        faults.extend(pg_split_brain(&c, pg).await);
     }
     if let (Plan::SplitBrain, Some(etcd)) = (&plan, &c.etcd) {
         faults.extend(split_brains(&c, etcd, run.deadline).await);
@@ -591,6 +651,7 @@ async fn history(kind: StoreKind, plan: Plan) {
         Plan::RedisSplitBrain(false) => "split-brain-redis-sentinel".to_string(),
         Plan::RedisSplitBrain(true) => "split-brain-redis-sentinel-min-replicas".to_string(),
         Plan::ClockRates => format!("clock-rates-{kind:?}"),
+        Plan::PgSplitBrain => "split-brain-postgres-standby".to_string(),
     };
     eprintln!("{}", report.line(&name, seed));
     let ends: Vec<Instant> = faults
@@ -658,6 +719,11 @@ macro_rules! on_each_store {
 }
 
 on_each_store!(redis => StoreKind::Redis, postgres => StoreKind::Postgres, etcd => StoreKind::Etcd);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn history_holds_while_a_postgres_primary_is_isolated_and_its_standby_promoted() {
+    history(StoreKind::Postgres, Plan::PgSplitBrain).await;
+}
 
 /// Scenario 5 of issue 43, rates: one replica's clocks at twice the real
 /// rate, the other's at half, under the history checker (Redis; the

@@ -21,6 +21,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 pub mod cluster;
 pub mod history;
 pub mod netns;
+pub mod pg_on;
 pub mod servers;
 pub mod tls;
 pub mod writes;

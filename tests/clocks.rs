@@ -72,6 +72,11 @@ impl SteppedClock {
     fn step(&self, secs: i64) {
         std::fs::write(&self.file, format!("{secs}\n")).unwrap();
     }
+
+    /// From now on the wall clock runs `rate` times as fast as the real one.
+    fn rate(&self, rate: f64) {
+        std::fs::write(&self.file, format!("0 {rate}\n")).unwrap();
+    }
 }
 
 /// How far `date` (an HTTP date) is from the real clock now, in seconds.
@@ -242,4 +247,52 @@ async fn a_redis_hosts_wall_clock_step_forward_ends_the_leases_in_flight() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_postgres_hosts_wall_clock_step_forward_ends_the_leases_in_flight() {
     a_store_hosts_wall_clock_step(StoreKind::Postgres).await;
+}
+
+/// A store host's wall clock running fast shortens every lease in real
+/// time: at three times the real rate, a lease of `upstream_timeout` +
+/// `store_timeout` + 1 s (5 s here) ends after 1.7 s, and a newer token is
+/// admitted while an older write that takes 2.5 s is still being applied
+/// (contract.md's arithmetic: a write that runs to its deadline outlives
+/// its lease once the clock is (3 + 1 + 1) / (3 + 0.25) = 1.54 times as
+/// fast here, 1.046 with the defaults). At half the rate a lease lasts
+/// longer, and the newer token waits for the older write.
+async fn a_store_hosts_wall_clock_at_another_rate(kind: StoreKind) {
+    let clock = SteppedClock::new();
+    let s = setup(kind, &clock.env(), &[]);
+
+    clock.rate(0.5);
+    let older = long_write(&s, &s.a, "/slow", "5", 1500).await;
+    let newer = put(&s.b.url("/slow"), "6").await;
+    assert_eq!(older.await.unwrap(), StatusCode::OK);
+    if newer.status == 200 {
+        let (five, six) = (record(&s.up, "/slow", "5"), record(&s.up, "/slow", "6"));
+        assert!(six.arrived >= five.completed, "overtaken with a slow clock");
+    } else {
+        assert_eq!(newer.status, 503, "{}", newer.text());
+    }
+
+    clock.rate(3.0);
+    let older = long_write(&s, &s.a, "/fast", "5", 2500).await;
+    let sent = Instant::now();
+    let newer = put(&s.b.url("/fast"), "6").await;
+    let waited = sent.elapsed();
+    assert_eq!(newer.status, 200, "{}", newer.text());
+    assert_eq!(older.await.unwrap(), StatusCode::OK);
+    let (five, six) = (record(&s.up, "/fast", "5"), record(&s.up, "/fast", "6"));
+    eprintln!("{kind:?}: with the store's clock at 3x, token 6 waited {waited:?}");
+    assert!(
+        six.arrived < five.completed,
+        "{kind:?}: a clock at 3x was expected to end token 5's lease early (contract.md's clock arithmetic); token 6 waited {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redis_hosts_wall_clock_running_fast_ends_the_leases_early() {
+    a_store_hosts_wall_clock_at_another_rate(StoreKind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_postgres_hosts_wall_clock_running_fast_ends_the_leases_early() {
+    a_store_hosts_wall_clock_at_another_rate(StoreKind::Postgres).await;
 }

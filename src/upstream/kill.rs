@@ -17,7 +17,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use atomic_waker::AtomicWaker;
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
 use hyper::rt::{Read, ReadBufCursor, Write};
+
+use crate::error::{BoxError, ProxyBody};
 
 /// Throws a [`Killable`] connection.
 #[derive(Default)]
@@ -30,6 +34,10 @@ pub(super) struct KillSwitch {
 }
 
 impl KillSwitch {
+    pub(super) fn is_killed(&self) -> bool {
+        self.killed.load(Ordering::Acquire)
+    }
+
     pub(super) fn kill(&self) {
         self.killed.store(true, Ordering::Release);
         self.read.wake();
@@ -128,5 +136,39 @@ impl Drop for KillOnDrop {
         if let Some(switch) = self.0.take() {
             switch.kill();
         }
+    }
+}
+
+/// A write's request body that throws the switch when it fails: cut at
+/// the write's deadline, by its client, or by a limit while it streams
+/// after the answer's head came. Its stream would only be reset, and
+/// frames of it already queued (whole messages, to a gRPC stream) would
+/// still go out.
+pub(super) struct KillOnCut {
+    pub(super) inner: ProxyBody,
+    pub(super) switch: Arc<KillSwitch>,
+}
+
+impl Body for KillOnCut {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(_))) = &polled {
+            self.switch.kill();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }

@@ -20,7 +20,7 @@ use tower_service::Service;
 use super::dial::Connector;
 use super::error::UpstreamError;
 use super::forms::{h1_form, h2_form};
-use super::kill::{KillOnDrop, KillSwitch, Killable};
+use super::kill::{KillOnCut, KillOnDrop, KillSwitch, Killable};
 use super::limit::{Limit, LimitSettings, Permit};
 use crate::error::{BoxError, ProxyBody};
 
@@ -208,9 +208,19 @@ impl Upstream {
                     // connection goes (every stream on it fails), as for
                     // hyper's HTTP/1.1 above. A read given up on only
                     // resets its stream.
-                    let mut given_up = KillOnDrop(write.then_some(kill));
+                    let mut given_up = KillOnDrop(write.then(|| kill.clone()));
+                    if write {
+                        req = req.map(|inner| {
+                            let switch = kill.clone();
+                            KillOnCut { inner, switch }.boxed()
+                        });
+                    }
                     let sent = sender.try_send_request(req).await;
-                    given_up.0 = None;
+                    // An error disarms nothing: a local reset of a cut body
+                    // can end the exchange before its deadline.
+                    if sent.is_ok() {
+                        given_up.0 = None;
+                    }
                     match sent {
                         Ok(resp) => {
                             return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
@@ -235,7 +245,8 @@ impl Upstream {
     fn checkout(&self, worker: usize) -> Option<Conn> {
         let mut pool = self.pool(worker);
         if let Some(h2) = &pool.h2 {
-            if !h2.sender.is_closed() {
+            // A thrown switch closes the connection a moment later.
+            if !h2.sender.is_closed() && !h2.kill.is_killed() {
                 return Some(Conn::H2(h2.clone()));
             }
             pool.h2 = None;
@@ -448,7 +459,11 @@ impl Upstream {
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.sender.is_closed());
             pool.wire.retain(|(_, conn)| still_idle(&conn.io));
-            if pool.h2.as_ref().is_some_and(|h2| h2.sender.is_closed()) {
+            if pool
+                .h2
+                .as_ref()
+                .is_some_and(|h2| h2.sender.is_closed() || h2.kill.is_killed())
+            {
                 pool.h2 = None;
             }
         }

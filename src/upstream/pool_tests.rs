@@ -267,6 +267,25 @@ async fn an_open_http2_connection_carries_the_next_request() {
     assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
 }
 
+/// An upstream spoken to in HTTP/2 from the first byte (h2c), one worker.
+fn h2c_upstream(addr: SocketAddr) -> Arc<Upstream> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    let connector = Connector::from((
+        super::super::Dialer::new(http),
+        crate::tls::plain_client_config(),
+    ));
+    let dial: Uri = format!("http://{addr}/").parse().unwrap();
+    Arc::new(Upstream::new(
+        dial,
+        connector,
+        1,
+        Duration::from_secs(60),
+        true,
+        LimitSettings::unlimited(),
+    ))
+}
+
 /// A write given up on before its answer takes its HTTP/2 connection with
 /// it (its frames may be queued whole on it: `kill.rs`); a read given up
 /// on only resets its stream, and the connection carries the next request.
@@ -293,21 +312,7 @@ async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
             );
         }
     });
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    let connector = Connector::from((
-        super::super::Dialer::new(http),
-        crate::tls::plain_client_config(),
-    ));
-    let dial: Uri = format!("http://{addr}/").parse().unwrap();
-    let up = Arc::new(Upstream::new(
-        dial,
-        connector,
-        1,
-        Duration::from_secs(60),
-        true,
-        LimitSettings::unlimited(),
-    ));
+    let up = h2c_upstream(addr);
     let give_up = |req, write| {
         let up = up.clone();
         async move {
@@ -326,4 +331,91 @@ async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
     give_up(write, true).await;
     assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
     assert_eq!(connections.load(Ordering::SeqCst), 2, "a write took it");
+}
+
+/// A request body that sends one frame, then fails once `gate` fires (a
+/// write's body cut at its deadline while it streams).
+struct FailsLater {
+    sent: bool,
+    gate: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl http_body::Body for FailsLater {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if !self.sent {
+            self.sent = true;
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"part")))));
+        }
+        match self.gate.as_mut() {
+            Some(gate) => match std::future::Future::poll(Pin::new(gate), cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(_) => {
+                    self.gate = None;
+                    Poll::Ready(Some(Err("cut".into())))
+                }
+            },
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+/// A write whose body fails after its answer's head came (cut at its
+/// deadline while it still streams) takes its HTTP/2 connection too: its
+/// stream would only be reset, and frames of it already queued would
+/// still go out.
+#[tokio::test]
+async fn an_http2_write_whose_body_is_cut_after_the_answer_takes_its_connection() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            counted.fetch_add(1, Ordering::SeqCst);
+            // Answers at once and reads the body on the side.
+            let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                tokio::spawn(req.into_body().collect());
+                Ok::<_, std::convert::Infallible>(Response::new(full("ok")))
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(s), service),
+            );
+        }
+    });
+    let up = h2c_upstream(addr);
+    assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
+    let (cut, gate) = tokio::sync::oneshot::channel();
+    let body = FailsLater {
+        sent: false,
+        gate: Some(gate),
+    };
+    let write = Request::put("/early")
+        .header(header::HOST, "backend")
+        .body(body.boxed())
+        .unwrap();
+    let resp = up.send(write, true).await.unwrap();
+    assert_eq!(resp.status(), 200, "the head came before the body ended");
+    cut.send(()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // A request that met the connection as it was thrown fails (the
+        // price contract.md names); the next goes on a new one.
+        if fetch(&up, "/a").await.is_ok_and(|s| s == 200) && connections.load(Ordering::SeqCst) == 2
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cut write's connection was kept"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -2,7 +2,9 @@
  * could have moved: preloaded (LD_PRELOAD), it adds the whole seconds
  * written in the file $WALLCLOCK_OFFSET_FILE (re-read every 20 ms) to
  * CLOCK_REALTIME, gettimeofday() and time(). The monotonic clocks are left
- * alone, as a step leaves them.
+ * alone, as a step leaves them. A second number in the file is a rate:
+ * from when it is first read, the wall clock runs that many times as fast
+ * as the real one (a clock drifting; 1 when absent).
  *
  * libfaketime does this too, but cannot run under a program linked with
  * jemalloc (redis-server): jemalloc reads the clock while libfaketime is
@@ -18,6 +20,11 @@
 
 static volatile long offset_s;
 static volatile long long next_read_ns;
+static volatile double rate = 1.0;
+/* The monotonic time the current rate was first read, and what earlier
+ * rates had added by then (a new rate bends the clock, never steps it). */
+static volatile long long rate_since_ns;
+static volatile long long drifted_ns;
 
 static int raw(clockid_t id, struct timespec *ts) {
   return (int)syscall(SYS_clock_gettime, id, ts);
@@ -38,14 +45,34 @@ static void refresh(void) {
   syscall(SYS_close, fd);
   if (n <= 0) return;
   buf[n] = 0;
-  offset_s = strtol(buf, NULL, 10);
+  char *end;
+  offset_s = strtol(buf, &end, 10);
+  double r = strtod(end, &end);
+  if (r <= 0) r = 1.0;
+  if (r != rate) {
+    drifted_ns += (long long)((rate - 1.0) * (double)(now - rate_since_ns));
+    rate = r;
+    rate_since_ns = now;
+  }
+}
+
+/* Nanoseconds the rates have added so far. */
+static long long drift_ns(void) {
+  if (rate == 1.0) return drifted_ns;
+  struct timespec m;
+  if (raw(CLOCK_MONOTONIC, &m) != 0) return 0;
+  long long now = (long long)m.tv_sec * 1000000000LL + m.tv_nsec;
+  return drifted_ns + (long long)((rate - 1.0) * (double)(now - rate_since_ns));
 }
 
 int clock_gettime(clockid_t id, struct timespec *ts) {
   int r = raw(id, ts);
   if (r == 0 && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) {
     refresh();
-    ts->tv_sec += offset_s;
+    long long ns = (long long)ts->tv_nsec + drift_ns();
+    long long carry = ns >= 0 ? ns / 1000000000LL : (ns - 999999999LL) / 1000000000LL;
+    ts->tv_sec += offset_s + carry;
+    ts->tv_nsec = (long)(ns - carry * 1000000000LL);
   }
   return r;
 }

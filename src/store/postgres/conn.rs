@@ -201,7 +201,6 @@ impl Dialer {
         };
         *self.last_failure.lock().expect("lock") = None;
         self.ensure_schema(&client).await?;
-        self.session.fetch_add(1, Ordering::AcqRel);
         Ok(Conn {
             client,
             prepared: Default::default(),
@@ -277,7 +276,7 @@ impl PostgresBackend {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let mut slot = self.slot(deadline).await?;
         let dialer = &self.dialer;
-        let client = slot
+        let (client, new) = slot
             .take(
                 "postgres",
                 deadline,
@@ -288,6 +287,11 @@ impl PostgresBackend {
                 },
             )
             .await?;
+        if new {
+            // A new session, counted when it is first used (the marker
+            // check on a new connection: store/shared).
+            self.dialer.session.fetch_add(1, Ordering::AcqRel);
+        }
         match tokio::time::timeout_at(deadline, f(client)).await {
             Ok((client, Ok(v))) => {
                 *slot = Slot::Ready(client);

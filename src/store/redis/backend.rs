@@ -21,11 +21,11 @@ impl Backend for RedisBackend {
     }
 
     fn timeout(&self) -> std::time::Duration {
-        self.dialer.timeout
+        self.timeout
     }
 
     fn session(&self) -> u64 {
-        self.dialer.session.load(Ordering::Acquire)
+        self.session.load(Ordering::Acquire)
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
@@ -130,7 +130,7 @@ impl Backend for RedisBackend {
     }
 
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
-        if self.dialer.replicas_to_wait.is_none() {
+        if self.replicas_to_wait.is_none() {
             // The heartbeat reads the marker every second: a replica that
             // came online is waited for from then on. The count only goes
             // down at a connect (a wait that failed drops the connections):
@@ -153,7 +153,7 @@ impl Backend for RedisBackend {
                     // hand or by a tool other than Sentinel): its answers
                     // are a copy that may lag.
                     self.drop_connections().await;
-                    *self.dialer.last_failure.lock().expect("lock") = Some(Instant::now());
+                    *self.last_failure.lock().expect("lock") = Some(Instant::now());
                     return Err(unavailable(format!(
                         "the server became a {role}: reconnecting to the primary"
                     )));

@@ -17,7 +17,6 @@ use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
 
 use super::scripts::*;
 use super::sentinel::Sentinels;
-use crate::store::shared::dial::{dial_bound, Slot};
 
 /// How long after a failed connection or call the next connect waits.
 pub(super) const BACKOFF: Duration = Duration::from_millis(200);
@@ -27,16 +26,6 @@ pub(super) enum Source {
     Direct(Client),
     /// Asked of the Sentinels at every connect.
     Sentinel(Sentinels),
-}
-
-/// What a new connection needs, shared with the dials in flight.
-pub(super) struct Dialer {
-    pub(super) source: Source,
-    pub(super) session: AtomicU64,
-    pub(super) last_failure: Mutex<Option<Instant>>,
-    pub(super) timeout: Duration,
-    /// `store_replicas_to_wait`, if set.
-    pub(super) replicas_to_wait: Option<u32>,
 }
 
 /// How to reach Redis and how much to wait for its replicas.
@@ -66,11 +55,16 @@ pub(super) struct Conn {
 
 /// A Redis connection that reconnects (with backoff) after failures.
 pub struct RedisBackend {
-    pub(super) dialer: Arc<Dialer>,
+    pub(super) source: Source,
     /// One connection per runtime (the main one and each worker's): a
     /// multiplexed connection's driver task lives on the runtime that
     /// connected it, and a call from another thread would cost two hops.
-    pub(super) conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Slot<Conn>>>>,
+    pub(super) conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<Conn>>>>,
+    pub(super) session: AtomicU64,
+    pub(super) last_failure: Mutex<Option<Instant>>,
+    pub(super) timeout: Duration,
+    /// `store_replicas_to_wait`, if set.
+    pub(super) replicas_to_wait: Option<u32>,
     pub(super) acquire: Script,
     pub(super) poll: Script,
     pub(super) renew: Script,
@@ -136,14 +130,12 @@ impl RedisBackend {
         };
         let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
         Ok(Self {
-            dialer: Arc::new(Dialer {
-                source,
-                session: AtomicU64::new(0),
-                last_failure: Mutex::new(None),
-                timeout: o.timeout,
-                replicas_to_wait: o.replicas_to_wait,
-            }),
+            source,
             conns: dashmap::DashMap::new(),
+            session: AtomicU64::new(0),
+            last_failure: Mutex::new(None),
+            timeout: o.timeout,
+            replicas_to_wait: o.replicas_to_wait,
             acquire: with_lib(ACQUIRE),
             poll: with_lib(POLL),
             renew: with_lib(RENEW),
@@ -158,8 +150,7 @@ impl RedisBackend {
 
     /// Replicas a call on `conn` waits for.
     pub(super) fn replicas_wanted(&self, conn: &Conn) -> u32 {
-        self.dialer
-            .replicas_to_wait
+        self.replicas_to_wait
             .unwrap_or_else(|| conn.online.load(Ordering::Relaxed).min(1))
     }
 
@@ -169,10 +160,11 @@ impl RedisBackend {
     pub(super) fn saw_replicas(&self, online: u32) {
         let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
         for slot in slots {
-            // A slot that is dialing gets a count of its own at connect;
-            // one whose lock a call holds (waiting on its dial) too.
+            // A slot that is being connected (its lock held through a
+            // backoff and a connect) gets a count of its own: no wait
+            // for it here.
             if let Ok(slot) = slot.try_lock() {
-                if let Slot::Ready(c) = &*slot {
+                if let Some(c) = slot.as_ref() {
                     c.online.fetch_max(online, Ordering::Relaxed);
                 }
             }
@@ -182,11 +174,11 @@ impl RedisBackend {
     /// `WAIT`'s own timeout: half the store timeout, so that the reply
     /// (too few replicas) arrives before the call itself times out.
     pub(super) fn wait_ms(&self) -> u64 {
-        (self.dialer.timeout.as_millis() as u64 / 2).max(1)
+        (self.timeout.as_millis() as u64 / 2).max(1)
     }
 
     /// This runtime's connection slot (see [`crate::slot::slot`]).
-    pub(super) fn slot(&self) -> Arc<tokio::sync::Mutex<Slot<Conn>>> {
+    pub(super) fn slot(&self) -> Arc<tokio::sync::Mutex<Option<Conn>>> {
         let slot = crate::slot::slot();
         // A read lock on the usual path; the entry (a write lock) only the
         // first time a runtime calls.
@@ -197,44 +189,28 @@ impl RedisBackend {
     }
 
     pub(super) async fn connection(&self) -> Result<Conn, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.dialer.timeout;
         let slot = self.slot();
         let mut slot = slot.lock().await;
-        let dialer = &self.dialer;
-        let c = slot
-            .take(
-                "redis",
-                deadline,
-                |_| true,
-                || {
-                    let dialer = dialer.clone();
-                    async move { dialer.dial().await }
-                },
-            )
-            .await?;
-        *slot = Slot::Ready(c.clone());
-        Ok(c)
-    }
-}
-
-impl Dialer {
-    /// A connection, after the backoff that follows a failure (instead of
-    /// hammering a server that is down: a server that came back, after a
-    /// restart, answers the dial after it).
-    async fn dial(&self) -> Result<Conn, StoreError> {
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        // Back off after a failure instead of hammering a server that is
+        // down: the call waits out the pause, then tries (a server that
+        // came back, after a restart, answers it).
         let since = self.last_failure.lock().expect("lock").map(|t| t.elapsed());
         if let Some(pause) = since.and_then(|e| BACKOFF.checked_sub(e)) {
             tokio::time::sleep(pause).await;
         }
-        let connected = tokio::time::timeout(dial_bound(self.timeout), self.connect()).await;
-        match connected {
+        match tokio::time::timeout(self.timeout, self.connect()).await {
             Ok(Ok((c, online))) => {
-                self.session.fetch_add(1, Ordering::AcqRel);
-                *self.last_failure.lock().expect("lock") = None;
-                Ok(Conn {
+                let c = Conn {
                     c,
                     online: Arc::new(AtomicU32::new(online)),
-                })
+                };
+                self.session.fetch_add(1, Ordering::AcqRel);
+                *self.last_failure.lock().expect("lock") = None;
+                *slot = Some(c.clone());
+                Ok(c)
             }
             Ok(Err(e)) => {
                 *self.last_failure.lock().expect("lock") = Some(Instant::now());
@@ -309,7 +285,7 @@ impl Dialer {
     /// bounded by the store timeout.
     pub(super) async fn open(&self, client: &Client) -> redis::RedisResult<MultiplexedConnection> {
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(dial_bound(self.timeout)))
+            .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
         client
             .get_multiplexed_async_connection_with_config(&config)
@@ -333,9 +309,7 @@ impl Dialer {
             .max()
             .unwrap_or(0)
     }
-}
 
-impl RedisBackend {
     /// Runs one command. On a broken connection (a restarted server closed
     /// it; found by this call) it runs once more on a fresh connection, so
     /// that no request fails for it: every operation of this backend may
@@ -416,7 +390,7 @@ impl RedisBackend {
             || e.code() == Some("READONLY")
         {
             self.drop_connections().await;
-            *self.dialer.last_failure.lock().expect("lock") = Some(Instant::now());
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
         }
         if e.code() == Some("NOPERM") {
             // An ACL user without the commands fencegate runs.
@@ -431,7 +405,7 @@ impl RedisBackend {
     pub(super) async fn drop_connections(&self) {
         let slots: Vec<_> = self.conns.iter().map(|s| s.value().clone()).collect();
         for slot in slots {
-            slot.lock().await.forget();
+            *slot.lock().await = None;
         }
     }
 
@@ -467,7 +441,7 @@ impl RedisBackend {
             .await?;
         if confirmed < wanted {
             self.drop_connections().await;
-            *self.dialer.last_failure.lock().expect("lock") = Some(Instant::now());
+            *self.last_failure.lock().expect("lock") = Some(Instant::now());
             return Err(unavailable(format!(
                 "{confirmed} of {wanted} replicas confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
             )));

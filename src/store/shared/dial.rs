@@ -71,47 +71,63 @@ impl<C: Send + 'static> Slot<C> {
     }
 
     /// The slot's connection, taken out (the caller puts it back when it
-    /// stays usable): the one it holds if `usable` accepts it, else the one
-    /// its dial makes, waited for until `deadline`. A dial is started with
-    /// `dial` when none is going, or when the one going failed before this
-    /// call came (its error is stale). A dial still going at the deadline
-    /// stays in the slot for its next call.
+    /// stays usable), and whether it is a new one: the one it holds if
+    /// `usable` accepts it, else the one its dial makes, waited for until
+    /// `deadline`. A dial is started with `dial` when none is going, or
+    /// when the one going failed before this call came (its error is
+    /// stale) or made a connection `usable` refuses. The dial is awaited
+    /// where it lies, in the slot: a call cancelled by an outer bound, or
+    /// timed out here, leaves it going for the slot's next call.
     pub async fn take<F>(
         &mut self,
         kind: &str,
         deadline: Instant,
-        usable: impl FnOnce(&C) -> bool,
+        usable: impl Fn(&C) -> bool,
         dial: impl Fn() -> F,
-    ) -> Result<C, StoreError>
+    ) -> Result<(C, bool), StoreError>
     where
         F: Future<Output = Result<C, StoreError>> + Send + 'static,
     {
-        let (mut going, mut fresh) = match std::mem::take(self) {
-            Slot::Ready(c) if usable(&c) => return Ok(c),
-            Slot::Dialing(d) => (d, false),
-            _ => (Dial::start(kind, dial()), true),
-        };
+        let mut fresh = false;
         loop {
-            match tokio::time::timeout_at(deadline, &mut going.0).await {
-                Err(_) => {
-                    *self = Slot::Dialing(going);
+            if self.is_ready(&usable) {
+                let Slot::Ready(c) = std::mem::take(self) else {
+                    unreachable!("is_ready said so")
+                };
+                return Ok((c, false));
+            }
+            if !matches!(self, Slot::Dialing(_)) {
+                *self = Slot::Dialing(Dial::start(kind, dial()));
+                fresh = true;
+            }
+            let Slot::Dialing(going) = self else {
+                unreachable!("set just above")
+            };
+            let Ok(done) = tokio::time::timeout_at(deadline, &mut going.0).await else {
+                return Err(StoreError::Unavailable(format!(
+                    "{kind}: connect timed out (the dial goes on for the next call)"
+                )));
+            };
+            *self = Slot::Empty;
+            match done {
+                Ok(Ok(c)) if usable(&c) => return Ok((c, true)),
+                Ok(Err(e)) if fresh => return Err(e),
+                Err(e) if fresh => return Err(StoreError::Unavailable(format!("{kind}: {e}"))),
+                // Stale, or closed while it waited: dial again, once.
+                _ if !fresh => {}
+                _ => {
                     return Err(StoreError::Unavailable(format!(
-                        "{kind}: connect timed out (the dial goes on for the next call)"
-                    )));
-                }
-                Ok(Ok(Ok(c))) => return Ok(c),
-                Ok(Ok(Err(e))) if fresh => return Err(e),
-                Ok(Err(e)) if fresh => return Err(StoreError::Unavailable(format!("{kind}: {e}"))),
-                Ok(_) => {
-                    going = Dial::start(kind, dial());
-                    fresh = true;
+                        "{kind}: the new connection closed at once"
+                    )))
                 }
             }
         }
     }
 
-    /// Forgets a held connection (a later call dials anew); a dial going
-    /// on is kept, as it began after whatever failure this is about.
+    /// Forgets a held connection (a later call dials anew). A dial going on
+    /// is kept: it may have begun before the failure this is about, but it
+    /// asks anew whom to connect to, and checks what it reached (Redis: the
+    /// role; PostgreSQL: `target_session_attrs`).
     pub fn forget(&mut self) {
         if let Slot::Ready(_) = self {
             *self = Slot::Empty;

@@ -286,11 +286,13 @@ fn h2c_upstream(addr: SocketAddr) -> Arc<Upstream> {
     ))
 }
 
-/// A write given up on before its answer takes its HTTP/2 connection with
-/// it (its frames may be queued whole on it: `kill.rs`); a read given up
-/// on only resets its stream, and the connection carries the next request.
-#[tokio::test]
-async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
+/// An HTTP/2 server on loopback that runs `before` on each request, then
+/// answers `ok`; with the count of connections it accepted.
+async fn counting_h2_server<F, Fut>(before: F) -> (SocketAddr, Arc<AtomicUsize>)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let connections = Arc::new(AtomicUsize::new(0));
@@ -299,12 +301,13 @@ async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
         loop {
             let (s, _) = listener.accept().await.unwrap();
             counted.fetch_add(1, Ordering::SeqCst);
-            // `/slow` is never answered.
-            let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                if req.uri().path() == "/slow" {
-                    std::future::pending::<()>().await;
+            let before = before.clone();
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let before = before.clone();
+                async move {
+                    before(req).await;
+                    Ok::<_, std::convert::Infallible>(Response::new(full("ok")))
                 }
-                Ok::<_, std::convert::Infallible>(Response::new(full("ok")))
             });
             tokio::spawn(
                 hyper::server::conn::http2::Builder::new(TokioExecutor::new())
@@ -312,6 +315,21 @@ async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
             );
         }
     });
+    (addr, connections)
+}
+
+/// A write given up on before its answer takes its HTTP/2 connection with
+/// it (its frames may be queued whole on it: `kill.rs`); a read given up
+/// on only resets its stream, and the connection carries the next request.
+#[tokio::test]
+async fn a_write_given_up_on_http2_takes_its_connection_and_a_read_does_not() {
+    // `/slow` is never answered.
+    let (addr, connections) = counting_h2_server(|req| async move {
+        if req.uri().path() == "/slow" {
+            std::future::pending::<()>().await;
+        }
+    })
+    .await;
     let up = h2c_upstream(addr);
     let give_up = |req, write| {
         let up = up.clone();
@@ -371,25 +389,11 @@ impl http_body::Body for FailsLater {
 /// still go out.
 #[tokio::test]
 async fn an_http2_write_whose_body_is_cut_after_the_answer_takes_its_connection() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let counted = connections.clone();
-    tokio::spawn(async move {
-        loop {
-            let (s, _) = listener.accept().await.unwrap();
-            counted.fetch_add(1, Ordering::SeqCst);
-            // Answers at once and reads the body on the side.
-            let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                tokio::spawn(req.into_body().collect());
-                Ok::<_, std::convert::Infallible>(Response::new(full("ok")))
-            });
-            tokio::spawn(
-                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(hyper_util::rt::TokioIo::new(s), service),
-            );
-        }
-    });
+    // Answers at once and reads the body on the side.
+    let (addr, connections) = counting_h2_server(|req| async move {
+        tokio::spawn(req.into_body().collect());
+    })
+    .await;
     let up = h2c_upstream(addr);
     assert_eq!(fetch(&up, "/a").await.unwrap(), 200);
     let (cut, gate) = tokio::sync::oneshot::channel();

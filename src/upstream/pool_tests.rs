@@ -68,6 +68,10 @@ fn keep_alive(mut s: TcpStream, _: usize) {
 }
 
 fn upstream(addr: SocketAddr, workers: usize, idle: Duration) -> Arc<Upstream> {
+    upstream_with(addr, workers, idle, false)
+}
+
+fn upstream_with(addr: SocketAddr, workers: usize, idle: Duration, h2c: bool) -> Arc<Upstream> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     let connector = Connector::from((
@@ -80,7 +84,7 @@ fn upstream(addr: SocketAddr, workers: usize, idle: Duration) -> Arc<Upstream> {
         connector,
         workers,
         idle,
-        false,
+        h2c,
         LimitSettings::unlimited(),
     ))
 }
@@ -269,21 +273,7 @@ async fn an_open_http2_connection_carries_the_next_request() {
 
 /// An upstream spoken to in HTTP/2 from the first byte (h2c), one worker.
 fn h2c_upstream(addr: SocketAddr) -> Arc<Upstream> {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    let connector = Connector::from((
-        super::super::Dialer::new(http),
-        crate::tls::plain_client_config(),
-    ));
-    let dial: Uri = format!("http://{addr}/").parse().unwrap();
-    Arc::new(Upstream::new(
-        dial,
-        connector,
-        1,
-        Duration::from_secs(60),
-        true,
-        LimitSettings::unlimited(),
-    ))
+    upstream_with(addr, 1, Duration::from_secs(60), true)
 }
 
 /// An HTTP/2 server on loopback that runs `before` on each request, then

@@ -21,7 +21,7 @@ impl Backend for PostgresBackend {
     }
 
     fn timeout(&self) -> std::time::Duration {
-        self.timeout
+        self.dialer.timeout
     }
 
     fn session(&self) -> u64 {

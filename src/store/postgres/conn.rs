@@ -23,7 +23,6 @@ pub(super) const BACKOFF: Duration = Duration::from_millis(200);
 /// up admissions on other keys.
 pub struct PostgresBackend {
     pub(super) dialer: Arc<Dialer>,
-    pub(super) timeout: Duration,
     pub(super) slots: Vec<tokio::sync::Mutex<Slot<Conn>>>,
     pub(super) next: AtomicUsize,
 }
@@ -32,7 +31,7 @@ pub struct PostgresBackend {
 pub(super) struct Dialer {
     url: String,
     connect: Connect,
-    timeout: Duration,
+    pub(super) timeout: Duration,
     pub(super) session: AtomicU64,
     last_failure: Mutex<Option<Instant>>,
     schema_ready: tokio::sync::Mutex<bool>,
@@ -258,7 +257,6 @@ impl PostgresBackend {
                 last_failure: Mutex::new(None),
                 schema_ready: tokio::sync::Mutex::new(false),
             }),
-            timeout,
             slots: (0..pool_size.max(1))
                 .map(|_| tokio::sync::Mutex::new(Slot::Empty))
                 .collect(),
@@ -273,7 +271,7 @@ impl PostgresBackend {
         Fut: std::future::Future<Output = (Conn, Result<T, tokio_postgres::Error>)>,
     {
         // One deadline for waiting on the slot, connecting and the query.
-        let deadline = tokio::time::Instant::now() + self.timeout;
+        let deadline = tokio::time::Instant::now() + self.dialer.timeout;
         let mut slot = self.slot(deadline).await?;
         let dialer = &self.dialer;
         let (client, new) = slot

@@ -44,11 +44,20 @@ impl InFlight {
     /// With `keep`, the write stays in flight until then even if nothing
     /// else holds it (an answer that may not be its own: a 408).
     pub(super) fn release_at_deadline(hold: &Arc<InFlight>, keep: bool) {
+        Self::release_after(hold, keep, tokio::time::sleep_until(hold.deadline));
+    }
+
+    /// The write stops holding its keys when `until` ends, whatever its
+    /// body does; with `keep`, not before then either.
+    fn release_after(
+        hold: &Arc<InFlight>,
+        keep: bool,
+        until: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
         let weak = Arc::downgrade(hold);
         let kept = keep.then(|| hold.clone());
-        let deadline = hold.deadline;
         tokio::spawn(async move {
-            tokio::time::sleep_until(deadline).await;
+            until.await;
             if let Some(hold) = weak.upgrade() {
                 drop(hold.held.lock().expect("in-flight lock").take());
             }
@@ -98,6 +107,15 @@ impl WriteHold {
     /// See [`InFlight::release_at_deadline`].
     pub(super) fn release_at_deadline(&self, keep: bool) {
         InFlight::release_at_deadline(&self.in_flight, keep);
+    }
+
+    /// Keeps the write in flight until `settled` ends (it is bounded by
+    /// the write's deadline), whatever its body does.
+    pub(super) fn release_after(
+        &self,
+        settled: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        InFlight::release_after(&self.in_flight, true, settled);
     }
 }
 

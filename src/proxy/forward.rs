@@ -21,6 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::error::{BoxError, ProxyBody, ProxyError};
 use crate::key::{CanonicalPath, KeyError};
 use crate::token::FENCE_TOKEN;
+use crate::upstream::Delivery;
 
 use super::body::RequestBody;
 use super::classify::*;
@@ -658,12 +659,27 @@ impl Proxy {
             };
             if let Some(hold) = hold {
                 // A 408 may not answer this write at all: it may still be
-                // applied, so its keys stay held to its deadline. An early
-                // answer with the body still being sent holds them while
-                // the body does.
+                // applied, so its keys stay held to its deadline.
                 let ambiguous =
                     matches!(&result, Ok(Ok(r)) if crate::upstream::retires_connection(r.status()));
-                if ambiguous || hold.body_holds() {
+                // An early answer, with the body still being sent: its last
+                // byte handed over is not a byte the backend has, so the
+                // write holds its keys until its connection has settled
+                // (`upstream/kill.rs`), by its deadline.
+                let early = hold.body_holds();
+                let delivery = match &result {
+                    Ok(Ok(r)) if early => r.extensions().get::<Delivery>().cloned(),
+                    _ => None,
+                };
+                if let Some(delivery) = delivery {
+                    let upstream = Arc::clone(&upstream);
+                    hold.release_after(async move {
+                        upstream.settle(delivery, deadline).await;
+                        if ambiguous {
+                            tokio::time::sleep_until(deadline).await;
+                        }
+                    });
+                } else if ambiguous || early {
                     hold.release_at_deadline(ambiguous);
                 }
             }

@@ -1,4 +1,5 @@
-//! A kill switch on an HTTP/2 upstream connection.
+//! A kill switch on an upstream connection of hyper's, and what its socket
+//! still owes the backend when it goes.
 //!
 //! hyper runs an HTTP/2 client connection on a task of its own, and a
 //! stream given up on is only reset: DATA frames already queued on the
@@ -9,21 +10,37 @@
 //! fails every read and write from then on, hyper's connection task ends
 //! and drops it, and `SO_LINGER` 0 (`dial.rs`) discards what the kernel
 //! still holds.
+//!
+//! An *early answer* (the response head came while the write's body was
+//! still being sent, on either HTTP version) leaves the opposite question:
+//! the body's last byte handed to hyper is not a byte the backend has. It
+//! may wait in hyper, in HTTP/2's flow control or in the kernel, and
+//! through a partition it arrives after the heal, after newer tokens other
+//! replicas forwarded (a black-box attack: 7 of 7 runs). Such a write
+//! settles its connection ([`KillSwitch::settle`]): the connection takes no
+//! new request, and when hyper lets it go, its socket is kept until the
+//! kernel holds nothing more for the backend (`outq.rs`); at the write's
+//! deadline whatever is left is thrown away with the connection. The write
+//! holds its keys until the socket is gone ([`KillSwitch::gone`]).
 
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::rt::{Read, ReadBufCursor, Write};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{BoxError, ProxyBody};
 
-/// Throws a [`Killable`] connection.
+/// Throws a [`Killable`] connection, and says when its socket is gone.
 #[derive(Default)]
 pub(super) struct KillSwitch {
     killed: AtomicBool,
@@ -31,6 +48,17 @@ pub(super) struct KillSwitch {
     /// it finds the switch thrown at once, not at the next frame.
     read: AtomicWaker,
     write: AtomicWaker,
+    /// A settling connection's drain (below), woken by a kill.
+    kill_wakes: Notify,
+    /// The socket's two ends, to ask the kernel what it still holds.
+    addrs: Option<(SocketAddr, SocketAddr)>,
+    /// An early-answered write settles this connection: it takes no new
+    /// request, and its socket is kept until the kernel has delivered
+    /// everything (or the connection is killed).
+    settling: AtomicBool,
+    /// Cancelled once the socket is closed: nothing of any request on it
+    /// can reach the backend from then on.
+    gone: CancellationToken,
 }
 
 impl KillSwitch {
@@ -42,6 +70,42 @@ impl KillSwitch {
         self.killed.store(true, Ordering::Release);
         self.read.wake();
         self.write.wake();
+        self.kill_wakes.notify_waiters();
+    }
+
+    /// Whether an early-answered write settles the connection: no new
+    /// request may go out on it.
+    pub(super) fn is_settling(&self) -> bool {
+        self.settling.load(Ordering::Acquire)
+    }
+
+    /// From now on the connection takes no new request, and its socket,
+    /// once hyper lets it go, is kept until it is delivered.
+    pub(super) fn begin_settling(&self) {
+        self.settling.store(true, Ordering::Release);
+    }
+
+    /// Settles the connection for an early-answered write: returns once
+    /// nothing it carried can reach the backend any more. That is when
+    /// hyper has let the connection go and the kernel delivered all of
+    /// it, or, at `deadline`, once the connection is thrown with whatever
+    /// it still held. A kill that does not end the connection within a
+    /// moment (its task never scheduled) gives up after the fence's
+    /// [`crate::fence::CUT_GRACE`], which newer writes wait anyway.
+    pub(super) async fn settle(self: Arc<Self>, deadline: tokio::time::Instant) {
+        self.begin_settling();
+        tokio::select! {
+            _ = self.gone.cancelled() => return,
+            _ = tokio::time::sleep_until(deadline) => {}
+        }
+        self.kill();
+        let _ = tokio::time::timeout(crate::fence::CUT_GRACE, self.gone.cancelled()).await;
+    }
+
+    /// A future that ends when the socket is closed.
+    #[cfg(test)]
+    pub(super) fn gone(&self) -> impl std::future::Future<Output = ()> + '_ {
+        self.gone.cancelled()
     }
 
     /// Registers the waker first, then reads the flag: a kill between the
@@ -51,33 +115,103 @@ impl KillSwitch {
         if self.killed.load(Ordering::Acquire) {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
-                "a write was given up on this HTTP/2 connection",
+                "a write was given up on this upstream connection",
             ));
         }
         Ok(())
     }
+
+    /// Keeps a settling connection's socket until the kernel holds nothing
+    /// more for the backend, or until the connection is killed. The pause
+    /// between two looks grows from 1 ms to 50 ms: a healthy link is done
+    /// within a round trip, and the table is read rarely after that.
+    async fn drain<T>(&self, io: T) {
+        let Some((local, peer)) = self.addrs else {
+            // Nothing to ask the kernel about: held to the kill.
+            let wait = self.kill_wakes.notified();
+            if !self.is_killed() {
+                wait.await;
+            }
+            drop(io);
+            return;
+        };
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let wait = self.kill_wakes.notified();
+            if self.is_killed() {
+                break;
+            }
+            match super::outq::unacknowledged(local, peer) {
+                Ok(Some(0) | None) => break,
+                Ok(Some(_)) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read what the kernel holds for an upstream; \
+                        the connection is kept until its write's deadline");
+                    wait.await;
+                    break;
+                }
+            }
+            tokio::select! {
+                _ = wait => break,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+        drop(io);
+    }
 }
 
-/// An upstream connection that fails once its [`KillSwitch`] is thrown.
-pub(super) struct Killable<T> {
-    io: T,
+/// An upstream connection that fails once its [`KillSwitch`] is thrown,
+/// and whose socket a settling write keeps until it is delivered.
+pub(super) struct Killable<T: Send + 'static> {
+    /// Taken only when dropped.
+    io: Option<T>,
     switch: Arc<KillSwitch>,
 }
 
-impl<T> Killable<T> {
-    pub(super) fn new(io: T) -> (Self, Arc<KillSwitch>) {
-        let switch = Arc::new(KillSwitch::default());
+impl<T: Send + 'static> Killable<T> {
+    /// `addrs`: the socket's local and peer addresses, when known.
+    pub(super) fn new(io: T, addrs: Option<(SocketAddr, SocketAddr)>) -> (Self, Arc<KillSwitch>) {
+        let switch = Arc::new(KillSwitch {
+            addrs,
+            ..KillSwitch::default()
+        });
         (
             Self {
-                io,
+                io: Some(io),
                 switch: switch.clone(),
             },
             switch,
         )
     }
+
+    fn io(&mut self) -> Pin<&mut T>
+    where
+        T: Unpin,
+    {
+        Pin::new(self.io.as_mut().expect("taken only when dropped"))
+    }
 }
 
-impl<T: Read + Unpin> Read for Killable<T> {
+impl<T: Send + 'static> Drop for Killable<T> {
+    fn drop(&mut self) {
+        let Some(io) = self.io.take() else { return };
+        let switch = self.switch.clone();
+        if switch.is_settling() && !switch.is_killed() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    switch.drain(io).await;
+                    switch.gone.cancel();
+                });
+                return;
+            }
+        }
+        drop(io);
+        switch.gone.cancel();
+    }
+}
+
+impl<T: Read + Unpin + Send + 'static> Read for Killable<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -85,11 +219,11 @@ impl<T: Read + Unpin> Read for Killable<T> {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.switch.check(&this.switch.read, cx)?;
-        Pin::new(&mut this.io).poll_read(cx, buf)
+        this.io().poll_read(cx, buf)
     }
 }
 
-impl<T: Write + Unpin> Write for Killable<T> {
+impl<T: Write + Unpin + Send + 'static> Write for Killable<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -97,7 +231,7 @@ impl<T: Write + Unpin> Write for Killable<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         this.switch.check(&this.switch.write, cx)?;
-        Pin::new(&mut this.io).poll_write(cx, buf)
+        this.io().poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -107,23 +241,23 @@ impl<T: Write + Unpin> Write for Killable<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         this.switch.check(&this.switch.write, cx)?;
-        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+        this.io().poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
+        self.io.as_ref().is_some_and(Write::is_write_vectored)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.switch.check(&this.switch.write, cx)?;
-        Pin::new(&mut this.io).poll_flush(cx)
+        this.io().poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.switch.check(&this.switch.write, cx)?;
-        Pin::new(&mut this.io).poll_shutdown(cx)
+        this.io().poll_shutdown(cx)
     }
 }
 
@@ -170,5 +304,88 @@ impl Body for KillOnCut {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A connection whose peer has read nothing of what was written, so
+    /// that the kernel holds some of it, and the peer's end.
+    async fn owing() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut ours = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (theirs, _) = listener.accept().await.unwrap();
+        let chunk = vec![7u8; 1 << 20];
+        while tokio::time::timeout(Duration::from_millis(200), ours.write_all(&chunk))
+            .await
+            .is_ok()
+        {}
+        (ours, theirs)
+    }
+
+    fn killable(io: TcpStream) -> (Killable<TcpStream>, Arc<KillSwitch>) {
+        let addrs = (io.local_addr().unwrap(), io.peer_addr().unwrap());
+        Killable::new(io, Some(addrs))
+    }
+
+    /// Let go of by hyper, a settling connection's socket stays open until
+    /// the peer has everything: closing it earlier would reset it and
+    /// throw the rest away, and the body would not arrive whole.
+    #[tokio::test]
+    async fn a_settling_connection_is_kept_until_the_kernel_delivered_it() {
+        let (ours, mut theirs) = owing().await;
+        let (io, switch) = killable(ours);
+        switch.begin_settling();
+        drop(io);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), switch.gone())
+                .await
+                .is_err(),
+            "closed with bytes the peer has not had"
+        );
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match theirs.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n as u64,
+            }
+            if switch.gone.is_cancelled() {
+                break;
+            }
+        }
+        tokio::time::timeout(Duration::from_secs(10), switch.gone())
+            .await
+            .expect("closed once delivered");
+        assert!(got > 0);
+    }
+
+    /// A kill ends the wait: the socket is reset with what it held.
+    #[tokio::test]
+    async fn a_kill_closes_a_settling_connection_at_once() {
+        let (ours, _theirs) = owing().await;
+        let (io, switch) = killable(ours);
+        switch.begin_settling();
+        drop(io);
+        switch.kill();
+        tokio::time::timeout(Duration::from_secs(10), switch.gone())
+            .await
+            .expect("closed at the kill");
+    }
+
+    /// A connection no write settles closes as it always did, at once.
+    #[tokio::test]
+    async fn an_unsettled_connection_closes_at_once() {
+        let (ours, _theirs) = owing().await;
+        let (io, switch) = killable(ours);
+        drop(io);
+        assert!(switch.gone.is_cancelled());
     }
 }

@@ -20,8 +20,10 @@
 //! `h1.rs` (the own HTTP/1.1 lane's exchange with a plain upstream: the
 //! request as bytes, the answer read on the asking task), `limit.rs` (the
 //! cap on connections and its queue), `forms.rs` (a request's HTTP/1.1 and
-//! HTTP/2 forms), `kill.rs` (the switch that throws an HTTP/2 connection
-//! when a write on it is given up), `error.rs` (how an exchange fails).
+//! HTTP/2 forms), `kill.rs` (the switch that throws a connection of hyper's
+//! when a write on it is given up, and the settling of one that carried an
+//! early-answered write), `outq.rs` (what the kernel still holds for the
+//! backend on a connection), `error.rs` (how an exchange fails).
 
 mod dial;
 mod error;
@@ -29,9 +31,10 @@ mod forms;
 mod h1;
 mod kill;
 mod limit;
+mod outq;
 mod pool;
 
 pub use dial::{Connector, Dialer};
 pub use error::UpstreamError;
 pub use limit::LimitSettings;
-pub use pool::{retires_connection, Upstream};
+pub use pool::{retires_connection, Delivery, Upstream};

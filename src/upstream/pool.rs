@@ -13,7 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
-use hyper_util::client::legacy::connect::Connection;
+use hyper_util::client::legacy::connect::{Connection, HttpInfo};
 use hyper_util::rt::TokioExecutor;
 use tower_service::Service;
 
@@ -68,11 +68,12 @@ pub(super) struct Pool {
     pub(super) wire_waiters: VecDeque<tokio::sync::oneshot::Sender<WireConn>>,
 }
 
-/// An HTTP/1.1 connection of hyper's: the handle requests are sent by, and
-/// its driver task's, to abort it.
+/// An HTTP/1.1 connection of hyper's: the handle requests are sent by, its
+/// driver task's, to abort it, and its switch ([`Killable`]).
 pub(super) struct H1 {
     sender: http1::SendRequest<ProxyBody>,
     driver: tokio::task::AbortHandle,
+    kill: Arc<KillSwitch>,
 }
 
 /// Aborts a connection's driver task when dropped armed: dropping it drops
@@ -100,6 +101,12 @@ enum Conn {
     H1(H1),
     H2(H2),
 }
+
+/// The connection a write went out on, in its response's extensions: a
+/// write answered before its body was sent settles it
+/// ([`Upstream::settle`]).
+#[derive(Clone)]
+pub struct Delivery(Arc<KillSwitch>);
 
 /// A 408 may have been sent on an idle connection just as a request went
 /// out on it (a server timing the connection out): the answer to that
@@ -146,7 +153,8 @@ impl Upstream {
     /// worker's pool when it ends.
     ///
     /// `write`: a fenced write, whose exchange given up on before its
-    /// answer takes its HTTP/2 connection with it (see `kill.rs`).
+    /// answer takes its HTTP/2 connection with it (see `kill.rs`), and
+    /// whose response carries its [`Delivery`].
     pub async fn send(
         self: &Arc<Self>,
         mut req: Request<ProxyBody>,
@@ -169,7 +177,11 @@ impl Upstream {
             // No wait for `ready()` first: a connection that closed while
             // idle hands the request back unsent, just below.
             let sent = match conn {
-                Conn::H1(H1 { mut sender, driver }) => {
+                Conn::H1(H1 {
+                    mut sender,
+                    driver,
+                    kill,
+                }) => {
                     // A request given up on before its answer (its deadline
                     // passed, its client went away) must leave nothing to
                     // be delivered later. Dropped, hyper would close the
@@ -178,6 +190,9 @@ impl Upstream {
                     // reaches the backend after newer ones. Aborted, its
                     // socket is reset and the kernel discards what it held.
                     let mut given_up = AbortOnDrop(Some(driver.clone()));
+                    // A write's body cut after an early answer: the rest
+                    // waits in the kernel no longer (`kill.rs`).
+                    let req = cut_kills(req, write, &kill);
                     let sent = sender.try_send_request(req).await;
                     given_up.0 = None;
                     match sent {
@@ -187,16 +202,27 @@ impl Upstream {
                             let reusable = !retires_connection(status)
                                 && status != http::StatusCode::SWITCHING_PROTOCOLS
                                 && !(with_body && may_leave_body_unread(status));
-                            let back =
-                                reusable.then(|| (self.clone(), worker, H1 { sender, driver }));
-                            return Ok(resp.map(|body| {
+                            let delivery = write.then(|| Delivery(kill.clone()));
+                            let back = reusable.then(|| {
+                                let conn = H1 {
+                                    sender,
+                                    driver,
+                                    kill,
+                                };
+                                (self.clone(), worker, conn)
+                            });
+                            let mut resp = resp.map(|body| {
                                 PooledBody {
                                     body,
                                     back,
                                     ended: false,
                                 }
                                 .boxed()
-                            }));
+                            });
+                            if let Some(d) = delivery {
+                                resp.extensions_mut().insert(d);
+                            }
+                            return Ok(resp);
                         }
                         Err(e) => e,
                     }
@@ -209,12 +235,7 @@ impl Upstream {
                     // hyper's HTTP/1.1 above. A read given up on only
                     // resets its stream.
                     let mut given_up = KillOnDrop(write.then(|| kill.clone()));
-                    if write {
-                        req = req.map(|inner| {
-                            let switch = kill.clone();
-                            KillOnCut { inner, switch }.boxed()
-                        });
-                    }
+                    let req = cut_kills(req, write, &kill);
                     let sent = sender.try_send_request(req).await;
                     // An error disarms nothing: a local reset of a cut body
                     // can end the exchange before its deadline.
@@ -223,7 +244,12 @@ impl Upstream {
                     }
                     match sent {
                         Ok(resp) => {
-                            return Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+                            let mut resp =
+                                resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed());
+                            if write {
+                                resp.extensions_mut().insert(Delivery(kill));
+                            }
+                            return Ok(resp);
                         }
                         Err(e) => e,
                     }
@@ -245,8 +271,9 @@ impl Upstream {
     fn checkout(&self, worker: usize) -> Option<Conn> {
         let mut pool = self.pool(worker);
         if let Some(h2) = &pool.h2 {
-            // A thrown switch closes the connection a moment later.
-            if !h2.sender.is_closed() && !h2.kill.is_killed() {
+            // A thrown switch closes the connection a moment later; a
+            // settling one takes no new stream.
+            if !h2.sender.is_closed() && !h2.kill.is_killed() && !h2.kill.is_settling() {
                 return Some(Conn::H2(h2.clone()));
             }
             pool.h2 = None;
@@ -355,8 +382,16 @@ impl Upstream {
         let handshake = |e: hyper::Error| {
             UpstreamError::Connect(format!("handshake: {}", crate::error::error_chain(&e)))
         };
-        if self.h2c || io.connected().is_negotiated_h2() {
-            let (io, kill) = Killable::new(io);
+        let connected = io.connected();
+        let addrs = {
+            let mut extras = http::Extensions::new();
+            connected.get_extras(&mut extras);
+            extras
+                .get::<HttpInfo>()
+                .map(|i| (i.local_addr(), i.remote_addr()))
+        };
+        let (io, kill) = Killable::new(io, addrs);
+        if self.h2c || connected.is_negotiated_h2() {
             let (sender, conn) = http2::handshake(TokioExecutor::new(), io)
                 .await
                 .map_err(handshake)?;
@@ -382,6 +417,7 @@ impl Upstream {
             Ok(Conn::H1(H1 {
                 sender,
                 driver: driver.abort_handle(),
+                kill,
             }))
         }
     }
@@ -390,7 +426,7 @@ impl Upstream {
     /// request body (the upstream answered early): it goes back to the pool
     /// only once it is ready, so that no request queues behind an upload.
     fn give_back(self: Arc<Self>, worker: usize, mut conn: H1) {
-        if conn.sender.is_closed() {
+        if conn.sender.is_closed() || conn.kill.is_settling() {
             return;
         }
         if !conn.sender.is_ready() {
@@ -408,6 +444,9 @@ impl Upstream {
     }
 
     fn idle_again(&self, worker: usize, mut sender: H1) {
+        if sender.kill.is_settling() {
+            return;
+        }
         let now = Instant::now();
         let mut pool = self.pool(worker);
         // A request waiting for a connection takes it at once.
@@ -459,14 +498,36 @@ impl Upstream {
             self.reap(&mut pool, now);
             pool.h1.retain(|(_, s)| !s.sender.is_closed());
             pool.wire.retain(|(_, conn)| still_idle(&conn.io));
+            if pool.h2.as_ref().is_some_and(|h2| {
+                h2.sender.is_closed() || h2.kill.is_killed() || h2.kill.is_settling()
+            }) {
+                pool.h2 = None;
+            }
+        }
+    }
+
+    /// Settles the connection an early-answered write went out on
+    /// (`kill.rs`): it takes no new request from now on, and this returns
+    /// once nothing the write sent can reach the backend any more, by
+    /// `deadline` (the connection is thrown then, with what it held).
+    pub async fn settle(&self, delivery: Delivery, deadline: tokio::time::Instant) {
+        let switch = delivery.0;
+        switch.begin_settling();
+        // hyper lets an HTTP/2 connection go once its last handle is
+        // dropped and its streams have ended.
+        for pool in self.pools.iter() {
+            let mut pool = pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if pool
                 .h2
                 .as_ref()
-                .is_some_and(|h2| h2.sender.is_closed() || h2.kill.is_killed())
+                .is_some_and(|h2| Arc::ptr_eq(&h2.kill, &switch))
             {
                 pool.h2 = None;
             }
         }
+        switch.settle(deadline).await;
     }
 
     /// Idle HTTP/1.1 connections, all workers together.
@@ -495,6 +556,18 @@ enum Idle {
 pub(super) fn still_idle(io: &tokio::net::TcpStream) -> bool {
     let mut cx = Context::from_waker(std::task::Waker::noop());
     io.poll_read_ready(&mut cx).is_pending()
+}
+
+/// A write's request body, made to throw its connection if it is cut
+/// (`KillOnCut`).
+fn cut_kills(req: Request<ProxyBody>, write: bool, kill: &Arc<KillSwitch>) -> Request<ProxyBody> {
+    if !write {
+        return req;
+    }
+    req.map(|inner| {
+        let switch = kill.clone();
+        KillOnCut { inner, switch }.boxed()
+    })
 }
 
 /// A fresh connection the upstream closed before it took the request: the

@@ -262,7 +262,7 @@ async fn an_open_http2_connection_carries_the_next_request() {
             .await;
     });
     let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
-    let (io, kill) = Killable::new(io);
+    let (io, kill) = Killable::new(io, None);
     let (sender, conn) = http2::handshake(TokioExecutor::new(), io).await.unwrap();
     tokio::spawn(conn);
     let up = upstream(addr, 1, Duration::from_secs(60));

@@ -59,8 +59,9 @@ pub struct Record {
 }
 
 /// A real HTTP server that records what reaches it. A request may carry
-/// `x-test-delay-ms` (answer after that long) and `x-test-status` (answer
-/// with that status).
+/// `x-test-delay-ms` (answer after that long), `x-test-status` (answer
+/// with that status) and `x-test-early` (answer at once, then read the
+/// body and apply it).
 pub struct Upstream {
     pub addr: SocketAddr,
     records: Arc<Mutex<Vec<Record>>>,
@@ -105,7 +106,7 @@ async fn upstream_handle(
     arrivals: Arrivals,
 ) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     let arrived = Instant::now();
-    let (parts, mut body) = req.into_parts();
+    let (parts, body) = req.into_parts();
     let token = parts
         .headers
         .get("x-fence-token")
@@ -118,6 +119,30 @@ async fn upstream_handle(
         .lock()
         .unwrap()
         .push((target.clone(), token.clone(), arrived));
+    // `x-test-early`: answer 200 at once, then read (and apply) the body,
+    // as a backend that answers a write before it has read it.
+    let early = parts.headers.contains_key("x-test-early");
+    let apply = async move { apply_upload(parts, body, target, token, arrived, records).await };
+    if early {
+        tokio::spawn(apply);
+        let mut resp = Response::new(Full::new(Bytes::new()));
+        resp.headers_mut()
+            .insert("x-upstream", "early".parse().unwrap());
+        return Ok(resp);
+    }
+    apply.await
+}
+
+/// Reads a request's body and records it as applied (unless the body is
+/// cut), after `x-test-delay-ms`; answers with `x-test-status`.
+async fn apply_upload(
+    parts: http::request::Parts,
+    mut body: Incoming,
+    target: String,
+    token: Option<String>,
+    arrived: Instant,
+    records: Arc<Mutex<Vec<Record>>>,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
     let mut len = 0u64;
     let mut hash = FNV_START;
     while let Some(frame) = body.frame().await {

@@ -80,7 +80,7 @@ async fn the_drain_waits_for_writes_on_every_worker() {
     // bounded number) until every worker holds at least one.
     let mut writes = Vec::new();
     let mut counts = per_worker(&p).await;
-    while counts.iter().any(|&c| c == 0.0) && writes.len() < 128 {
+    while counts.contains(&0.0) && writes.len() < 128 {
         for _ in 0..8 {
             let url = p.url(&format!("/drain/{}", writes.len()));
             writes.push(slow_put(url, "1", "4000"));

@@ -78,7 +78,7 @@ async fn early_answer_through_a_partition(http2: bool, client_cuts: bool) {
     std::fs::write(
         &config,
         format!(
-            "[[routes]]\nupstream = \"{}\"\nupstream_http2 = {http2}\nupstream_timeout = \"3s\"\n",
+            "[[routes]]\nupstream = \"{}\"\nupstream_http2 = {http2}\nupstream_timeout = \"4s\"\n",
             up.url()
         ),
     )

@@ -672,9 +672,9 @@ impl Proxy {
                     _ => None,
                 };
                 if let Some(delivery) = delivery {
-                    let upstream = Arc::clone(&upstream);
+                    let settled = upstream.settle(delivery, deadline);
                     hold.release_after(async move {
-                        upstream.settle(delivery, deadline).await;
+                        settled.await;
                         if ambiguous {
                             tokio::time::sleep_until(deadline).await;
                         }

@@ -6,13 +6,16 @@
 //! write (`kill.rs`): the socket is reset on close (`dial.rs`), which
 //! discards what the kernel holds, so it is closed only once nothing is
 //! left or once the write's deadline says to discard the rest. The file
-//! lists every socket of the network namespace, so it is read rarely and
-//! with a growing pause (`kill.rs`), never on the request path.
+//! lists every socket of the network namespace, so it is read rarely, with
+//! a growing pause (`kill.rs`), off the worker threads and once for all
+//! who ask at the same moment, never on the request path.
 //! `SIOCOUTQ` or `TCP_INFO` would answer for one socket, but only through
 //! `unsafe` system calls, which this crate forbids.
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
 
 /// The kernel's `local_address` / `rem_address` form: each 32-bit word of
 /// the address as the host reads it from memory, in hex, then the port.
@@ -54,12 +57,46 @@ fn tx_queue_in(table: &str, local: SocketAddr, peer: SocketAddr) -> Option<u64> 
 /// Bytes the kernel holds for `peer` on the connection from `local`
 /// (unsent, or sent and not acknowledged), or `None` if the connection is
 /// not in the kernel's table.
-pub(super) fn unacknowledged(local: SocketAddr, peer: SocketAddr) -> io::Result<Option<u64>> {
+///
+/// The table is read off the worker's thread, and once for every
+/// connection that asks within the same moment: through a partition many
+/// connections may settle at once, and the file lists every socket.
+pub(super) async fn unacknowledged(local: SocketAddr, peer: SocketAddr) -> io::Result<Option<u64>> {
     let file = match local {
-        SocketAddr::V4(_) => "/proc/self/net/tcp",
-        SocketAddr::V6(_) => "/proc/self/net/tcp6",
+        SocketAddr::V4(_) => 0,
+        SocketAddr::V6(_) => 1,
     };
-    Ok(tx_queue_in(&std::fs::read_to_string(file)?, local, peer))
+    let table = fresh_table(file).await?;
+    Ok(tx_queue_in(&table, local, peer))
+}
+
+/// A reading of a table, and when it began.
+type Reading = Option<(Instant, Arc<str>)>;
+
+/// The last reading of each table (IPv4, IPv6).
+static TABLES: [tokio::sync::Mutex<Reading>; 2] = [
+    tokio::sync::Mutex::const_new(None),
+    tokio::sync::Mutex::const_new(None),
+];
+
+/// A reading of table `file` begun after this call was: one begun while
+/// the caller waited for the lock answers it too.
+async fn fresh_table(file: usize) -> io::Result<Arc<str>> {
+    let asked = Instant::now();
+    let mut last = TABLES[file].lock().await;
+    if let Some((at, table)) = &*last {
+        if *at >= asked {
+            return Ok(table.clone());
+        }
+    }
+    let path = ["/proc/self/net/tcp", "/proc/self/net/tcp6"][file];
+    let began = Instant::now();
+    let table: Arc<str> = tokio::task::spawn_blocking(move || std::fs::read_to_string(path))
+        .await
+        .map_err(io::Error::other)??
+        .into();
+    *last = Some((began, table.clone()));
+    Ok(table)
 }
 
 #[cfg(test)]
@@ -84,8 +121,14 @@ mod tests {
             tx_queue_in(table, local, "127.0.0.1:8081".parse().unwrap()),
             None
         );
-        let v6: SocketAddr = "[2001:db8::1]:443".parse().unwrap();
-        assert_eq!(proc_form(v6).len(), 32 + 5);
+        // IPv6: each 32-bit word as the host reads it (on x86, ::1's last
+        // word 00000001 is printed 01000000).
+        let v6: SocketAddr = "[::1]:443".parse().unwrap();
+        let last = u32::from_ne_bytes([0, 0, 0, 1]);
+        assert_eq!(
+            proc_form(v6),
+            format!("000000000000000000000000{last:08X}:01BB")
+        );
     }
 
     /// The real kernel: an idle connection holds nothing; one whose peer
@@ -98,7 +141,7 @@ mod tests {
             .unwrap();
         let (_theirs, _) = listener.accept().await.unwrap();
         let (local, peer) = (ours.local_addr().unwrap(), ours.peer_addr().unwrap());
-        assert_eq!(unacknowledged(local, peer).unwrap(), Some(0));
+        assert_eq!(unacknowledged(local, peer).await.unwrap(), Some(0));
         // Written until the socket takes no more: the peer's window and
         // buffers are full, and the rest waits in ours.
         let chunk = vec![0u8; 1 << 20];
@@ -106,10 +149,12 @@ mod tests {
             .await
             .is_ok()
         {}
-        let held = unacknowledged(local, peer).unwrap().unwrap();
+        let held = unacknowledged(local, peer).await.unwrap().unwrap();
         assert!(held > 0, "nothing held for a peer that reads nothing");
         assert_eq!(
-            unacknowledged(local, "127.0.0.1:1".parse().unwrap()).unwrap(),
+            unacknowledged(local, "127.0.0.1:1".parse().unwrap())
+                .await
+                .unwrap(),
             None
         );
     }

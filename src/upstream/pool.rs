@@ -285,7 +285,7 @@ impl Upstream {
                 pool.h1.clear();
                 break;
             }
-            if !conn.sender.is_closed() {
+            if !conn.sender.is_closed() && !conn.kill.is_settling() {
                 return Some(Conn::H1(conn));
             }
         }
@@ -510,7 +510,15 @@ impl Upstream {
     /// (`kill.rs`): it takes no new request from now on, and this returns
     /// once nothing the write sent can reach the backend any more, by
     /// `deadline` (the connection is thrown then, with what it held).
-    pub async fn settle(&self, delivery: Delivery, deadline: tokio::time::Instant) {
+    ///
+    /// The connection stops taking requests at the call, not when the
+    /// future is first polled: the response may be passed on and its
+    /// connection given back before a task runs it.
+    pub fn settle(
+        &self,
+        delivery: Delivery,
+        deadline: tokio::time::Instant,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let switch = delivery.0;
         switch.begin_settling();
         // hyper lets an HTTP/2 connection go once its last handle is
@@ -527,7 +535,7 @@ impl Upstream {
                 pool.h2 = None;
             }
         }
-        switch.settle(deadline).await;
+        switch.settle(deadline)
     }
 
     /// Idle HTTP/1.1 connections, all workers together.

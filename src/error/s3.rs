@@ -49,18 +49,41 @@ impl ProxyError {
     /// `RequestId` (its `X-Request-Id`), and the fence key and highest
     /// token when there are some; the same status and headers as the
     /// problem form.
+    ///
+    /// `operation`: the S3 operation refused, and whether it is a step of
+    /// a multipart upload after its creation. A missing token's message
+    /// begins with its name, and on such a step says that every request
+    /// of the upload needs one (tools that add headers to some requests
+    /// only leave them out there). Other refusals' messages do not: SDKs
+    /// name the operation themselves.
     pub fn into_s3_response(
         self,
         resource: Option<&str>,
         key: Option<&str>,
         request_id: &str,
+        operation: Option<(&str, bool)>,
     ) -> Response<ProxyBody> {
         let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error>");
         let mut element = |name: &str, text: &str| {
             xml.push_str(&format!("<{name}>{}</{name}>", escape(text)));
         };
         element("Code", self.s3_code());
-        element("Message", &self.client_detail());
+        let detail = self.client_detail();
+        let message = match operation {
+            Some((op, step)) if matches!(self, Self::Token(TokenError::Missing)) => {
+                if step {
+                    format!(
+                        "{op}: {detail}; every request of a multipart upload needs the token, \
+                         not only CreateMultipartUpload (docs/gateway.md has how each S3 tool \
+                         sends it)"
+                    )
+                } else {
+                    format!("{op}: {detail}")
+                }
+            }
+            _ => detail,
+        };
+        element("Message", &message);
         if let Some(r) = resource {
             element("Resource", r);
         }
@@ -121,7 +144,12 @@ mod tests {
             token: 33,
             highest: 34,
         }
-        .into_s3_response(Some("/reports/q4.csv"), Some("s3:/reports/q4.csv"), "r-1");
+        .into_s3_response(
+            Some("/reports/q4.csv"),
+            Some("s3:/reports/q4.csv"),
+            "r-1",
+            Some(("PutObject", false)),
+        );
         assert_eq!(resp.status(), 409);
         assert_eq!(resp.headers()["content-type"], "application/xml");
         assert_eq!(resp.headers()["x-fence-token-highest"], "34");
@@ -134,10 +162,34 @@ mod tests {
         );
     }
 
+    /// s3cmd sends its added headers with CreateMultipartUpload and not
+    /// with the parts: the refusal names the request that lacked it.
+    #[tokio::test]
+    async fn a_missing_token_names_the_request_that_lacked_it() {
+        let missing = |op| {
+            ProxyError::Token(TokenError::Missing).into_s3_response(
+                Some("/b/big.bin"),
+                Some("s3:/b/big.bin"),
+                "r-3",
+                Some(op),
+            )
+        };
+        let part = body(missing(("UploadPart", true))).await;
+        assert!(
+            part.contains("<Message>UploadPart: the write carries no X-Fence-Token header; every request of a multipart upload needs the token"),
+            "{part}"
+        );
+        let put = body(missing(("PutObject", false))).await;
+        assert!(
+            put.contains("<Message>PutObject: the write carries no X-Fence-Token header</Message>"),
+            "{put}"
+        );
+    }
+
     #[tokio::test]
     async fn text_is_escaped_and_causes_stay_in_the_log() {
         let resp = ProxyError::StoreUnavailable("redis: Connection refused at 10.0.0.7".into())
-            .into_s3_response(Some("/b/<a>&'\"\u{1}\u{FFFE}\u{FFFF}"), None, "r-2");
+            .into_s3_response(Some("/b/<a>&'\"\u{1}\u{FFFE}\u{FFFF}"), None, "r-2", None);
         assert_eq!(resp.status(), 503);
         assert_eq!(resp.headers()["retry-after"], "1");
         let text = body(resp).await;

@@ -299,6 +299,7 @@ impl Proxy {
         ctx.route = Some(route.name.clone());
         if route.error_format == ErrorFormat::S3 {
             ctx.s3_resource = Some(req.uri().path().to_string());
+            ctx.s3_operation = super::s3::operation(req.method(), req.uri().query(), req.headers());
         }
         if route.host.is_some() && !host_sources_plain(req) {
             return Err(ProxyError::BadRequest(HOST_SPELLING.into()));

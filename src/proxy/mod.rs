@@ -14,6 +14,8 @@
 //!   pauses bounded (`limits.response_idle_timeout`), a cut one logged.
 //! - `linger.rs`: reading what is left of a refused request's body, so
 //!   that the client reads its answer.
+//! - `s3.rs`: the S3 operation a request asks for, named in the refusals
+//!   of routes that answer in S3's form.
 //!
 //! The order is fixed so that nothing of a refused write leaves the proxy:
 //! route and key first (400), then the body limit (413), the token (428/400),
@@ -28,6 +30,7 @@ mod forward;
 mod handle;
 mod linger;
 mod response;
+mod s3;
 mod state;
 mod table;
 

@@ -1052,6 +1052,58 @@ def test_aws_cli_multipart_upload_of_64_mib(s3, fencegate, backend, tmp_path):
     assert sha256_of(out.read_bytes()) == sha256_of(big.read_bytes()), "stale write applied"
 
 
+def uploads_of(c, key):
+    """The bucket's unfinished multipart uploads of `key` (listed whole:
+    moto refuses the signature of a `prefix` with a `/` in it, with or
+    without fencegate)."""
+    return [u for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) if u["Key"] == key]
+
+
+def test_an_upload_refused_midway_is_aborted_by_the_next_holder(s3, fencegate, backend, tmp_path):
+    # The decision (docs/contract.md, docs/gateway.md): AbortMultipartUpload
+    # stays fenced. A holder whose token went stale while its upload ran
+    # gets its next part refused (409); the aws CLI then aborts the upload
+    # with the same stale token, which is refused too, and the upload's
+    # parts stay. The next holder, whose token is the highest, aborts it
+    # (or a bucket lifecycle rule does).
+    c, holder = s3
+    config = tmp_path / "config"
+    # Slow enough (8 MiB/s) that the new holder writes while it runs.
+    config.write_text("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n"
+                      "    max_bandwidth = 8MB/s\n    multipart_chunksize = 8MB\n"
+                      "[plugins]\nfencegate = fencegate_token\n")
+    env = dict(os.environ, AWS_CONFIG_FILE=str(config), AWS_ACCESS_KEY_ID=backend["key"],
+               AWS_SECRET_ACCESS_KEY=backend["secret"], PYTHONPATH=str(ROOT / "examples" / "s3"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), FENCEGATE_TOKEN="300")
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(48 * MIB))
+    key = "abort/obj"
+    cli = subprocess.Popen(["aws", "--endpoint-url", fencegate["url"], "--debug", "s3", "cp", str(big),
+                            f"s3://{BUCKET}/{key}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 60
+        uploads = []
+        while not uploads:
+            assert time.monotonic() < deadline, "the CLI's upload never started"
+            assert cli.poll() is None, cli.communicate()
+            uploads = uploads_of(c, key)
+            time.sleep(0.05)
+        holder.token = 301  # a new holder takes the object over
+        c.put_object(Bucket=BUCKET, Key=key, Body=b"newer")
+        _, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode != 0 and "(StaleFenceToken)" in err, err[-3000:]
+    assert "OperationModel(name=AbortMultipartUpload)" in err, "the CLI did not try to abort"
+    left = uploads_of(c, key)
+    assert [u["UploadId"] for u in left] == [uploads[0]["UploadId"]], "the stale abort went through"
+    c.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=uploads[0]["UploadId"])
+    assert uploads_of(c, key) == []
+    assert c.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"newer"
+
+
 # s3cmd: another real client, its own SigV4 signer. `--add-header` adds the
 # token to the request before it is signed.
 
@@ -1100,6 +1152,8 @@ def test_s3cmd_large_put_and_a_stale_one_refused(s3, fencegate, backend, tmp_pat
     stale.write_bytes(os.urandom(20 * MIB))
     r = s3cmd(180, "put", str(big), f"s3://{BUCKET}/s3cmd/big.bin")
     assert r.returncode != 0 and "428 (MissingFenceToken)" in r.stderr, (r.returncode, r.stderr)
+    # The refusal names the request that lacked the token.
+    assert "UploadPart: the write carries no X-Fence-Token header" in r.stderr, r.stderr
     r = s3cmd(180, "get", f"s3://{BUCKET}/s3cmd/big.bin", str(out))
     assert r.returncode != 0 and "does not exist" in r.stderr, "an upload without a token written"
     r = s3cmd(180, "put", "--disable-multipart", str(big), f"s3://{BUCKET}/s3cmd/big.bin")

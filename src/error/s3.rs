@@ -51,11 +51,12 @@ impl ProxyError {
     /// problem form.
     ///
     /// `operation`: the S3 operation refused, and whether it is a step of
-    /// a multipart upload after its creation. A missing token's message
-    /// begins with its name, and on such a step says that every request
-    /// of the upload needs one (tools that add headers to some requests
-    /// only leave them out there). Other refusals' messages do not: SDKs
-    /// name the operation themselves.
+    /// a multipart upload after its creation. A missing token on such a
+    /// step gets a message that begins with the step's name and says that
+    /// every request of the upload needs one (tools that add headers to
+    /// some requests only leave them out there; s3cmd does not name the
+    /// request that failed). SDKs name the operation themselves, so other
+    /// messages do not.
     pub fn into_s3_response(
         self,
         resource: Option<&str>,
@@ -70,17 +71,10 @@ impl ProxyError {
         element("Code", self.s3_code());
         let detail = self.client_detail();
         let message = match operation {
-            Some((op, step)) if matches!(self, Self::Token(TokenError::Missing)) => {
-                if step {
-                    format!(
-                        "{op}: {detail}; every request of a multipart upload needs the token, \
-                         not only CreateMultipartUpload (docs/gateway.md has how each S3 tool \
-                         sends it)"
-                    )
-                } else {
-                    format!("{op}: {detail}")
-                }
-            }
+            Some((op, true)) if matches!(self, Self::Token(TokenError::Missing)) => format!(
+                "{op}: {detail}; every request of a multipart upload needs the token, \
+                 not only CreateMultipartUpload (docs/gateway.md has how each S3 tool sends it)"
+            ),
             _ => detail,
         };
         element("Message", &message);
@@ -179,9 +173,10 @@ mod tests {
             part.contains("<Message>UploadPart: the write carries no X-Fence-Token header; every request of a multipart upload needs the token"),
             "{part}"
         );
+        // The aws CLI already says "when calling the PutObject operation".
         let put = body(missing(("PutObject", false))).await;
         assert!(
-            put.contains("<Message>PutObject: the write carries no X-Fence-Token header</Message>"),
+            put.contains("<Message>the write carries no X-Fence-Token header</Message>"),
             "{put}"
         );
     }

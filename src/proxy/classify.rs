@@ -299,7 +299,6 @@ impl Proxy {
         ctx.route = Some(route.name.clone());
         if route.error_format == ErrorFormat::S3 {
             ctx.s3_resource = Some(req.uri().path().to_string());
-            ctx.s3_operation = super::s3::operation(req.method(), req.uri().query(), req.headers());
         }
         if route.host.is_some() && !host_sources_plain(req) {
             return Err(ProxyError::BadRequest(HOST_SPELLING.into()));
@@ -342,7 +341,15 @@ impl Proxy {
                 return Err(ProxyError::BodyTooLarge { limit });
             }
         }
-        let token = token_from_headers(req.headers()).map_err(ProxyError::Token)?;
+        let token = token_from_headers(req.headers()).map_err(|e| {
+            // Named in the refusal: a tool may send the token with some
+            // requests of an upload and not others.
+            if ctx.s3_resource.is_some() {
+                ctx.s3_operation =
+                    super::s3::operation(req.method(), req.uri().query(), req.headers());
+            }
+            ProxyError::Token(e)
+        })?;
         ctx.token = Some(token);
         Ok(Classified {
             rt,

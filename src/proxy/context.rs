@@ -142,7 +142,7 @@ pub(super) struct RequestContext {
     /// The route answers refusals in S3's form (`error_format = "s3"`):
     /// the request's path, the error's `<Resource>`.
     pub(super) s3_resource: Option<String>,
-    /// On such a route, the S3 operation the request asks for
+    /// On such a route, the S3 operation of a write that lacks its token
     /// (`UploadPart`...), named in its refusal.
     pub(super) s3_operation: Option<&'static str>,
     /// The body of a request refused before it was read.

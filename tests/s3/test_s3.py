@@ -120,7 +120,7 @@ INSTALL = ("install the test requirements: scripts/test does (into a venv), or "
            "`python3 -m pip install -r .ci/requirements.txt`")
 
 
-def tool(name):
+def tool(name, install=INSTALL):
     """The path of the command `name` (a PyPI package's script: first where
     pip puts this interpreter's scripts, then $PATH), checked to run; fails
     the test, not skips it, when it is missing."""
@@ -129,7 +129,7 @@ def tool(name):
     # (A pyenv shim may outlive its package: it is found but fails.)
     if path is None or subprocess.run([path, "--version" if name == "s3cmd" else "version"],
                                       capture_output=True, timeout=30).returncode != 0:
-        pytest.fail(f"`{name}` is missing or does not run: {INSTALL}", pytrace=False)
+        pytest.fail(f"`{name}` is missing or does not run: {install}", pytrace=False)
     return path
 
 
@@ -278,6 +278,8 @@ def test_the_s3_tools_are_installed():
     # tests that use them then fail the same way: none is skipped).
     tool("weed")
     tool("s3cmd")
+    # docs/gateway.md's recipes (tests/docs); Debian's package.
+    tool("rclone", "install rclone: scripts/test does (apt-get install rclone)")
 
 
 def test_put_get_and_a_stale_put_is_refused(s3):

@@ -1061,16 +1061,54 @@ def uploads_of(c, key):
     return [u for u in c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) if u["Key"] == key]
 
 
-def test_an_upload_refused_midway_is_aborted_by_the_next_holder(s3, fencegate, backend, tmp_path):
-    # The decision (docs/contract.md, docs/gateway.md): AbortMultipartUpload
-    # stays fenced. A holder whose token went stale while its upload ran
-    # gets its next part refused (409); the aws CLI then aborts the upload
-    # with the same stale token, which is refused too, and the upload's
-    # parts stay. The next holder, whose token is the highest, aborts it
-    # (or a bucket lifecycle rule does).
+def refused_midway(c, holder, key, upload, newer):
+    """Runs `upload()` (a tool's multipart upload of `key` with token 300,
+    slow enough to be caught midway) on a thread; once its upload shows
+    in the bucket, a new holder writes the object with token `newer`.
+    Returns the upload's id and what `upload()` returned or raised."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = upload()
+        except Exception as e:  # the tool's own failure, for the test to read
+            outcome["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 60
+    uploads = []
+    while not uploads:
+        assert time.monotonic() < deadline, "the tool's upload never started"
+        assert t.is_alive(), f"the upload ended before it was caught midway: {outcome}"
+        uploads = uploads_of(c, key)
+        time.sleep(0.05)
+    holder.token = newer  # a new holder takes the object over
+    c.put_object(Bucket=BUCKET, Key=key, Body=b"newer")
+    t.join(180)
+    assert not t.is_alive(), "the tool's upload did not end"
+    return uploads[0]["UploadId"], outcome
+
+
+def next_holder_cleans_up(c, key, upload_id):
+    """The stale abort was refused (the upload is still there); the next
+    holder, whose token is the highest, aborts it."""
+    assert [u["UploadId"] for u in uploads_of(c, key)] == [upload_id], "the stale abort went through"
+    c.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+    assert uploads_of(c, key) == []
+    assert c.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"newer"
+
+
+# The decision (docs/contract.md, docs/gateway.md): AbortMultipartUpload
+# stays fenced. A holder whose token went stale while its upload ran gets
+# its next part refused (409); each tool then aborts the upload with the
+# same stale token, which is refused too, and the upload's parts stay. The
+# next holder, whose token is the highest, aborts it (or a bucket lifecycle
+# rule does). Each tool is slowed so that the new holder writes midway.
+
+def test_the_aws_clis_abort_after_a_refused_part_is_left_to_the_next_holder(s3, fencegate, backend, tmp_path):
     c, holder = s3
     config = tmp_path / "config"
-    # Slow enough (8 MiB/s) that the new holder writes while it runs.
     config.write_text("[default]\nregion = us-east-1\ns3 =\n    addressing_style = path\n"
                       "    max_bandwidth = 8MB/s\n    multipart_chunksize = 8MB\n"
                       "[plugins]\nfencegate = fencegate_token\n")
@@ -1079,31 +1117,65 @@ def test_an_upload_refused_midway_is_aborted_by_the_next_holder(s3, fencegate, b
                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), FENCEGATE_TOKEN="300")
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(48 * MIB))
-    key = "abort/obj"
-    cli = subprocess.Popen(["aws", "--endpoint-url", fencegate["url"], "--debug", "s3", "cp", str(big),
-                            f"s3://{BUCKET}/{key}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        deadline = time.monotonic() + 60
-        uploads = []
-        while not uploads:
-            assert time.monotonic() < deadline, "the CLI's upload never started"
-            assert cli.poll() is None, cli.communicate()
-            uploads = uploads_of(c, key)
-            time.sleep(0.05)
-        holder.token = 301  # a new holder takes the object over
-        c.put_object(Bucket=BUCKET, Key=key, Body=b"newer")
-        _, err = cli.communicate(timeout=120)
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-    assert cli.returncode != 0 and "(StaleFenceToken)" in err, err[-3000:]
-    assert "OperationModel(name=AbortMultipartUpload)" in err, "the CLI did not try to abort"
-    left = uploads_of(c, key)
-    assert [u["UploadId"] for u in left] == [uploads[0]["UploadId"]], "the stale abort went through"
-    c.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=uploads[0]["UploadId"])
-    assert uploads_of(c, key) == []
-    assert c.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"newer"
+    key = "abort/cli"
+    argv = ["aws", "--endpoint-url", fencegate["url"], "--debug", "s3", "cp", str(big), f"s3://{BUCKET}/{key}"]
+    upload_id, outcome = refused_midway(
+        c, holder, key, lambda: subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120), 301)
+    r = outcome["result"]
+    assert r.returncode != 0 and "(StaleFenceToken)" in r.stderr, r.stderr[-3000:]
+    assert "OperationModel(name=AbortMultipartUpload)" in r.stderr, "the CLI did not try to abort"
+    next_holder_cleans_up(c, key, upload_id)
+
+
+def test_rclones_abort_after_a_refused_part_is_left_to_the_next_holder(s3, fencegate, backend, tmp_path):
+    c, holder = s3
+    rclone = tool("rclone", "install rclone: scripts/test does (apt-get install rclone)")
+    env = dict(os.environ, RCLONE_CONFIG="/dev/null", RCLONE_CONFIG_FENCED_TYPE="s3",
+               RCLONE_CONFIG_FENCED_PROVIDER="Other", RCLONE_CONFIG_FENCED_ENDPOINT=fencegate["url"],
+               RCLONE_CONFIG_FENCED_FORCE_PATH_STYLE="true", RCLONE_CONFIG_FENCED_REGION="us-east-1",
+               RCLONE_CONFIG_FENCED_ACCESS_KEY_ID=backend["key"],
+               RCLONE_CONFIG_FENCED_SECRET_ACCESS_KEY=backend["secret"])
+    env.pop("AWS_CA_BUNDLE", None)  # rclone 1.60 cannot load one (docs/gateway.md)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(24 * MIB))
+    key = "abort/rclone"
+    argv = [rclone, "copyto", str(big), f"fenced:{BUCKET}/{key}", "--header", "X-Fence-Token: 300",
+            "--retries", "1", "--low-level-retries", "1", "--s3-upload-cutoff", "5M", "--s3-chunk-size", "5M",
+            "--s3-upload-concurrency", "1", "--bwlimit", "4M", "-vv"]
+    upload_id, outcome = refused_midway(
+        c, holder, key, lambda: subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120), 301)
+    r = outcome["result"]
+    assert r.returncode != 0 and "StaleFenceToken" in r.stderr, r.stderr[-3000:]
+    assert "Cancelling multipart upload" in r.stderr, "rclone did not try to abort: " + r.stderr[-3000:]
+    next_holder_cleans_up(c, key, upload_id)
+
+
+def test_minio_pys_abort_after_a_refused_part_is_left_to_the_next_holder(s3, fencegate, backend):
+    from minio.error import S3Error
+    from fenced_minio import FencedMinio  # examples/s3, on sys.path above
+
+    c, holder = s3
+    m = FencedMinio(fencegate["url"].removeprefix("http://"), access_key=backend["key"],
+                    secret_key=backend["secret"], secure=False, region="us-east-1")
+    m.token = 300
+    data = os.urandom(15 * MIB)
+
+    class Slow:
+        """The file minio-py reads its parts from, a second a read."""
+        pos = 0
+
+        def read(self, n=-1):
+            time.sleep(1)
+            chunk = data[self.pos:self.pos + (n if n >= 0 else len(data))]
+            self.pos += len(chunk)
+            return chunk
+
+    key = "abort/minio"
+    upload_id, outcome = refused_midway(
+        c, holder, key, lambda: m.put_object(BUCKET, key, Slow(), len(data), part_size=5 * MIB), 301)
+    e = outcome.get("error")
+    assert isinstance(e, S3Error) and e.code == "StaleFenceToken", outcome
+    next_holder_cleans_up(c, key, upload_id)
 
 
 # s3cmd: another real client, its own SigV4 signer. `--add-header` adds the

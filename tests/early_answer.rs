@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::netns::{Host, Net, StoreOn};
 use common::servers::StoreKind;
-use common::writes::{put, queued_for};
+use common::writes::{applied, put, put_until_ok, puts_until_ok, queued_for};
 use common::*;
 use http::StatusCode;
 use http_body::Frame;
@@ -41,15 +41,6 @@ impl http_body::Body for Chunks {
             .poll_recv(cx)
             .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
     }
-}
-
-/// The tokens the backend applied to `path`, in the order it applied them.
-fn applied(up: &Upstream, path: &str) -> Vec<u64> {
-    up.records()
-        .iter()
-        .filter(|r| r.target == path)
-        .map(|r| r.token.as_deref().unwrap_or("").parse().unwrap())
-        .collect()
 }
 
 /// `client_cuts`: the client goes away with the body unfinished (the
@@ -156,16 +147,8 @@ async fn early_answer_through_a_partition(http2: bool, client_cuts: bool) {
     // deadline), then goes. B's own wait ends by its upstream timeout,
     // which began a moment after A's write's: a 503 (busy) then, and the
     // client tries again, as a client does.
-    let started = Instant::now();
-    loop {
-        match put(pb.addr, "/k", 4, 10).await {
-            Some(StatusCode::OK) => break,
-            Some(StatusCode::SERVICE_UNAVAILABLE)
-                if started.elapsed() < Duration::from_secs(20) => {}
-            other => panic!("B's newer write: {other:?} after {:?}", started.elapsed()),
-        }
-    }
-    eprintln!("B's newer write waited {:?}", started.elapsed());
+    let waited = puts_until_ok(pb.addr, &[("/k".into(), 10)], 4, Duration::from_secs(20)).await;
+    eprintln!("B's newer write waited {waited:?}");
     let left = queued_for(&a, &backend);
     assert!(
         left.is_empty(),
@@ -177,14 +160,7 @@ async fn early_answer_through_a_partition(http2: bool, client_cuts: bool) {
 
     // A resumes; the backend applied each token in order, and never the
     // early-answered write's (its connection was thrown, body unfinished).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match put(pa.addr, "/k", 5, 10).await {
-            Some(StatusCode::OK) => break,
-            other => assert!(Instant::now() < deadline, "A after the heal: {other:?}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    put_until_ok(pa.addr, "/k", 5, Duration::from_secs(20)).await;
     assert_eq!(applied(&up, "/k"), vec![1, 2, 4, 5], "history of /k");
 }
 

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -14,18 +13,9 @@ use common::history::*;
 use common::netns::{EtcdOn, Host, Net, RedisSentinelOn, Relay, StoreOn};
 use common::pg_on::PgStandbyOn;
 use common::servers::StoreKind;
-use common::writes::{put, puts, queued_for};
+use common::writes::{applied, put, puts, puts_until_ok, queued_for};
 use common::*;
 use http::StatusCode;
-
-/// The tokens the backend applied to `path`, in arrival order.
-fn applied(up: &Upstream, path: &str) -> Vec<u64> {
-    up.records()
-        .iter()
-        .filter(|r| r.target == path)
-        .map(|r| r.token.as_deref().unwrap_or("").parse().unwrap())
-        .collect()
-}
 
 /// Two replicas sharing a store, and the backend, each on a host of its
 /// own; the test's clients on the switch.
@@ -760,40 +750,4 @@ async fn history_holds_while_etcds_leader_is_in_a_minority() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_abandoned_during_its_check_releases_the_registration_redis() {
     an_admission_abandoned_during_its_check_releases_the_registration(StoreKind::Redis).await;
-}
-
-/// [`puts`], each refused write sent again until all are admitted, at
-/// most `within`: how long that took. Every refusal meanwhile must be a
-/// 503.
-async fn puts_until_ok(
-    to: SocketAddr,
-    writes: &[(String, usize)],
-    token: u64,
-    within: Duration,
-) -> Duration {
-    let from = Instant::now();
-    let mut left = writes.to_vec();
-    loop {
-        let statuses = puts(to, &left, token).await;
-        assert!(
-            statuses
-                .iter()
-                .all(|s| matches!(*s, Some(StatusCode::OK | StatusCode::SERVICE_UNAVAILABLE))),
-            "{statuses:?}"
-        );
-        left = left
-            .into_iter()
-            .zip(&statuses)
-            .filter(|(_, s)| **s != Some(StatusCode::OK))
-            .map(|(w, _)| w)
-            .collect();
-        if left.is_empty() {
-            return from.elapsed();
-        }
-        assert!(
-            from.elapsed() < within,
-            "not admitted within {within:?}: {statuses:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }

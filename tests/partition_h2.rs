@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::netns::Net;
-use common::writes::{put, puts, queued_for};
+use common::writes::{applied, put_until_ok, puts, queued_for};
 use common::*;
 use http::StatusCode;
 use hyper_util::rt::TokioExecutor;
@@ -72,22 +72,9 @@ async fn an_h2_write_given_up_at_its_deadline_never_reaches_the_backend_after_th
     // A resumes on its own, on a new connection; the backend saw each
     // key's tokens in order, none of the given-up ones among them.
     for (p, _) in &keys {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            match put(pa.addr, p, 6, 10).await {
-                Some(StatusCode::OK) => break,
-                other => assert!(Instant::now() < deadline, "{p}: {other:?} after the heal"),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        put_until_ok(pa.addr, p, 6, Duration::from_secs(20)).await;
     }
     for (p, _) in &keys {
-        let applied: Vec<u64> = up
-            .records()
-            .iter()
-            .filter(|r| &r.target == p)
-            .map(|r| r.token.as_deref().unwrap_or("").parse().unwrap())
-            .collect();
-        assert_eq!(applied, vec![1, 2, 3, 6], "history of {p}");
+        assert_eq!(applied(&up, p), vec![1, 2, 3, 6], "history of {p}");
     }
 }

@@ -2,7 +2,7 @@
 //! kernel still holds for a peer (tests/partition.rs, tests/partition_h2.rs).
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -68,4 +68,66 @@ pub async fn puts(
         out.push(t.await.unwrap());
     }
     out
+}
+
+/// The tokens the backend applied to `path`, in arrival order.
+pub fn applied(up: &super::Upstream, path: &str) -> Vec<u64> {
+    up.records()
+        .iter()
+        .filter(|r| r.target == path)
+        .map(|r| r.token.as_deref().unwrap_or("").parse().unwrap())
+        .collect()
+}
+
+/// [`puts`], each refused write sent again until all are admitted, at
+/// most `within`: how long that took. Every refusal meanwhile must be a
+/// 503.
+pub async fn puts_until_ok(
+    to: SocketAddr,
+    writes: &[(String, usize)],
+    token: u64,
+    within: Duration,
+) -> Duration {
+    let from = Instant::now();
+    let mut left = writes.to_vec();
+    loop {
+        let statuses = puts(to, &left, token).await;
+        assert!(
+            statuses
+                .iter()
+                .all(|s| matches!(*s, Some(StatusCode::OK | StatusCode::SERVICE_UNAVAILABLE))),
+            "{statuses:?}"
+        );
+        left = left
+            .into_iter()
+            .zip(&statuses)
+            .filter(|(_, s)| **s != Some(StatusCode::OK))
+            .map(|(w, _)| w)
+            .collect();
+        if left.is_empty() {
+            return from.elapsed();
+        }
+        assert!(
+            from.elapsed() < within,
+            "not admitted within {within:?}: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A write sent again (100 ms apart) until it is admitted, at most
+/// `within`; what each refusal was does not matter (a replica resuming
+/// after a heal).
+pub async fn put_until_ok(to: SocketAddr, path: &str, token: u64, within: Duration) {
+    let from = Instant::now();
+    loop {
+        match put(to, path, token, 10).await {
+            Some(StatusCode::OK) => return,
+            other => assert!(
+                from.elapsed() < within,
+                "{path}: {other:?} after {within:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -15,7 +15,8 @@
 //! - `linger.rs`: reading what is left of a refused request's body, so
 //!   that the client reads its answer.
 //! - `s3.rs`: the S3 operation a request asks for, named in the refusals
-//!   of routes that answer in S3's form.
+//!   of routes that answer in S3's form; `query.rs`: a query parameter's
+//!   values, as the frameworks behind fencegate read them.
 //!
 //! The order is fixed so that nothing of a refused write leaves the proxy:
 //! route and key first (400), then the body limit (413), the token (428/400),
@@ -29,6 +30,7 @@ mod context;
 mod forward;
 mod handle;
 mod linger;
+mod query;
 mod response;
 mod s3;
 mod state;

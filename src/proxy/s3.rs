@@ -6,7 +6,7 @@
 
 use http::{HeaderMap, Method};
 
-use super::classify::query_values;
+use super::query::query_values;
 
 /// The operation's name in S3's API reference, or `None` for a method S3
 /// has no write for.

@@ -50,19 +50,18 @@ impl ProxyError {
     /// token when there are some; the same status and headers as the
     /// problem form.
     ///
-    /// `operation`: the S3 operation refused, and whether it is a step of
-    /// a multipart upload after its creation. A missing token on such a
-    /// step gets a message that begins with the step's name and says that
-    /// every request of the upload needs one (tools that add headers to
-    /// some requests only leave them out there; s3cmd does not name the
-    /// request that failed). SDKs name the operation themselves, so other
-    /// messages do not.
+    /// `upload_step`: the step of a multipart upload after its creation
+    /// (`UploadPart`...) refused. A missing token there gets a message that
+    /// begins with the step's name and says that every request of the
+    /// upload needs one (tools that add headers to some requests only
+    /// leave them out there; s3cmd does not name the request that failed).
+    /// SDKs name the operation themselves, so other messages do not.
     pub fn into_s3_response(
         self,
         resource: Option<&str>,
         key: Option<&str>,
         request_id: &str,
-        operation: Option<(&str, bool)>,
+        upload_step: Option<&str>,
     ) -> Response<ProxyBody> {
         let mut xml = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error>");
         let mut element = |name: &str, text: &str| {
@@ -70,8 +69,8 @@ impl ProxyError {
         };
         element("Code", self.s3_code());
         let detail = self.client_detail();
-        let message = match operation {
-            Some((op, true)) if matches!(self, Self::Token(TokenError::Missing)) => format!(
+        let message = match upload_step {
+            Some(op) if matches!(self, Self::Token(TokenError::Missing)) => format!(
                 "{op}: {detail}; every request of a multipart upload needs the token, \
                  not only CreateMultipartUpload (docs/gateway.md has how each S3 tool sends it)"
             ),
@@ -142,7 +141,7 @@ mod tests {
             Some("/reports/q4.csv"),
             Some("s3:/reports/q4.csv"),
             "r-1",
-            Some(("PutObject", false)),
+            None,
         );
         assert_eq!(resp.status(), 409);
         assert_eq!(resp.headers()["content-type"], "application/xml");
@@ -160,21 +159,21 @@ mod tests {
     /// with the parts: the refusal names the request that lacked it.
     #[tokio::test]
     async fn a_missing_token_names_the_request_that_lacked_it() {
-        let missing = |op| {
+        let missing = |step| {
             ProxyError::Token(TokenError::Missing).into_s3_response(
                 Some("/b/big.bin"),
                 Some("s3:/b/big.bin"),
                 "r-3",
-                Some(op),
+                step,
             )
         };
-        let part = body(missing(("UploadPart", true))).await;
+        let part = body(missing(Some("UploadPart"))).await;
         assert!(
             part.contains("<Message>UploadPart: the write carries no X-Fence-Token header; every request of a multipart upload needs the token"),
             "{part}"
         );
         // The aws CLI already says "when calling the PutObject operation".
-        let put = body(missing(("PutObject", false))).await;
+        let put = body(missing(None)).await;
         assert!(
             put.contains("<Message>the write carries no X-Fence-Token header</Message>"),
             "{put}"

@@ -317,8 +317,9 @@ impl Proxy {
             // Named in the refusal: a tool may send the token with some
             // requests of an upload and not others.
             if ctx.s3_resource.is_some() {
-                ctx.s3_operation =
-                    super::s3::operation(req.method(), req.uri().query(), req.headers());
+                ctx.s3_upload_step =
+                    super::s3::operation(req.method(), req.uri().query(), req.headers())
+                        .filter(|op| super::s3::is_upload_step(op));
             }
             ProxyError::Token(e)
         })?;

@@ -142,9 +142,9 @@ pub(super) struct RequestContext {
     /// The route answers refusals in S3's form (`error_format = "s3"`):
     /// the request's path, the error's `<Resource>`.
     pub(super) s3_resource: Option<String>,
-    /// On such a route, the S3 operation of a write that lacks its token
-    /// (`UploadPart`...), named in its refusal.
-    pub(super) s3_operation: Option<&'static str>,
+    /// On such a route, the step of a multipart upload (`UploadPart`...)
+    /// that lacks its token, named in its refusal.
+    pub(super) s3_upload_step: Option<&'static str>,
     /// The body of a request refused before it was read.
     pub(super) unread: Option<linger::Unread>,
     /// `trusted_proxies` is set and the peer is not in it: the forwarded

@@ -264,14 +264,11 @@ impl Proxy {
         if ctx.grpc {
             err.into_grpc_response()
         } else if let Some(resource) = &ctx.s3_resource {
-            let operation = ctx
-                .s3_operation
-                .map(|op| (op, super::s3::is_upload_step(op)));
             err.into_s3_response(
                 Some(resource),
                 key,
                 request_id.to_str().unwrap_or("-"),
-                operation,
+                ctx.s3_upload_step,
             )
         } else {
             err.into_response(key)

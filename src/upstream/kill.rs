@@ -121,49 +121,51 @@ impl KillSwitch {
         Ok(())
     }
 
-    /// Keeps a settling connection's socket until the kernel holds nothing
-    /// more for the backend, or until the connection is killed. The pause
-    /// between two looks grows from 1 ms to 50 ms: a healthy link is done
-    /// within a round trip, and the table is read rarely after that.
-    async fn drain<T>(&self, io: T) {
+    /// Returns once a settling connection's socket may be closed: the
+    /// kernel holds nothing more for the backend, or the connection is
+    /// killed. The pause between two looks grows from 1 ms to 50 ms: a
+    /// healthy link is done within a round trip, and the table is read
+    /// rarely after that.
+    async fn delivered(&self) {
         let Some((local, peer)) = self.addrs else {
             // Nothing to ask the kernel about: held to the kill.
-            let wait = self.kill_wakes.notified();
-            if !self.is_killed() {
-                wait.await;
-            }
-            drop(io);
-            return;
+            return self.killed().await;
         };
         let mut pause = Duration::from_millis(1);
         // The table is read in pieces, not as one snapshot: a socket can
         // be missed while others open and close. Missing twice in a row
-        // counts as gone (it cannot be: this task holds it open).
+        // counts as gone (it cannot be: the caller holds it open).
         let mut missed = false;
         loop {
             let wait = self.kill_wakes.notified();
             if self.is_killed() {
-                break;
+                return;
             }
             match super::outq::unacknowledged(local, peer).await {
-                Ok(Some(0)) => break,
-                Ok(None) if missed => break,
+                Ok(Some(0)) => return,
+                Ok(None) if missed => return,
                 Ok(None) => missed = true,
                 Ok(Some(_)) => missed = false,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read what the kernel holds for an upstream; \
                         the connection is kept until its write's deadline");
-                    wait.await;
-                    break;
+                    return self.killed().await;
                 }
             }
             tokio::select! {
-                _ = wait => break,
+                _ = wait => return,
                 _ = tokio::time::sleep(pause) => {}
             }
             pause = (pause * 2).min(Duration::from_millis(50));
         }
-        drop(io);
+    }
+
+    /// Returns once the switch is thrown.
+    async fn killed(&self) {
+        let wait = self.kill_wakes.notified();
+        if !self.is_killed() {
+            wait.await;
+        }
     }
 }
 
@@ -206,7 +208,8 @@ impl<T: Send + 'static> Drop for Killable<T> {
         if switch.is_settling() && !switch.is_killed() {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
-                    switch.drain(io).await;
+                    switch.delivered().await;
+                    drop(io);
                     switch.gone.cancel();
                 });
                 return;

@@ -225,12 +225,16 @@ impl RedisBackend {
 
     /// A new connection to the primary (asked of Sentinel first, with
     /// `redis+sentinel://`), checked to be one: a replica would refuse
-    /// every write, and a primary demoted by a failover is one. With the
-    /// replicas online it reported (or Sentinel sees up).
+    /// every write, and a primary demoted by a failover is one; through
+    /// Sentinel, confirmed after the check (see [`Sentinels::confirm`]).
+    /// With the replicas online it reported (or Sentinel sees up).
     pub(super) async fn connect(&self) -> Result<(MultiplexedConnection, u32), StoreError> {
-        let (client, named_by) = match &self.source {
-            Source::Direct(c) => (c.clone(), Vec::new()),
-            Source::Sentinel(s) => s.primary(self.timeout).await?,
+        let (client, named) = match &self.source {
+            Source::Direct(c) => (c.clone(), None),
+            Source::Sentinel(s) => {
+                let (client, addr) = s.primary(self.timeout).await?;
+                (client, Some((s, addr)))
+            }
         };
         let mut c = self
             .open(&client)
@@ -240,7 +244,9 @@ impl RedisBackend {
             .arg("replication")
             .query_async(&mut c)
             .await;
-        let online = match info {
+        // `None`: an ACL without INFO (`-@dangerous`); the role is found by
+        // the first write (READONLY), the replicas are not known.
+        let reported = match info {
             Ok(info) => {
                 let (role, online) = replication(&info);
                 if role != "master" {
@@ -248,28 +254,35 @@ impl RedisBackend {
                         "the server is a {role}, not the primary (point the store at the primary, or use redis+sentinel://)"
                     )));
                 }
-                // Replicas that Sentinel sees up count too: an old primary
-                // restarted before Sentinel announced its replica's
-                // promotion has no replica of its own, yet is about to
-                // become one and lose what it takes meanwhile.
-                let online = match self.replicas_to_wait {
-                    None => online.max(self.sentinel_replicas_up(&named_by).await),
-                    Some(_) => online,
-                };
-                if self.replicas_to_wait.is_none() && online == 0 {
+                Some(online)
+            }
+            Err(e) if e.code() == Some("NOPERM") => None,
+            Err(e) => return Err(unavailable(e)),
+        };
+        // Asked after INFO, so that a failover begun meanwhile is seen.
+        // Replicas that Sentinel sees up count too: an old primary
+        // restarted before Sentinel announced its replica's promotion has
+        // no replica of its own, yet is about to become one and lose what
+        // it takes meanwhile.
+        let seen = match named {
+            Some((s, addr)) => s.confirm(&addr, self.timeout).await?,
+            None => 0,
+        };
+        let online = match (reported, self.replicas_to_wait) {
+            (Some(online), None) => {
+                let online = online.max(seen);
+                if online == 0 {
                     tracing::warn!("connected to a redis primary with no replica online: changes are not waited for, and a failover can lose them (docs/stores.md)");
                 }
                 online
             }
-            // An ACL without INFO (`-@dangerous`): the role is found by the
-            // first write (READONLY), the replicas are not known.
-            Err(e) if e.code() == Some("NOPERM") => {
-                if self.replicas_to_wait.is_none() {
+            (Some(online), Some(_)) => online,
+            (None, wait) => {
+                if wait.is_none() {
                     tracing::warn!("redis refuses INFO to fencegate's user: the replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
                 }
                 0
             }
-            Err(e) => return Err(unavailable(e)),
         };
         warn_if_not_durable(&mut c).await;
         let wanted = self.replicas_to_wait.unwrap_or(online.min(1));
@@ -290,24 +303,6 @@ impl RedisBackend {
         client
             .get_multiplexed_async_connection_with_config(&config)
             .await
-    }
-
-    /// How many replicas of the master the Sentinels in `named_by` (those
-    /// that named the primary connected to) report up (not down, not
-    /// disconnected), the most any of them reports: more replicas to wait
-    /// for only makes a write wait longer, fewer could let one be
-    /// acknowledged that a failover loses. 0 without Sentinel or when none
-    /// of them answers.
-    pub(super) async fn sentinel_replicas_up(&self, named_by: &[usize]) -> u32 {
-        let Source::Sentinel(s) = &self.source else {
-            return 0;
-        };
-        s.replicas(named_by, self.timeout)
-            .await
-            .iter()
-            .map(|replicas| sentinel_up(replicas))
-            .max()
-            .unwrap_or(0)
     }
 
     /// Runs one command. On a broken connection (a restarted server closed
@@ -486,31 +481,6 @@ impl RedisBackend {
             .await?;
         lease_outcome(reply, lease.clone())
     }
-}
-
-/// How many of `SENTINEL REPLICAS`'s entries (flat field/value lists) are
-/// up: flags without `s_down`, `o_down` or `disconnected`, and not still
-/// reporting itself a primary (`role-reported`). The last is a demoted old
-/// primary back after a partition: Sentinel lists it as a replica of the
-/// promoted one at once, but it replicates nothing until Sentinel has
-/// reconfigured it (10 s here), and waiting for it refused every write
-/// meanwhile.
-pub(super) fn sentinel_up(replicas: &[Vec<String>]) -> u32 {
-    let field = |r: &[String], name: &str| {
-        r.chunks(2)
-            .find(|kv| kv.len() == 2 && kv[0] == name)
-            .map(|kv| kv[1].clone())
-    };
-    replicas
-        .iter()
-        .filter(|r| {
-            field(r, "flags").is_some_and(|flags| {
-                !flags
-                    .split(',')
-                    .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
-            }) && field(r, "role-reported").as_deref() != Some("master")
-        })
-        .count() as u32
 }
 
 /// `INFO replication`'s role and how many replicas are online (their

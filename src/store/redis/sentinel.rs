@@ -13,6 +13,11 @@
 //! address most of those that answered name (the first listed on a tie).
 //! Whatever is chosen must still say it is the primary (`INFO
 //! replication`, `conn.rs`), and every change waits for its replicas.
+//!
+//! After connecting, the Sentinels are asked again ([`Sentinels::confirm`]):
+//! a node named a moment before a failover (one the Sentinels are
+//! replacing, or already replaced) is refused, because what it takes is
+//! discarded when it is turned into a replica.
 
 use std::time::Duration;
 
@@ -79,12 +84,11 @@ impl Sentinels {
     }
 
     /// A client for the primary most Sentinels name (see the module's
-    /// rule), each Sentinel asked within `within`, and which Sentinels
-    /// named it (their places in the list).
+    /// rule), each Sentinel asked within `within`, and its address.
     pub(super) async fn primary(
         &self,
         within: Duration,
-    ) -> Result<(Client, Vec<usize>), StoreError> {
+    ) -> Result<(Client, (String, u16)), StoreError> {
         let cmd = {
             let mut c = redis::cmd("SENTINEL");
             c.arg("GET-MASTER-ADDR-BY-NAME").arg(&self.master);
@@ -122,45 +126,54 @@ impl Sentinels {
         let chosen = named
             .into_iter()
             .max_by(|(_, a), (_, b)| a.len().cmp(&b.len()).then(first(b).cmp(&first(a))));
-        let Some(((host, port), by)) = chosen else {
+        let Some(((host, port), _)) = chosen else {
             return Err(StoreError::Unavailable(format!(
                 "redis sentinel: no Sentinel named the primary: {}",
                 errors.join("; ")
             )));
         };
-        let info = ConnectionAddr::Tcp(host, port)
+        let info = ConnectionAddr::Tcp(host.clone(), port)
             .into_connection_info()
             .map_err(|e| StoreError::Unavailable(format!("redis sentinel: {e}")))?
             .set_redis_settings(self.node.clone());
         let client = Client::open(info)
             .map_err(|e| StoreError::Unavailable(format!("redis sentinel: {e}")))?;
-        Ok((client, by))
+        Ok((client, (host, port)))
     }
 
-    /// The answers to `SENTINEL REPLICAS` of the Sentinels in `of` (places
-    /// in the list), asked at once, each within `within` (those that did
-    /// not answer are left out).
-    pub(super) async fn replicas(&self, of: &[usize], within: Duration) -> Vec<Vec<Vec<String>>> {
-        let cmd = {
-            let mut c = redis::cmd("SENTINEL");
-            c.arg("REPLICAS").arg(&self.master);
-            c
-        };
-        let mut asked = self.ask::<Vec<Vec<String>>>(&cmd, of, within);
-        let mut answers = Vec::new();
+    /// Whether the primary at `addr`, just connected to, may be used, and
+    /// how many of its replicas the Sentinels see up: every Sentinel asked
+    /// at once (`SENTINEL MASTER` and `SENTINEL REPLICAS`), each within
+    /// `within`, and their answers judged by [`judge`].
+    pub(super) async fn confirm(
+        &self,
+        addr: &(String, u16),
+        within: Duration,
+    ) -> Result<u32, StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SENTINEL").arg("MASTER").arg(&self.master);
+        pipe.cmd("SENTINEL").arg("REPLICAS").arg(&self.master);
+        let all: Vec<usize> = (0..self.sentinels.len()).collect();
+        let mut asked = self.ask::<(Vec<String>, Vec<Vec<String>>)>(&pipe, &all, within);
+        let mut views = Vec::new();
         while let Some(joined) = asked.join_next().await {
-            if let Ok((_, Ok(replicas))) = joined {
-                answers.push(replicas);
+            if let Ok((sentinel, Ok((master, replicas)))) = joined {
+                views.push(View::read(sentinel, &master, replicas));
             }
         }
-        answers
+        judge(addr, &views).map_err(|why| {
+            StoreError::Unavailable(format!(
+                "redis sentinel: not using {}:{}: {why}",
+                addr.0, addr.1
+            ))
+        })
     }
 
     /// `cmd` sent at once to the Sentinels in `of` (places in the list);
     /// each task yields the Sentinel's place and its answer.
     fn ask<T: FromRedisValue + Send + 'static>(
         &self,
-        cmd: &redis::Cmd,
+        cmd: &(impl Query + Clone + Send + Sync + 'static),
         of: &[usize],
         within: Duration,
     ) -> JoinSet<(usize, redis::RedisResult<T>)> {
@@ -173,7 +186,7 @@ impl Sentinels {
             set.spawn(async move {
                 let ask = async {
                     let mut c = open(&client, within).await?;
-                    cmd.query_async::<T>(&mut c).await
+                    cmd.send::<T>(&mut c).await
                 };
                 let answer = match tokio::time::timeout(within, ask).await {
                     Ok(answer) => answer,
@@ -187,6 +200,132 @@ impl Sentinels {
         }
         set
     }
+}
+
+/// A command or a pipeline of them, sent to a Sentinel.
+trait Query {
+    fn send<T: FromRedisValue>(
+        &self,
+        c: &mut MultiplexedConnection,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + Send;
+}
+
+impl Query for redis::Cmd {
+    fn send<T: FromRedisValue>(
+        &self,
+        c: &mut MultiplexedConnection,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + Send {
+        self.query_async(c)
+    }
+}
+
+impl Query for redis::Pipeline {
+    fn send<T: FromRedisValue>(
+        &self,
+        c: &mut MultiplexedConnection,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + Send {
+        self.query_async(c)
+    }
+}
+
+/// What one Sentinel says of the master: where it is, its flags
+/// (`failover_in_progress` while the Sentinel replaces it), the
+/// configuration's epoch (raised by every failover that promoted a
+/// replica) and its replicas (`SENTINEL REPLICAS`' entries).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct View {
+    /// The Sentinel's place in the list.
+    pub sentinel: usize,
+    pub addr: (String, u16),
+    pub flags: String,
+    pub epoch: u64,
+    pub replicas: Vec<Vec<String>>,
+}
+
+impl View {
+    /// From `SENTINEL MASTER`'s flat field/value list.
+    pub(super) fn read(sentinel: usize, master: &[String], replicas: Vec<Vec<String>>) -> Self {
+        let get = |name: &str| field(master, name).unwrap_or_default();
+        Self {
+            sentinel,
+            addr: (get("ip"), get("port").parse().unwrap_or(0)),
+            flags: get("flags"),
+            epoch: get("config-epoch").parse().unwrap_or(0),
+            replicas,
+        }
+    }
+}
+
+/// Field `name` of a flat field/value list (Sentinel's answers).
+fn field(entry: &[String], name: &str) -> Option<String> {
+    entry
+        .chunks(2)
+        .find(|kv| kv.len() == 2 && kv[0] == name)
+        .map(|kv| kv[1].clone())
+}
+
+/// Whether the primary at `addr` may be used, given what the Sentinels
+/// that answered say, and if so how many of its replicas they see up (the
+/// most any Sentinel naming it reports: more replicas to wait for only
+/// makes a write wait longer, fewer could let one be acknowledged that a
+/// failover loses).
+///
+/// Refused: while any Sentinel is failing the master over (the node it
+/// names is being replaced; before the switch a restarted old primary
+/// takes connections as a primary, lists the promoted node as its replica
+/// and that node reports itself a primary, so nothing would be waited
+/// for), when a Sentinel names another node with a newer configuration
+/// (the failover is done and this node is the old primary, not yet told),
+/// and when no Sentinel answers or names it any more.
+pub(super) fn judge(addr: &(String, u16), views: &[View]) -> Result<u32, String> {
+    if let Some(v) = views
+        .iter()
+        .find(|v| v.flags.split(',').any(|f| f == "failover_in_progress"))
+    {
+        return Err(format!(
+            "Sentinel {} is failing the primary over",
+            v.sentinel
+        ));
+    }
+    let naming: Vec<&View> = views.iter().filter(|v| v.addr == *addr).collect();
+    let Some(ours) = naming.iter().map(|v| v.epoch).max() else {
+        return Err(match views.is_empty() {
+            true => "no Sentinel answered after the connect".into(),
+            false => "no Sentinel names it any more".into(),
+        });
+    };
+    if let Some(v) = views.iter().find(|v| v.addr != *addr && v.epoch > ours) {
+        return Err(format!(
+            "Sentinel {} names {}:{}, of a newer configuration (epoch {} > {ours})",
+            v.sentinel, v.addr.0, v.addr.1, v.epoch
+        ));
+    }
+    Ok(naming
+        .iter()
+        .map(|v| sentinel_up(&v.replicas))
+        .max()
+        .unwrap_or(0))
+}
+
+/// How many of `SENTINEL REPLICAS`'s entries are up: flags without
+/// `s_down`, `o_down` or `disconnected`, and not still reporting itself a
+/// primary (`role-reported`). The last is a demoted old primary back after
+/// a partition: Sentinel lists it as a replica of the promoted one at once,
+/// but it replicates nothing until Sentinel has reconfigured it (10 s
+/// here), and waiting for it refused every write meanwhile. (The opposite
+/// case, a promoted node listed as the replica of the old primary it
+/// replaces, is refused by [`judge`] before this count matters.)
+pub(super) fn sentinel_up(replicas: &[Vec<String>]) -> u32 {
+    replicas
+        .iter()
+        .filter(|r| {
+            field(r, "flags").is_some_and(|flags| {
+                !flags
+                    .split(',')
+                    .any(|f| matches!(f, "s_down" | "o_down" | "disconnected"))
+            }) && field(r, "role-reported").as_deref() != Some("master")
+        })
+        .count() as u32
 }
 
 /// A connection to a Sentinel, its connect and answers bounded.

@@ -1,6 +1,7 @@
 //! The Redis engine's unit tests: reading INFO and Sentinel's answers.
 
 use super::conn::*;
+use super::sentinel::*;
 
 #[test]
 fn replication_reads_the_role_and_the_replicas_online() {
@@ -43,6 +44,84 @@ fn sentinel_counts_the_replicas_it_sees_up() {
     assert_eq!(sentinel_up(&[reported("master"), reported("slave")]), 1);
     assert_eq!(sentinel_up(&[]), 0);
     assert_eq!(sentinel_up(&[vec!["flags".into()]]), 0);
+}
+
+/// A Sentinel's view: the master at `port` with `flags`, configuration
+/// `epoch`, and one replica that is up and reports `replica_role`.
+fn view(sentinel: usize, port: u16, flags: &str, epoch: u64, replica_role: &str) -> View {
+    let master: Vec<String> = [
+        "name",
+        "fg",
+        "ip",
+        "127.0.0.1",
+        "port",
+        &port.to_string(),
+        "flags",
+        flags,
+        "config-epoch",
+        &epoch.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let replica = ["flags", "slave", "role-reported", replica_role]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    View::read(sentinel, &master, vec![replica])
+}
+
+#[test]
+fn a_primary_is_used_when_the_sentinels_agree_and_none_fails_it_over() {
+    let addr = ("127.0.0.1".to_string(), 1);
+    let views = [
+        view(0, 1, "master", 3, "slave"),
+        view(1, 1, "master", 3, "slave"),
+    ];
+    assert_eq!(judge(&addr, &views), Ok(1));
+    // A demoted old primary listed as the replica, not yet reconfigured:
+    // not waited for.
+    let views = [view(0, 1, "master", 3, "master")];
+    assert_eq!(judge(&addr, &views), Ok(0));
+    // A Sentinel cut off with an old primary names it with an older epoch:
+    // the newer configuration is the one used.
+    let views = [
+        view(0, 1, "master", 3, "slave"),
+        view(1, 2, "master", 2, "slave"),
+    ];
+    assert_eq!(judge(&addr, &views), Ok(1));
+}
+
+#[test]
+fn a_primary_being_replaced_is_refused() {
+    let addr = ("127.0.0.1".to_string(), 1);
+    // Before the switch: the leader fails the master over, the others
+    // still name it, and the promoted node reports itself a primary.
+    let views = [
+        view(0, 1, "master", 2, "master"),
+        view(1, 1, "master,failover_in_progress", 3, "master"),
+    ];
+    let why = judge(&addr, &views).unwrap_err();
+    assert!(
+        why.contains("Sentinel 1 is failing the primary over"),
+        "{why}"
+    );
+    // After the leader's switch, before the others heard of it.
+    let views = [
+        view(0, 1, "master", 2, "master"),
+        view(2, 7, "master", 3, "master"),
+    ];
+    let why = judge(&addr, &views).unwrap_err();
+    assert!(why.contains("Sentinel 2 names 127.0.0.1:7"), "{why}");
+    assert!(why.contains("epoch 3 > 2"), "{why}");
+    // Every Sentinel moved on, or none answered.
+    let views = [view(0, 7, "master", 3, "master")];
+    assert!(judge(&addr, &views)
+        .unwrap_err()
+        .contains("no Sentinel names it"));
+    assert!(judge(&addr, &[])
+        .unwrap_err()
+        .contains("no Sentinel answered"));
 }
 
 /// A `redis-server` on a free loopback port, killed when dropped.

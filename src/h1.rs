@@ -579,5 +579,7 @@ fn write_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     out.extend_from_slice(b"\r\n");
 }
 
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod reference;
 #[cfg(test)]
 mod tests;

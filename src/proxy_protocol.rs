@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use ppp::{v1, v2, HeaderResult, PartialResult};
-use tokio::io::AsyncReadExt;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Longest version 1 header (the specification's 107 bytes).
 const V1_MAX: usize = 107;
@@ -108,8 +107,8 @@ pub enum HeaderError {
 /// it came. Returns the client it names: `None` for a health check of the
 /// balancer's own (version 2 `LOCAL`, version 1 `UNKNOWN`) or a non-IP
 /// source, which keep the socket's peer.
-pub async fn read_header(
-    stream: &mut TcpStream,
+pub async fn read_header<S: AsyncRead + Unpin>(
+    stream: &mut S,
     within: Duration,
 ) -> Result<Option<SocketAddr>, HeaderError> {
     match tokio::time::timeout(within, read_header_bytes(stream)).await {
@@ -118,7 +117,9 @@ pub async fn read_header(
     }
 }
 
-async fn read_header_bytes(stream: &mut TcpStream) -> Result<Option<SocketAddr>, HeaderError> {
+async fn read_header_bytes<S: AsyncRead + Unpin>(
+    stream: &mut S,
+) -> Result<Option<SocketAddr>, HeaderError> {
     let closed = |_| HeaderError::Closed;
     // The shortest header of either version ("PROXY UNKNOWN\r\n") is 15
     // bytes: reading that much never takes a byte of what follows.

@@ -2,6 +2,7 @@
 //! head as hyper reads it, and never takes a head the hostile-input rules
 //! (docs/contract.md) have to judge.
 
+use super::reference::*;
 use super::*;
 use proptest::prelude::*;
 
@@ -184,27 +185,6 @@ fn responses_are_framed_as_rfc_9112_says() {
     }
 }
 
-fn decode_all(input: &[u8], step: usize) -> Result<Vec<u8>, BadResponse> {
-    let mut decoder = ChunkedDecoder::default();
-    let mut buf = BytesMut::new();
-    let mut out = Vec::new();
-    let mut fed = 0;
-    loop {
-        match decoder.next(&mut buf)? {
-            None => return Ok(out),
-            Some(data) if !data.is_empty() => out.extend_from_slice(&data),
-            Some(_) => {
-                if fed == input.len() {
-                    return Err(BadResponse("input ended"));
-                }
-                let n = step.min(input.len() - fed);
-                buf.extend_from_slice(&input[fed..fed + n]);
-                fed += n;
-            }
-        }
-    }
-}
-
 #[test]
 fn chunked_bodies_decode_whatever_the_reads() {
     let body = b"5\r\nhello\r\n1;ext=1\r\n \r\n0\r\nX-T: 1\r\n\r\n";
@@ -213,43 +193,6 @@ fn chunked_bodies_decode_whatever_the_reads() {
     }
     assert!(decode_all(b"5\r\nhelloXX0\r\n\r\n", 64).is_err());
     assert!(decode_all(b"zz\r\n", 64).is_err());
-}
-
-/// How hyper's HTTP/1.1 server reads `bytes`: the first request's
-/// method, target, headers and body, or `None` if it refuses them.
-fn hyper_reads(
-    rt: &tokio::runtime::Runtime,
-    bytes: &[u8],
-) -> Option<(http::request::Parts, Bytes)> {
-    use http_body_util::BodyExt;
-    use tokio::io::AsyncWriteExt;
-    rt.block_on(async {
-        let (mut client, server) = tokio::io::duplex(1 << 20);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let service =
-            hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                let tx = tx.clone();
-                async move {
-                    let (parts, body) = req.into_parts();
-                    if let Ok(body) = body.collect().await {
-                        let _ = tx.send((parts, body.to_bytes()));
-                    }
-                    Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
-                        Bytes,
-                    >::new(
-                    )))
-                }
-            });
-        let conn = hyper::server::conn::http1::Builder::new()
-            .serve_connection(hyper_util::rt::TokioIo::new(server), service);
-        // The connection keeps the service (and the sender) until it ends:
-        // a refused head ends it, and the channel with it.
-        tokio::spawn(conn);
-        client.write_all(bytes).await.ok()?;
-        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
-            .await
-            .expect("hyper neither read nor refused the request")
-    })
 }
 
 fn line() -> impl Strategy<Value = String> {
@@ -341,7 +284,7 @@ proptest! {
             if bytes.len() < whole {
                 bytes.resize(whole, b'z');
             }
-            let (parts, body) = hyper_reads(&rt, &bytes)
+            let (parts, body) = server_reads(&rt, &bytes)
                 .unwrap_or_else(|| panic!("hyper refused what the lane took: {:?}", String::from_utf8_lossy(&bytes)));
             prop_assert_eq!(&h.parts.method, &parts.method);
             prop_assert_eq!(&h.parts.uri, &parts.uri);
@@ -398,7 +341,7 @@ fn chunk_size_lines_are_read_as_strictly_as_hyper() {
             .build()
             .unwrap();
         assert!(
-            hyper_client_reads(&rt, &text).is_none(),
+            client_reads(&rt, &text).is_none(),
             "{:?}",
             String::from_utf8_lossy(bad)
         );
@@ -413,81 +356,6 @@ fn chunk_size_lines_are_read_as_strictly_as_hyper() {
             String::from_utf8_lossy(good)
         );
     }
-}
-
-/// How hyper's HTTP/1.1 client reads `bytes` as the answer to a GET (the
-/// server closes after them): status, headers and body, or `None` if it
-/// refuses them.
-fn hyper_client_reads(
-    rt: &tokio::runtime::Runtime,
-    bytes: &[u8],
-) -> Option<(StatusCode, HeaderMap, Bytes)> {
-    use http_body_util::BodyExt;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let bytes = bytes.to_vec();
-    rt.block_on(async move {
-        let (client, mut server) = tokio::io::duplex(1 << 20);
-        tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut b = [0u8; 1024];
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                match server.read(&mut b).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => head.extend_from_slice(&b[..n]),
-                }
-            }
-            let _ = server.write_all(&bytes).await;
-            let _ = server.shutdown().await;
-        });
-        let (mut send, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(client))
-                .await
-                .ok()?;
-        tokio::spawn(conn);
-        let request = http::Request::get("/")
-            .header("host", "a")
-            .body(http_body_util::Empty::<Bytes>::new())
-            .unwrap();
-        let wait = std::time::Duration::from_secs(5);
-        let resp = tokio::time::timeout(wait, send.send_request(request))
-            .await
-            .expect("hyper neither read nor refused the answer")
-            .ok()?;
-        let (parts, body) = resp.into_parts();
-        let body = tokio::time::timeout(wait, body.collect())
-            .await
-            .expect("hyper neither read nor refused the body")
-            .ok()?
-            .to_bytes();
-        Some((parts.status, parts.headers, body))
-    })
-}
-
-/// How the lane reads the same answer (`upstream::h1`): interim heads
-/// skipped, then the body by its framing, the upstream closing after it.
-fn lane_reads(bytes: &[u8]) -> Option<(StatusCode, HeaderMap, Bytes)> {
-    let mut at = 0;
-    let head = loop {
-        let head = parse_response(&bytes[at..], false).ok()??;
-        if head.status == StatusCode::SWITCHING_PROTOCOLS {
-            return None;
-        }
-        if !head.status.is_informational() {
-            break head;
-        }
-        at += head.len;
-    };
-    let rest = &bytes[at + head.len..];
-    let body = match head.framing {
-        Framing::Empty => Bytes::new(),
-        Framing::Length(n) => {
-            let n = usize::try_from(n).ok()?;
-            Bytes::copy_from_slice(rest.get(..n)?)
-        }
-        Framing::Close => Bytes::copy_from_slice(rest),
-        Framing::Chunked => Bytes::from(decode_all(rest, rest.len().max(1)).ok()?),
-    };
-    Some((head.status, head.headers, body))
 }
 
 fn response_line() -> impl Strategy<Value = String> {
@@ -568,7 +436,7 @@ proptest! {
     fn the_lane_reads_answers_no_more_laxly_than_hyper(bytes in response()) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         if let Some((status, mut headers, body)) = lane_reads(&bytes) {
-            let (h_status, mut h_headers, h_body) = hyper_client_reads(&rt, &bytes)
+            let (h_status, mut h_headers, h_body) = client_reads(&rt, &bytes)
                 .unwrap_or_else(|| panic!("hyper refused what the lane read: {:?}", String::from_utf8_lossy(&bytes)));
             prop_assert_eq!(status, h_status);
             headers.remove(header::CONTENT_LENGTH);

@@ -44,3 +44,6 @@ mod writer;
 pub(crate) use schema::forget_marks_flag;
 pub use schema::{OpenError, FORMAT_VERSION, OLDEST_FORMAT_VERSION};
 pub use store::EmbeddedStore;
+/// The write-ahead log's record format, for the fuzz targets (`fuzz/`).
+#[cfg(feature = "fuzzing")]
+pub use wal::{decode as wal_decode, encode as wal_encode, Record as WalRecord};

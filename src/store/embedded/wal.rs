@@ -164,7 +164,7 @@ pub(super) fn bind(paths: &[PathBuf; 2], store: u64, run: u64) -> std::io::Resul
 
 /// One logged change: keys borrowed when it is written, owned when read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Record<K = String> {
+pub enum Record<K = String> {
     /// `key`'s highest is now `token` (replay takes the larger).
     Raise { key: K, token: u64 },
     /// In-flight mark `seq` of `key`, for a write of `token`.
@@ -190,7 +190,7 @@ pub(super) fn paths(store: &Path) -> [PathBuf; 2] {
 }
 
 /// Appends `record` of `generation` to `buf`.
-pub(super) fn encode<K: AsRef<str>>(buf: &mut Vec<u8>, generation: u64, record: &Record<K>) {
+pub fn encode<K: AsRef<str>>(buf: &mut Vec<u8>, generation: u64, record: &Record<K>) {
     let (kind, key, token, seq) = match record {
         Record::Raise { key, token } => (1u8, key.as_ref(), *token, 0),
         Record::Mark { seq, key, token } => (2u8, key.as_ref(), *token, *seq),
@@ -235,7 +235,7 @@ fn decode_one(bytes: &[u8]) -> Option<(u64, Record, usize)> {
 
 /// The records of `generation` at the start of `bytes`, up to the first
 /// that does not check out.
-pub(super) fn decode(bytes: &[u8], generation: u64) -> Vec<Record> {
+pub fn decode(bytes: &[u8], generation: u64) -> Vec<Record> {
     let mut out = Vec::new();
     let mut at = 0;
     while let Some((g, record, len)) = decode_one(&bytes[at..]) {

@@ -1,9 +1,9 @@
 //! The admin listener: metrics, health, readiness and the fence API.
 //!
 //! It binds loopback by default and is separate from the proxy port, so the
-//! data path never exposes it. It has no mutating endpoint yet; when one is
-//! added it must go through [`Admin::authorized`] (bearer token from
-//! `--admin-token-file`).
+//! data path never exposes it. Every mutation, and every read of what
+//! clients sent (`/v1/refusals`: their addresses and targets), goes through
+//! [`Admin::authorized`] (the bearer token of `--admin-token-file`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -30,6 +30,8 @@ pub struct Admin {
     /// Cancelled when shutdown starts: `/readyz` turns 503 so load balancers
     /// stop sending new work while in-flight requests drain.
     pub draining: CancellationToken,
+    /// The proxy's last refusals (`GET /v1/refusals`).
+    pub refusals: Arc<crate::refusals::Refusals>,
 }
 
 /// An admin API problem; its type names the status (`admin-unauthorized`,
@@ -55,7 +57,7 @@ fn problem(status: StatusCode, detail: &str) -> Response<ProxyBody> {
 fn unauthorized() -> Response<ProxyBody> {
     let mut r = problem(
         StatusCode::UNAUTHORIZED,
-        "admin mutations need a bearer token (--admin-token-file)",
+        "this admin endpoint needs the admin bearer token (--admin-token-file)",
     );
     r.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -114,6 +116,11 @@ impl Admin {
             }
             "/healthz" if get => json_response(StatusCode::OK, json!({"status": "ok"})),
             "/readyz" if get => self.ready().await,
+            // Client addresses and request targets: for the admin only.
+            "/v1/refusals" if get => match self.authorized(&req) {
+                false => unauthorized(),
+                true => self.refusals_answer(req.uri().query().unwrap_or("")),
+            },
             "/v1/fences" if get => self.lookup(req.uri().query().unwrap_or("")).await,
             p if p.starts_with("/v1/fences/") && get => {
                 let seg = &p["/v1/fences/".len()..];
@@ -139,7 +146,7 @@ impl Admin {
                     }
                 }
             }
-            "/metrics" | "/healthz" | "/readyz" | "/v1/fences" => {
+            "/metrics" | "/healthz" | "/readyz" | "/v1/fences" | "/v1/refusals" => {
                 let mut r = problem(StatusCode::METHOD_NOT_ALLOWED, "use GET");
                 r.headers_mut()
                     .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
@@ -176,6 +183,62 @@ impl Admin {
             _ => problem(StatusCode::NOT_FOUND, "unknown admin endpoint"),
         };
         Ok(resp)
+    }
+
+    /// `GET /v1/refusals[?since=SEQ][&key=TEXT][&client=IP][&limit=N]`:
+    /// the last refusals (oldest first; `limit`, 100 by default and at
+    /// most 1000, keeps the newest), those after `since`, whose key
+    /// contains `key`, or of `client`; and `newest`, the `since` of the
+    /// next poll.
+    fn refusals_answer(&self, query: &str) -> Response<ProxyBody> {
+        let mut f = crate::refusals::Filter {
+            limit: 100,
+            ..Default::default()
+        };
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = crate::key::percent_decode(value)
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok());
+            let parsed = match (name, value) {
+                ("since", Some(v)) => v.parse().map(|n| f.since = n).ok(),
+                ("limit", Some(v)) => v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .map(|n| f.limit = n),
+                ("key", Some(v)) => {
+                    f.key = Some(v).filter(|v| !v.is_empty());
+                    Some(())
+                }
+                ("client", Some(v)) if v.is_empty() => Some(()),
+                ("client", Some(v)) => v.parse().map(|ip| f.client = Some(ip)).ok(),
+                (other, _) if !matches!(other, "since" | "limit" | "key" | "client") => {
+                    return problem(
+                        StatusCode::BAD_REQUEST,
+                        &format!("unknown parameter {other:?} (since, key, client, limit)"),
+                    )
+                }
+                _ => None,
+            };
+            if parsed.is_none() {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!(
+                        "bad {name}: since is a sequence number, limit 1 to 1000, client an IP address"
+                    ),
+                );
+            }
+        }
+        let (refusals, newest) = self.refusals.read(&f);
+        json_response(
+            StatusCode::OK,
+            json!({
+                "refusals": refusals,
+                "newest": newest,
+                "kept": self.refusals.kept(),
+            }),
+        )
     }
 
     /// `GET /v1/fences?path=P[&host=H][&header=NAME:VALUE...]`: the fence

@@ -17,7 +17,8 @@
 //!    [`proxy_protocol`] (the PROXY header and who may send it),
 //!    [`metrics`] (the Prometheus registry and handles), [`tls`]
 //!    (certificates and rustls configs; the TLS settings' types), [`h1`]
-//!    (the HTTP/1.1 heads the request path reads and writes itself).
+//!    (the HTTP/1.1 heads the request path reads and writes itself),
+//!    [`refusals`] (the last refusals, kept for the operator).
 //! 1. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
 //!    validated [`config::Config`] built from it with `TryFrom`.
 //! 2. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
@@ -57,6 +58,7 @@ pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod proxy_protocol;
+pub mod refusals;
 pub mod routing;
 pub mod server;
 pub mod slot;

@@ -35,6 +35,7 @@ const FLOORS: &[&[&str]] = &[
         "metrics",
         "tls",
         "h1",
+        "refusals",
     ],
     // The validated configuration, as data.
     &["config"],

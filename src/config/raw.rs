@@ -55,6 +55,9 @@ pub struct RawConfig {
     pub shutdown_grace: Option<String>,
     /// One log line per request.
     pub access_log: Option<bool>,
+    /// How many of the last refusals the admin API and page show (0:
+    /// none kept).
+    pub refusals_kept: Option<u64>,
     /// The plain listener reads a PROXY protocol header (v1 or v2) first
     /// on every connection.
     pub proxy_protocol: Option<bool>,

@@ -73,6 +73,9 @@ pub struct Config {
     pub lease: Option<LeaseConfig>,
     pub shutdown_grace: Duration,
     pub access_log: bool,
+    /// The last refusals kept for the admin API and page
+    /// (`crate::refusals`); read at start, not by a reload.
+    pub refusals_kept: usize,
     /// The plain listener reads a PROXY protocol header first.
     pub proxy_protocol: bool,
     /// Who may speak for clients; `None` when `trusted_proxies` is unset,
@@ -253,6 +256,15 @@ impl TryFrom<RawConfig> for Config {
                 Duration::from_secs(30),
             )?,
             access_log: raw.access_log.unwrap_or(false),
+            refusals_kept: match raw.refusals_kept.unwrap_or(256) {
+                n if n <= crate::refusals::MAX_KEPT as u64 => n as usize,
+                _ => {
+                    return Err(invalid(
+                        "refusals_kept",
+                        format!("at most {}", crate::refusals::MAX_KEPT),
+                    ))
+                }
+            },
             proxy_protocol,
             trusted_proxies,
             limits: Limits {
@@ -465,6 +477,7 @@ impl Config {
             max_lease_ttl: self.lease.as_ref().map(|l| format_duration(l.max_ttl)),
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
+            refusals_kept: Some(self.refusals_kept as u64),
             proxy_protocol: Some(self.proxy_protocol),
             trusted_proxies: self.trusted_proxies.as_ref().map(|t| t.to_strings()),
             limits: RawLimits {

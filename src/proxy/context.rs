@@ -191,6 +191,12 @@ pub(super) struct Record<'a> {
     pub(super) access_log: bool,
     pub(super) started: Instant,
     pub(super) request_id: HeaderValue,
+    /// The request target, for the log line and a refusal's record.
+    pub(super) target: http::Uri,
+    /// The client's W3C `traceparent`, if it sent one (forwarded as it
+    /// came; its trace id is logged).
+    pub(super) traceparent: Option<HeaderValue>,
+    pub(super) user_agent: Option<HeaderValue>,
     pub(super) version: http::Version,
     pub(super) ctx: RequestContext,
     pub(super) done: bool,
@@ -208,6 +214,14 @@ impl Record<'_> {
                 client = %self.client,
                 peer = %peer.addr,
                 method = %ctx.method,
+                target = crate::refusals::bounded(
+                    &self.target.to_string(),
+                    crate::refusals::TARGET_BYTES
+                ),
+                trace_id = self
+                    .traceparent
+                    .as_ref()
+                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
                 route = ctx.route.as_deref().unwrap_or("-"),
                 key = ctx.key.as_deref().unwrap_or("-"),
                 token = ctx.token,

@@ -160,6 +160,9 @@ impl Proxy {
             access_log: table.access_log,
             started: Instant::now(),
             request_id,
+            target: req.uri().clone(),
+            traceparent: req.headers().get(&TRACEPARENT).cloned(),
+            user_agent: req.headers().get(http::header::USER_AGENT).cloned(),
             version: req.version(),
             ctx: RequestContext {
                 peer: Some(peer),
@@ -187,6 +190,8 @@ impl Proxy {
                         metrics: self.metrics.clone(),
                         route: record.ctx.route.clone().unwrap_or_else(|| "-".into()),
                         request_id: record.request_id.clone(),
+                        method: record.ctx.method.clone(),
+                        target: record.target.clone(),
                         status,
                         access_log: record.access_log,
                         started: record.started,
@@ -207,6 +212,7 @@ impl Proxy {
                 // Logged and counted as the HTTP status it stands for,
                 // whatever form it takes (a gRPC refusal is an HTTP 200).
                 let status = err.status();
+                self.keep_refusal(&record, &err, status);
                 let mut resp = self.refuse(err, &record.ctx, &record.request_id);
                 match record.ctx.unread.take() {
                     None | Some(linger::Unread::None) => {}
@@ -225,6 +231,45 @@ impl Proxy {
             .insert(&X_REQUEST_ID, record.request_id.clone());
         record.finish(status);
         Ok(resp)
+    }
+
+    /// Keeps `err`'s refusal in the ring the admin API and page read.
+    fn keep_refusal(&self, record: &Record<'_>, err: &ProxyError, status: http::StatusCode) {
+        if self.refusals.kept() == 0 {
+            return;
+        }
+        let ctx = &record.ctx;
+        let highest = match err {
+            ProxyError::Stale { highest, .. } => Some(*highest),
+            _ => None,
+        };
+        let text = |v: &Option<HeaderValue>| {
+            v.as_ref()
+                .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
+        };
+        self.refusals.push(crate::refusals::Refusal {
+            seq: 0,
+            at_ms: crate::clock::wall_ms(),
+            status: status.as_u16(),
+            reason: err.to_string(),
+            decision: ctx.decision,
+            method: ctx.method.to_string(),
+            target: crate::refusals::bounded(
+                &record.target.to_string(),
+                crate::refusals::TARGET_BYTES,
+            ),
+            route: ctx.route.clone(),
+            key: ctx.key.clone(),
+            token: ctx.token,
+            highest,
+            client: record.client,
+            user_agent: text(&record.user_agent),
+            request_id: record.request_id.to_str().unwrap_or("-").to_string(),
+            trace_id: record
+                .traceparent
+                .as_ref()
+                .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+        });
     }
 
     pub(super) fn refuse(

@@ -26,6 +26,8 @@ pub(super) struct Origin {
     pub(super) metrics: Arc<Metrics>,
     pub(super) route: String,
     pub(super) request_id: HeaderValue,
+    pub(super) method: http::Method,
+    pub(super) target: http::Uri,
     pub(super) status: http::StatusCode,
     pub(super) access_log: bool,
     pub(super) started: Instant,
@@ -67,6 +69,11 @@ impl Origin {
             tracing::info!(
                 target: "fencegate::access",
                 request_id = self.request_id.to_str().unwrap_or("-"),
+                method = %self.method,
+                target = crate::refusals::bounded(
+                    &self.target.to_string(),
+                    crate::refusals::TARGET_BYTES
+                ),
                 route = %self.route,
                 status = self.status.as_u16(),
                 reason,

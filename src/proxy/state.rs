@@ -42,6 +42,8 @@ pub struct Proxy {
     pub(super) tunnels: Arc<tokio::sync::Semaphore>,
     /// Worker threads (one upstream pool per route each).
     pub(super) workers: usize,
+    /// The last refusals, for the admin API and page.
+    pub(super) refusals: Arc<crate::refusals::Refusals>,
 }
 
 impl Explain for Proxy {
@@ -81,7 +83,13 @@ impl Proxy {
             request_seq: std::sync::atomic::AtomicU64::new(0),
             exchanges: TaskTracker::new(),
             tunnels: Arc::new(tokio::sync::Semaphore::new(config.limits.max_connections)),
+            refusals: Arc::new(crate::refusals::Refusals::new(config.refusals_kept)),
         })
+    }
+
+    /// The ring of the last refusals (kept as configured at start).
+    pub fn refusals(&self) -> Arc<crate::refusals::Refusals> {
+        self.refusals.clone()
     }
 
     /// The fingerprint of the key mapping now in force.
@@ -181,6 +189,8 @@ pub struct Peer {
 }
 
 pub(super) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// W3C Trace Context's header: forwarded as it came, its trace id logged.
+pub(super) static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 pub(super) static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 

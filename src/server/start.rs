@@ -256,6 +256,7 @@ impl Server {
             metrics: metrics.clone(),
             admin_token: arc_swap::ArcSwapOption::from_pointee(config.admin_token.clone()),
             draining: draining.clone(),
+            refusals: proxy.refusals(),
         });
 
         metrics

@@ -1,0 +1,218 @@
+//! What an operator reads to find a refused write and its writer: the
+//! last refusals on the admin API (`GET /v1/refusals`), for the admin
+//! token only, and the access log's line with the method, the target and
+//! the client's trace.
+
+mod common;
+
+use common::*;
+
+const TOKEN: &str = "operator-token-0123456789";
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+async fn setup(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--admin-token-file", token_file.to_str().unwrap()])
+        .args(extra)
+        .spawn();
+    (dir, up, p)
+}
+
+async fn refusals(p: &Proxy, query: &str) -> Answer {
+    let auth = format!("Bearer {TOKEN}");
+    send(
+        "GET",
+        &p.admin_url(&format!("/v1/refusals?{query}")),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_write_is_found_with_its_writer_and_tokens() {
+    let (_d, up, p) = setup(&[]).await;
+    assert_eq!(put(&p.url("/bucket/obj"), "9").await.status, 200);
+    let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
+    let stale = send(
+        "PUT",
+        &p.url("/bucket/obj?versionId=3"),
+        &[
+            ("x-fence-token", "7"),
+            ("user-agent", "writer/1.0"),
+            ("traceparent", &traceparent),
+            ("x-request-id", "req-stale-1"),
+        ],
+        "late",
+    )
+    .await;
+    assert_eq!(stale.status, 409);
+    // A write without a token, from the same client.
+    let missing = send("PUT", &p.url("/bucket/other"), &[], "x").await;
+    assert_eq!(missing.status, 428);
+
+    let a = refusals(&p, "").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let j = a.json();
+    let list = j["refusals"].as_array().unwrap();
+    assert_eq!(list.len(), 2, "{j}");
+    let r = &list[0];
+    assert_eq!(r["status"], 409);
+    assert_eq!(r["decision"], "stale");
+    assert_eq!(r["method"], "PUT");
+    assert_eq!(r["target"], "/bucket/obj?versionId=3");
+    assert_eq!(r["key"], "default:/bucket/obj");
+    assert_eq!(r["token"], 7);
+    assert_eq!(r["highest"], 9);
+    assert_eq!(r["client"], "127.0.0.1");
+    assert_eq!(r["user_agent"], "writer/1.0");
+    assert_eq!(r["request_id"], "req-stale-1");
+    assert_eq!(r["trace_id"], TRACE);
+    assert!(r["at_ms"].as_u64().unwrap() > 1_700_000_000_000, "{r}");
+    assert_eq!(list[1]["status"], 428);
+    assert_eq!(list[1]["decision"], "missing_token");
+    assert!(list[1]["token"].is_null());
+    // The stale body never reached the backend.
+    assert!(!up.records().iter().any(|r| r.token.as_deref() == Some("7")));
+
+    // Filters, and polling for what is newer.
+    let newest = j["newest"].as_u64().unwrap();
+    let j = refusals(&p, "key=%2Fbucket%2Fobj").await.json();
+    assert_eq!(j["refusals"].as_array().unwrap().len(), 1, "{j}");
+    let j = refusals(&p, "client=192.0.2.9").await.json();
+    assert!(j["refusals"].as_array().unwrap().is_empty(), "{j}");
+    let j = refusals(&p, &format!("since={newest}")).await.json();
+    assert!(j["refusals"].as_array().unwrap().is_empty(), "{j}");
+    assert_eq!(put(&p.url("/bucket/obj"), "8").await.status, 409);
+    let j = refusals(&p, &format!("since={newest}")).await.json();
+    let list = j["refusals"].as_array().unwrap();
+    assert_eq!(list.len(), 1, "{j}");
+    assert_eq!(list[0]["token"], 8);
+
+    // Bad parameters are named.
+    let a = refusals(&p, "limit=0").await;
+    assert_eq!(a.status, 400);
+    assert!(a.text().contains("limit"), "{}", a.text());
+    let a = refusals(&p, "colour=red").await;
+    assert_eq!(a.status, 400);
+    assert!(a.text().contains("colour"), "{}", a.text());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_refusals_are_for_the_admin_token_only() {
+    let (_d, _up, p) = setup(&[]).await;
+    assert_eq!(put(&p.url("/k"), "5").await.status, 200);
+    assert_eq!(put(&p.url("/k"), "4").await.status, 409);
+    let url = p.admin_url("/v1/refusals");
+    let a = send("GET", &url, &[], "").await;
+    assert_eq!(a.status, 401, "{}", a.text());
+    assert!(!a.text().contains("/k"), "{}", a.text());
+    let a = send(
+        "GET",
+        &url,
+        &[("authorization", "Bearer not-the-token")],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 401);
+    // Without a token file, nobody reads them.
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let open = ProxyBuilder::new(&up.url(), dir.path()).spawn();
+    assert_eq!(put(&open.url("/k"), "4").await.status, 200);
+    let a = send(
+        "GET",
+        &open.admin_url("/v1/refusals"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 401);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_ring_keeps_the_configured_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let config = dir.path().join("f.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "store = \"{}\"\nrefusals_kept = 3\nadmin_token_file = \"{}\"\n\n[[routes]]\nname = \"default\"\nupstream = \"{}\"\n",
+            dir.path().join("fences.redb").display(),
+            token_file.display(),
+            up.url()
+        ),
+    )
+    .unwrap();
+    let p = ProxyBuilder::with_config(&config, dir.path()).spawn();
+    for i in 0..5 {
+        assert_eq!(
+            send("PUT", &p.url(&format!("/k{i}")), &[], "").await.status,
+            428
+        );
+    }
+    let j = refusals(&p, "").await.json();
+    assert_eq!(j["kept"], 3);
+    assert_eq!(j["newest"], 5);
+    let seqs: Vec<u64> = j["refusals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, [3, 4, 5]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_access_log_names_the_target_and_the_trace() {
+    let (_d, up, p) = setup(&["--access-log"]).await;
+    let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
+    let long = format!("/r?{}", "q".repeat(2000));
+    assert_eq!(
+        send(
+            "GET",
+            &p.url("/reads/a%20b?x=1"),
+            &[("traceparent", &traceparent)],
+            ""
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(send("GET", &p.url(&long), &[], "").await.status, 200);
+    // The trace goes upstream as it came.
+    let read = up
+        .records()
+        .into_iter()
+        .find(|r| r.target.starts_with("/reads/"))
+        .unwrap();
+    assert_eq!(read.headers["traceparent"], traceparent.as_str());
+    eventually(
+        "the access log lines",
+        std::time::Duration::from_secs(10),
+        || p.stderr().matches("fencegate::access").count() >= 2,
+    )
+    .await;
+    let log = p.stderr();
+    let line = log
+        .lines()
+        .find(|l| l.contains("fencegate::access") && l.contains("/reads/"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(line.contains(r#"target="/reads/a%20b?x=1""#), "{line}");
+    assert!(line.contains(&format!(r#"trace_id="{TRACE}""#)), "{line}");
+    assert!(line.contains("method=GET"), "{line}");
+    // A long target is cut, not logged whole.
+    let line = log
+        .lines()
+        .find(|l| l.contains("fencegate::access") && l.contains("/r?q"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(line.contains("qqq...\""), "{line}");
+    assert!(line.len() < 1500, "{}", line.len());
+}

@@ -495,8 +495,14 @@ impl ChunkedDecoder {
                     None => return Err(BadResponse("a chunk size")),
                 },
                 Chunk::Trailers => {
-                    // A line runs to its first CR, which LF must follow.
-                    let Some(cr) = buf.iter().position(|b| *b == b'\r') else {
+                    // A line runs to its first CR, which LF must follow. A
+                    // bare LF is refused (hyper's client refuses it; some
+                    // readers end the line there): found by fuzzing.
+                    let end = buf.iter().position(|b| *b == b'\r' || *b == b'\n');
+                    if end.is_some_and(|i| buf[i] == b'\n') {
+                        return Err(BadResponse("a bare LF in a trailer line"));
+                    }
+                    let Some(cr) = end else {
                         if self.trailers.len() + buf.len() > MAX_TRAILER_BYTES {
                             return Err(BadResponse("trailers over 16 KiB"));
                         }

@@ -328,6 +328,9 @@ fn chunk_size_lines_are_read_as_strictly_as_hyper() {
         b"10000000000000000\r\n",
         b"5\r\nhello\r\n0\r\nX-T: 1\rY\r\n\r\n",
         b"5\r\nhello\r\n0\r\nnot a header\r\n\r\n",
+        // Found by fuzzing (fuzz/fuzz_targets/response.rs): a bare LF
+        // inside a trailer line.
+        b"0\r\nA:\nB: 5\r\n\r\n",
     ] {
         assert!(
             decode_all(bad, 64).is_err(),

@@ -13,6 +13,9 @@ use hyper::body::Incoming;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+mod page;
+mod status;
+
 use crate::bearer::same_secret;
 use crate::error::{full, json_response, problem_response, ProxyBody};
 use crate::fence::Fence;
@@ -116,6 +119,25 @@ impl Admin {
             }
             "/healthz" if get => json_response(StatusCode::OK, json!({"status": "ok"})),
             "/readyz" if get => self.ready().await,
+            // The page is static (no data in it): it asks for the token,
+            // and every call it makes carries it.
+            "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/style.css" if get => page::asset(&path),
+            "/v1/status" if get => match self.authorized(&req) {
+                false => unauthorized(),
+                true => {
+                    let store = self.fence.store().ping().await.map_err(|e| e.to_string());
+                    json_response(
+                        StatusCode::OK,
+                        status::status(
+                            &self.fence,
+                            &self.metrics,
+                            store,
+                            self.draining.is_cancelled(),
+                            self.refusals.newest(),
+                        ),
+                    )
+                }
+            },
             // Client addresses and request targets: for the admin only.
             "/v1/refusals" if get => match self.authorized(&req) {
                 false => unauthorized(),
@@ -146,7 +168,7 @@ impl Admin {
                     }
                 }
             }
-            "/metrics" | "/healthz" | "/readyz" | "/v1/fences" | "/v1/refusals" => {
+            "/metrics" | "/healthz" | "/readyz" | "/v1/fences" | "/v1/refusals" | "/v1/status" => {
                 let mut r = problem(StatusCode::METHOD_NOT_ALLOWED, "use GET");
                 r.headers_mut()
                     .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));

@@ -109,6 +109,11 @@ impl Refusals {
         self.kept
     }
 
+    /// The sequence number of the newest refusal so far (0: none yet).
+    pub fn newest(&self) -> u64 {
+        self.state.lock().expect("refusal ring lock").next - 1
+    }
+
     /// Adds `r`, numbered next (its `seq` is set here), dropping the
     /// oldest when full.
     pub fn push(&self, mut r: Refusal) {

@@ -216,3 +216,47 @@ async fn the_access_log_names_the_target_and_the_trace() {
     assert!(line.contains("qqq...\""), "{line}");
     assert!(line.len() < 1500, "{}", line.len());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_is_served_whole_and_its_status_is_for_the_admin() {
+    let (_d, _up, p) = setup(&[]).await;
+    for (path, kind) in [
+        ("/", "text/html"),
+        ("/ui/app.js", "text/javascript"),
+        ("/ui/style.css", "text/css"),
+    ] {
+        let a = send("GET", &p.admin_url(path), &[], "").await;
+        assert_eq!(a.status, 200, "{path}");
+        assert!(
+            a.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(kind),
+            "{path}"
+        );
+        let csp = a.headers["content-security-policy"].to_str().unwrap();
+        assert!(
+            csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"),
+            "{csp}"
+        );
+        // Nothing fetched from elsewhere: every URL in it is its own.
+        assert!(
+            !a.text().contains("http://") && !a.text().contains("https://"),
+            "{path}"
+        );
+    }
+    let url = p.admin_url("/v1/status");
+    assert_eq!(send("GET", &url, &[], "").await.status, 401);
+    assert_eq!(put(&p.url("/k"), "5").await.status, 200);
+    assert_eq!(put(&p.url("/k"), "4").await.status, 409);
+    let auth = format!("Bearer {TOKEN}");
+    let a = send("GET", &url, &[("authorization", &auth)], "").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let j = a.json();
+    assert_eq!(j["store"]["engine"], "embedded", "{j}");
+    assert_eq!(j["store"]["up"], true);
+    assert!(j["store"]["amnesia"].is_null());
+    assert_eq!(j["writes"]["admitted"], 1.0, "{j}");
+    assert_eq!(j["writes"]["stale"], 1.0, "{j}");
+    assert_eq!(j["refusals_newest"], 1);
+}

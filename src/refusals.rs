@@ -2,8 +2,9 @@
 //! bounded ring the request path writes one entry into per refusal it
 //! answers, and the admin API reads (`GET /v1/refusals`, the admin page).
 //!
-//! Nothing else of a request is kept: an admitted request costs nothing
-//! here. The ring is a mutex around a `VecDeque`, held for one push or one
+//! Only refused writes are kept; an admitted request writes nothing here
+//! (its record keeps its target and user agent for the log line and for
+//! this, a reference count each). The ring is a mutex around a `VecDeque`, held for one push or one
 //! copy of the entries asked for; refusals are the rare path, and a burst
 //! of them (a stale writer retrying) contends on it no more than on the
 //! log line each also writes.
@@ -64,6 +65,45 @@ pub fn bounded(text: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}...", &text[..end])
+}
+
+/// Query parameters whose values are credentials (S3 presigned URLs,
+/// bearer tokens in a URL): never logged or kept.
+const SECRET_PARAMS: &[&str] = &[
+    "x-amz-signature",
+    "x-amz-credential",
+    "x-amz-security-token",
+    "signature",
+    "awsaccesskeyid",
+    "access_token",
+    "token",
+    "sig",
+    "x-goog-signature",
+];
+
+/// The request target as it is logged and kept: credentials in the query
+/// (presigned URLs) replaced by `REDACTED`, and at most [`TARGET_BYTES`].
+pub fn loggable_target(uri: &http::Uri) -> String {
+    let path = uri.path();
+    let Some(query) = uri.query() else {
+        return bounded(path, TARGET_BYTES);
+    };
+    let mut out = String::with_capacity(path.len() + query.len() + 1);
+    out.push_str(path);
+    out.push('?');
+    for (i, pair) in query.split('&').enumerate() {
+        if i > 0 {
+            out.push('&');
+        }
+        match pair.split_once('=') {
+            Some((name, _)) if SECRET_PARAMS.iter().any(|s| name.eq_ignore_ascii_case(s)) => {
+                out.push_str(name);
+                out.push_str("=REDACTED");
+            }
+            _ => out.push_str(pair),
+        }
+    }
+    bounded(&out, TARGET_BYTES)
 }
 
 /// Which refusals a reader wants.
@@ -270,6 +310,20 @@ mod tests {
         assert_eq!(bounded("/abc", 10), "/abc");
         assert_eq!(bounded("/abcdefghij", 8), "/abcd...");
         assert_eq!(bounded("/ééééé", 8), "/éé...");
+    }
+
+    #[test]
+    fn credentials_in_a_target_are_never_kept() {
+        let uri: http::Uri =
+            "/b/k?X-Amz-Credential=AKIA%2F1&x-amz-signature=abc&partNumber=2&token=t"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            loggable_target(&uri),
+            "/b/k?X-Amz-Credential=REDACTED&x-amz-signature=REDACTED&partNumber=2&token=REDACTED"
+        );
+        assert_eq!(loggable_target(&"/a?b".parse().unwrap()), "/a?b");
+        assert_eq!(loggable_target(&"/a".parse().unwrap()), "/a");
     }
 
     #[test]

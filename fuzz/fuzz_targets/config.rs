@@ -9,6 +9,14 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
+    // Validation reads the files a config names (token files): a device
+    // or a FIFO would be read for ever. What is fuzzed is the parsing.
+    if ["/dev", "/proc", "/sys", "/run"]
+        .iter()
+        .any(|d| text.contains(d))
+    {
+        return;
+    }
     let Ok(raw) = RawConfig::from_toml(text) else {
         return;
     };

@@ -214,10 +214,7 @@ impl Record<'_> {
                 client = %self.client,
                 peer = %peer.addr,
                 method = %ctx.method,
-                target = crate::refusals::bounded(
-                    &self.target.to_string(),
-                    crate::refusals::TARGET_BYTES
-                ),
+                target = crate::refusals::loggable_target(&self.target),
                 trace_id = self
                     .traceparent
                     .as_ref()

@@ -235,10 +235,16 @@ impl Proxy {
 
     /// Keeps `err`'s refusal in the ring the admin API and page read.
     fn keep_refusal(&self, record: &Record<'_>, err: &ProxyError, status: http::StatusCode) {
-        if self.refusals.kept() == 0 {
+        let ctx = &record.ctx;
+        // Writes only, refused by fencegate itself (the fence, a missing or
+        // bad token or key, the store): a scanner's 404s or a backend's
+        // 502s on reads must not push them out of the ring.
+        if self.refusals.kept() == 0
+            || !ctx.write
+            || !(status.is_client_error() || ctx.decision.is_some())
+        {
             return;
         }
-        let ctx = &record.ctx;
         let highest = match err {
             ProxyError::Stale { highest, .. } => Some(*highest),
             _ => None,
@@ -254,10 +260,7 @@ impl Proxy {
             reason: err.to_string(),
             decision: ctx.decision,
             method: ctx.method.to_string(),
-            target: crate::refusals::bounded(
-                &record.target.to_string(),
-                crate::refusals::TARGET_BYTES,
-            ),
+            target: crate::refusals::loggable_target(&record.target),
             route: ctx.route.clone(),
             key: ctx.key.clone(),
             token: ctx.token,

@@ -70,10 +70,7 @@ impl Origin {
                 target: "fencegate::access",
                 request_id = self.request_id.to_str().unwrap_or("-"),
                 method = %self.method,
-                target = crate::refusals::bounded(
-                    &self.target.to_string(),
-                    crate::refusals::TARGET_BYTES
-                ),
+                target = crate::refusals::loggable_target(&self.target),
                 route = %self.route,
                 status = self.status.as_u16(),
                 reason,

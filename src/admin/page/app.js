@@ -52,6 +52,8 @@ function sum(obj, pred) {
 }
 
 async function pollStatus() {
+  if (busy.status) return;
+  busy.status = true;
   try {
     const s = await api("/v1/status");
     const pill = $("health");
@@ -83,6 +85,8 @@ async function pollStatus() {
     showError("");
   } catch (e) {
     if (token) showError("status: " + e.message);
+  } finally {
+    busy.status = false;
   }
 }
 
@@ -132,9 +136,19 @@ function renderRefusals(fresh) {
   }
 }
 
+let busy = { status: false, refusals: false }; // one call of each at a time
+
 async function pollRefusals() {
+  if (busy.refusals) return;
+  busy.refusals = true;
   try {
-    const j = await api("/v1/refusals?limit=1000&since=" + newest);
+    let j = await api("/v1/refusals?limit=1000&since=" + newest);
+    if (j.newest < newest) {
+      // fencegate restarted: its refusals are numbered from 1 again.
+      refusals = [];
+      newest = 0;
+      j = await api("/v1/refusals?limit=1000&since=0");
+    }
     $("kept").textContent = "(the last " + j.kept + " kept)";
     const fresh = new Set(j.refusals.map((r) => r.seq));
     refusals = refusals.concat(j.refusals).slice(-KEEP);
@@ -142,6 +156,8 @@ async function pollRefusals() {
     if (j.refusals.length || !$("refusals").children.length) renderRefusals(fresh);
   } catch (e) {
     if (token) showError("refusals: " + e.message);
+  } finally {
+    busy.refusals = false;
   }
 }
 

@@ -223,11 +223,13 @@ fn decode_one(bytes: &[u8]) -> Option<(u64, Record, usize)> {
     let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
     let (token, seq) = (u64_at(9), u64_at(17));
     let key = std::str::from_utf8(&body[BODY_FIXED..]).ok()?.to_string();
+    // Only the shape `encode` writes: a field a kind does not use is zero
+    // (or empty), so a record reads back as exactly its bytes.
     let record = match body[8] {
-        1 => Record::Raise { key, token },
+        1 if seq == 0 => Record::Raise { key, token },
         2 => Record::Mark { seq, key, token },
-        3 => Record::Watermark(seq),
-        4 => Record::Generation,
+        3 if token == 0 && key.is_empty() => Record::Watermark(seq),
+        4 if token == 0 && seq == 0 && key.is_empty() => Record::Generation,
         _ => return None,
     };
     Some((u64_at(0), record, HEADER + len))

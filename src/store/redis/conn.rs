@@ -229,6 +229,9 @@ impl RedisBackend {
     /// Sentinel, confirmed after the check (see [`Sentinels::confirm`]).
     /// With the replicas online it reported (or Sentinel sees up).
     pub(super) async fn connect(&self) -> Result<(MultiplexedConnection, u32), StoreError> {
+        // The caller bounds the whole connect by the store timeout; the
+        // Sentinels' confirmation must answer within it.
+        let confirm_by = Instant::now() + self.timeout * 9 / 10;
         let (client, named) = match &self.source {
             Source::Direct(c) => (c.clone(), None),
             Source::Sentinel(s) => {
@@ -265,7 +268,7 @@ impl RedisBackend {
         // no replica of its own, yet is about to become one and lose what
         // it takes meanwhile.
         let seen = match named {
-            Some((s, addr)) => s.confirm(&addr, self.timeout).await?,
+            Some((s, addr)) => s.confirm(&addr, confirm_by).await?,
             None => 0,
         };
         let online = match (reported, self.replicas_to_wait) {

@@ -143,27 +143,46 @@ impl Sentinels {
 
     /// Whether the primary at `addr`, just connected to, may be used, and
     /// how many of its replicas the Sentinels see up: every Sentinel asked
-    /// at once (`SENTINEL MASTER` and `SENTINEL REPLICAS`), each within
-    /// `within`, and their answers judged by [`judge`].
+    /// at once (`SENTINEL MASTER` and `SENTINEL REPLICAS`), until `by`,
+    /// and their answers judged by [`judge`]. Once a majority has
+    /// answered, the others get [`GRACE`] more: one Sentinel that cannot
+    /// be reached (a host powered off, packets dropped) costs each connect
+    /// that much, not the store timeout.
     pub(super) async fn confirm(
         &self,
         addr: &(String, u16),
-        within: Duration,
+        by: std::time::Instant,
     ) -> Result<u32, StoreError> {
         let mut pipe = redis::pipe();
         pipe.cmd("SENTINEL").arg("MASTER").arg(&self.master);
         pipe.cmd("SENTINEL").arg("REPLICAS").arg(&self.master);
         let all: Vec<usize> = (0..self.sentinels.len()).collect();
+        let within = by.saturating_duration_since(std::time::Instant::now());
         let mut asked = self.ask::<(Vec<String>, Vec<Vec<String>>)>(&pipe, &all, within);
-        let mut views = Vec::new();
-        while let Some(joined) = asked.join_next().await {
-            if let Ok((sentinel, Ok((master, replicas)))) = joined {
-                views.push(View::read(sentinel, &master, replicas));
+        let majority = self.sentinels.len() / 2 + 1;
+        let mut cutoff = tokio::time::Instant::from_std(by);
+        let (mut views, mut errors) = (Vec::new(), Vec::new());
+        loop {
+            match tokio::time::timeout_at(cutoff, asked.join_next()).await {
+                Ok(Some(Ok((i, Ok((master, replicas)))))) => {
+                    views.push(View::read(i, &master, replicas))
+                }
+                Ok(Some(Ok((i, Err(e))))) => errors.push(format!("sentinel {i}: {e}")),
+                Ok(Some(Err(_))) => {}
+                Ok(None) | Err(_) => break,
+            }
+            if views.len() >= majority {
+                cutoff = cutoff.min(tokio::time::Instant::now() + GRACE);
             }
         }
-        judge(addr, &views).map_err(|why| {
+        asked.abort_all();
+        judge(addr, &views, self.sentinels.len()).map_err(|why| {
+            let errors = match errors.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", errors.join("; ")),
+            };
             StoreError::Unavailable(format!(
-                "redis sentinel: not using {}:{}: {why}",
+                "redis sentinel: not using {}:{}: {why}{errors}",
                 addr.0, addr.1
             ))
         })
@@ -228,16 +247,22 @@ impl Query for redis::Pipeline {
     }
 }
 
+/// How long [`Sentinels::confirm`] waits for the Sentinels that have not
+/// answered once a majority has.
+pub(super) const GRACE: Duration = Duration::from_millis(250);
+
 /// What one Sentinel says of the master: where it is, its flags
-/// (`failover_in_progress` while the Sentinel replaces it), the
-/// configuration's epoch (raised by every failover that promoted a
-/// replica) and its replicas (`SENTINEL REPLICAS`' entries).
+/// (`failover_in_progress` while the Sentinel replaces it, with
+/// `failover-state`), the configuration's epoch (raised by every failover
+/// that promoted a replica) and its replicas (`SENTINEL REPLICAS`'
+/// entries).
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct View {
     /// The Sentinel's place in the list.
     pub sentinel: usize,
     pub addr: (String, u16),
     pub flags: String,
+    pub failover_state: Option<String>,
     pub epoch: u64,
     pub replicas: Vec<Vec<String>>,
 }
@@ -250,9 +275,50 @@ impl View {
             sentinel,
             addr: (get("ip"), get("port").parse().unwrap_or(0)),
             flags: get("flags"),
+            failover_state: field(master, "failover-state"),
             epoch: get("config-epoch").parse().unwrap_or(0),
             replicas,
         }
+    }
+
+    fn failing_over(&self) -> bool {
+        self.flags.split(',').any(|f| f == "failover_in_progress")
+    }
+
+    /// The failover has promoted a replica: the Sentinel's master entry
+    /// keeps the old address until the failover ends, but the promoted
+    /// replica is the primary it names (`GET-MASTER-ADDR-BY-NAME`).
+    fn promoted(&self) -> Option<(String, u16)> {
+        if !self.failing_over()
+            || !matches!(
+                self.failover_state.as_deref(),
+                Some("reconf_slaves" | "update_config")
+            )
+        {
+            return None;
+        }
+        self.replicas
+            .iter()
+            .find(|r| field(r, "flags").is_some_and(|f| f.split(',').any(|f| f == "promoted")))
+            .map(|r| {
+                (
+                    field(r, "ip").unwrap_or_default(),
+                    field(r, "port").and_then(|p| p.parse().ok()).unwrap_or(0),
+                )
+            })
+    }
+
+    /// The primary this Sentinel names now.
+    fn current(&self) -> (String, u16) {
+        self.promoted().unwrap_or_else(|| self.addr.clone())
+    }
+
+    /// The node this Sentinel is replacing, if it is: from the choice of
+    /// a replica on (an attempt still waiting for its election,
+    /// `wait_start`, replaces nothing yet).
+    fn replacing(&self) -> Option<&(String, u16)> {
+        (self.failing_over() && self.failover_state.as_deref() != Some("wait_start"))
+            .then_some(&self.addr)
     }
 }
 
@@ -265,39 +331,59 @@ fn field(entry: &[String], name: &str) -> Option<String> {
 }
 
 /// Whether the primary at `addr` may be used, given what the Sentinels
-/// that answered say, and if so how many of its replicas they see up (the
-/// most any Sentinel naming it reports: more replicas to wait for only
-/// makes a write wait longer, fewer could let one be acknowledged that a
-/// failover loses).
+/// that answered say (`configured`: how many there are), and if so how
+/// many of its replicas they see up (the most any Sentinel naming it
+/// reports: more replicas to wait for only makes a write wait longer,
+/// fewer could let one be acknowledged that a failover loses).
 ///
-/// Refused: while any Sentinel is failing the master over (the node it
-/// names is being replaced; before the switch a restarted old primary
-/// takes connections as a primary, lists the promoted node as its replica
-/// and that node reports itself a primary, so nothing would be waited
-/// for), when a Sentinel names another node with a newer configuration
-/// (the failover is done and this node is the old primary, not yet told),
-/// and when no Sentinel answers or names it any more.
-pub(super) fn judge(addr: &(String, u16), views: &[View]) -> Result<u32, String> {
-    if let Some(v) = views
-        .iter()
-        .find(|v| v.flags.split(',').any(|f| f == "failover_in_progress"))
-    {
+/// Refused:
+/// - unless a majority of the Sentinels answered and name it: a minority
+///   (this replica cut off with the old primary and one Sentinel) cannot
+///   know that the others have promoted a replica, and what the old
+///   primary takes then is discarded when it is turned into one;
+/// - while a Sentinel is replacing it (a failover past its election,
+///   before the switch): a restarted old primary takes connections as a
+///   primary, lists the promoted node as its replica, and that node
+///   reports itself a primary, so nothing would be waited for;
+/// - when a Sentinel names another node with a newer configuration (the
+///   failover is done and this is the old primary, not yet told).
+pub(super) fn judge(
+    addr: &(String, u16),
+    views: &[View],
+    configured: usize,
+) -> Result<u32, String> {
+    let majority = configured / 2 + 1;
+    if views.len() < majority {
         return Err(format!(
-            "Sentinel {} is failing the primary over",
-            v.sentinel
+            "only {} of {configured} Sentinels answered after the connect",
+            views.len()
         ));
     }
-    let naming: Vec<&View> = views.iter().filter(|v| v.addr == *addr).collect();
-    let Some(ours) = naming.iter().map(|v| v.epoch).max() else {
-        return Err(match views.is_empty() {
-            true => "no Sentinel answered after the connect".into(),
-            false => "no Sentinel names it any more".into(),
-        });
-    };
-    if let Some(v) = views.iter().find(|v| v.addr != *addr && v.epoch > ours) {
+    if let Some(v) = views.iter().find(|v| v.replacing() == Some(addr)) {
         return Err(format!(
-            "Sentinel {} names {}:{}, of a newer configuration (epoch {} > {ours})",
-            v.sentinel, v.addr.0, v.addr.1, v.epoch
+            "Sentinel {} is failing it over ({})",
+            v.sentinel,
+            v.failover_state.as_deref().unwrap_or("state unknown")
+        ));
+    }
+    let naming: Vec<&View> = views.iter().filter(|v| v.current() == *addr).collect();
+    let Some(ours) = naming.iter().map(|v| v.epoch).max() else {
+        return Err("no Sentinel names it any more".into());
+    };
+    if let Some(v) = views
+        .iter()
+        .find(|v| v.current() != *addr && v.epoch > ours)
+    {
+        let (host, port) = v.current();
+        return Err(format!(
+            "Sentinel {} names {host}:{port}, of a newer configuration (epoch {} > {ours})",
+            v.sentinel, v.epoch
+        ));
+    }
+    if naming.len() < majority {
+        return Err(format!(
+            "{} of {configured} Sentinels name it, not a majority",
+            naming.len()
         ));
     }
     Ok(naming

@@ -46,10 +46,16 @@ fn sentinel_counts_the_replicas_it_sees_up() {
     assert_eq!(sentinel_up(&[vec!["flags".into()]]), 0);
 }
 
-/// A Sentinel's view: the master at `port` with `flags`, configuration
-/// `epoch`, and one replica that is up and reports `replica_role`.
+/// A Sentinel's view: the master at `port` with `flags` (and a
+/// `failover-state` when given), configuration `epoch`, and one replica
+/// (at port 7, flagged `promoted` while a failover is on) that is up and
+/// reports `replica_role`.
 fn view(sentinel: usize, port: u16, flags: &str, epoch: u64, replica_role: &str) -> View {
-    let master: Vec<String> = [
+    let (flags, state) = match flags.split_once(' ') {
+        Some((f, state)) => (f, Some(state)),
+        None => (flags, None),
+    };
+    let mut master: Vec<String> = [
         "name",
         "fg",
         "ip",
@@ -64,64 +70,145 @@ fn view(sentinel: usize, port: u16, flags: &str, epoch: u64, replica_role: &str)
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let replica = ["flags", "slave", "role-reported", replica_role]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    if let Some(state) = state {
+        master.extend(["failover-state".to_string(), state.to_string()]);
+    }
+    let replica_flags = if state.is_some() {
+        "slave,promoted"
+    } else {
+        "slave"
+    };
+    let replica = [
+        "ip",
+        "127.0.0.1",
+        "port",
+        "7",
+        "flags",
+        replica_flags,
+        "role-reported",
+        replica_role,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     View::read(sentinel, &master, vec![replica])
 }
 
 #[test]
-fn a_primary_is_used_when_the_sentinels_agree_and_none_fails_it_over() {
+fn a_primary_is_used_when_a_majority_of_sentinels_name_it_and_none_replaces_it() {
     let addr = ("127.0.0.1".to_string(), 1);
     let views = [
         view(0, 1, "master", 3, "slave"),
         view(1, 1, "master", 3, "slave"),
     ];
-    assert_eq!(judge(&addr, &views), Ok(1));
+    assert_eq!(judge(&addr, &views, 3), Ok(1));
     // A demoted old primary listed as the replica, not yet reconfigured:
     // not waited for.
-    let views = [view(0, 1, "master", 3, "master")];
-    assert_eq!(judge(&addr, &views), Ok(0));
+    let views = [
+        view(0, 1, "master", 3, "master"),
+        view(1, 1, "master", 3, "master"),
+    ];
+    assert_eq!(judge(&addr, &views, 3), Ok(0));
     // A Sentinel cut off with an old primary names it with an older epoch:
     // the newer configuration is the one used.
     let views = [
         view(0, 1, "master", 3, "slave"),
-        view(1, 2, "master", 2, "slave"),
+        view(1, 1, "master", 3, "slave"),
+        view(2, 2, "master", 2, "slave"),
     ];
-    assert_eq!(judge(&addr, &views), Ok(1));
+    assert_eq!(judge(&addr, &views, 3), Ok(1));
+    // A failover attempt still waiting for its election replaces nothing.
+    let views = [
+        view(
+            0,
+            1,
+            "master,o_down,failover_in_progress wait_start",
+            3,
+            "slave",
+        ),
+        view(1, 1, "master", 3, "slave"),
+    ];
+    assert_eq!(judge(&addr, &views, 3), Ok(1));
+    // After the promotion, the leader's entry keeps the old address until
+    // the failover ends, but names the promoted node: it may be used.
+    let promoted = ("127.0.0.1".to_string(), 7);
+    let views = [
+        view(
+            0,
+            1,
+            "master,failover_in_progress reconf_slaves",
+            4,
+            "master",
+        ),
+        view(1, 7, "master", 4, "master"),
+    ];
+    assert_eq!(judge(&promoted, &views, 3), Ok(0));
 }
 
 #[test]
-fn a_primary_being_replaced_is_refused() {
+fn a_primary_being_replaced_or_named_by_a_minority_is_refused() {
     let addr = ("127.0.0.1".to_string(), 1);
-    // Before the switch: the leader fails the master over, the others
-    // still name it, and the promoted node reports itself a primary.
+    // Before the switch: the leader replaces the master, the others still
+    // name it, and the promoted node reports itself a primary.
     let views = [
         view(0, 1, "master", 2, "master"),
-        view(1, 1, "master,failover_in_progress", 3, "master"),
+        view(
+            1,
+            1,
+            "master,failover_in_progress wait_promotion",
+            3,
+            "master",
+        ),
     ];
-    let why = judge(&addr, &views).unwrap_err();
+    let why = judge(&addr, &views, 3).unwrap_err();
     assert!(
-        why.contains("Sentinel 1 is failing the primary over"),
+        why.contains("Sentinel 1 is failing it over (wait_promotion)"),
         "{why}"
     );
+    // The leader has promoted the replica and reconfigures the others.
+    let views = [
+        view(0, 1, "master", 2, "master"),
+        view(
+            1,
+            1,
+            "master,failover_in_progress reconf_slaves",
+            3,
+            "master",
+        ),
+    ];
+    assert!(judge(&addr, &views, 3)
+        .unwrap_err()
+        .contains("failing it over"));
     // After the leader's switch, before the others heard of it.
     let views = [
         view(0, 1, "master", 2, "master"),
         view(2, 7, "master", 3, "master"),
     ];
-    let why = judge(&addr, &views).unwrap_err();
+    let why = judge(&addr, &views, 3).unwrap_err();
     assert!(why.contains("Sentinel 2 names 127.0.0.1:7"), "{why}");
     assert!(why.contains("epoch 3 > 2"), "{why}");
-    // Every Sentinel moved on, or none answered.
-    let views = [view(0, 7, "master", 3, "master")];
-    assert!(judge(&addr, &views)
+    // Cut off with one Sentinel of three: it cannot know.
+    let views = [view(0, 1, "master", 3, "slave")];
+    let why = judge(&addr, &views, 3).unwrap_err();
+    assert!(why.contains("only 1 of 3 Sentinels answered"), "{why}");
+    // Two answered, one of them still naming an older primary.
+    let views = [
+        view(0, 1, "master", 3, "slave"),
+        view(1, 9, "master", 3, "slave"),
+    ];
+    let why = judge(&addr, &views, 3).unwrap_err();
+    assert!(
+        why.contains("1 of 3 Sentinels name it, not a majority"),
+        "{why}"
+    );
+    // Every Sentinel moved on.
+    let views = [
+        view(0, 7, "master", 3, "master"),
+        view(1, 7, "master", 3, "master"),
+    ];
+    assert!(judge(&addr, &views, 3)
         .unwrap_err()
         .contains("no Sentinel names it"));
-    assert!(judge(&addr, &[])
-        .unwrap_err()
-        .contains("no Sentinel answered"));
 }
 
 /// A `redis-server` on a free loopback port, killed when dropped.

@@ -497,6 +497,42 @@ mod tests {
         assert_eq!(decode(&buf, 5), sample());
     }
 
+    /// A record whose unused fields are not zero was not written by
+    /// `encode`: it ends the replay like a torn one (so a record always
+    /// reads back as exactly its bytes; the fuzz target `wal` relies on it).
+    #[test]
+    fn a_record_of_another_shape_is_not_read() {
+        let body = |kind: u8, token: u64, seq: u64, key: &str| {
+            let mut b = 1u64.to_le_bytes().to_vec();
+            b.push(kind);
+            b.extend_from_slice(&token.to_le_bytes());
+            b.extend_from_slice(&seq.to_le_bytes());
+            b.extend_from_slice(key.as_bytes());
+            let mut rec = (b.len() as u32).to_le_bytes().to_vec();
+            rec.extend_from_slice(&crc32fast::hash(&b).to_le_bytes());
+            rec.extend_from_slice(&b);
+            rec
+        };
+        assert_eq!(
+            decode(&body(1, 7, 0, "k"), 1).len(),
+            1,
+            "a raise as written"
+        );
+        for bad in [
+            body(1, 7, 1, "k"),
+            body(3, 1, 5, ""),
+            body(3, 0, 5, "k"),
+            body(4, 1, 0, ""),
+            body(4, 0, 1, ""),
+            body(4, 0, 0, "k"),
+            body(5, 0, 0, ""),
+        ] {
+            assert!(decode(&bad, 1).is_empty(), "{bad:?}");
+        }
+        assert_eq!(decode(&body(3, 0, 5, ""), 1), [Record::Watermark(5)]);
+        assert_eq!(decode(&body(4, 0, 0, ""), 1), [Record::Generation]);
+    }
+
     #[test]
     fn another_generation_is_not_read() {
         let buf = encoded(5, &sample());

@@ -5,18 +5,10 @@ mod common;
 
 use common::*;
 
-const TOKEN: &str = "operator-token-0123456789";
+const TOKEN: &str = ADMIN_TOKEN;
 
 async fn setup(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
-    let dir = tempfile::tempdir().unwrap();
-    let up = start_upstream().await;
-    let token_file = dir.path().join("admin-token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let p = ProxyBuilder::new(&up.url(), dir.path())
-        .args(&["--admin-token-file", token_file.to_str().unwrap()])
-        .args(extra)
-        .spawn();
-    (dir, up, p)
+    with_admin_token(extra).await
 }
 
 fn auth() -> String {

@@ -7,19 +7,11 @@ mod common;
 
 use common::*;
 
-const TOKEN: &str = "operator-token-0123456789";
+const TOKEN: &str = ADMIN_TOKEN;
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
 async fn setup(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
-    let dir = tempfile::tempdir().unwrap();
-    let up = start_upstream().await;
-    let token_file = dir.path().join("admin-token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let p = ProxyBuilder::new(&up.url(), dir.path())
-        .args(&["--admin-token-file", token_file.to_str().unwrap()])
-        .args(extra)
-        .spawn();
-    (dir, up, p)
+    with_admin_token(extra).await
 }
 
 async fn refusals(p: &Proxy, query: &str) -> Answer {

@@ -1037,3 +1037,20 @@ pub async fn queued(p: &Proxy, n: u32) {
     })
     .await;
 }
+
+/// The admin bearer token of [`with_admin_token`]'s proxies.
+pub const ADMIN_TOKEN: &str = "operator-token-0123456789";
+
+/// A proxy in front of a fresh upstream, its admin token [`ADMIN_TOKEN`]
+/// (`--admin-token-file`), with `extra` flags.
+pub async fn with_admin_token(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{ADMIN_TOKEN}\n")).unwrap();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--admin-token-file", token_file.to_str().unwrap()])
+        .args(extra)
+        .spawn();
+    (dir, up, p)
+}

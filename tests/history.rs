@@ -439,8 +439,21 @@ async fn history_embedded_with_clean_stops_during_recovery() {
                 tokio::time::sleep(Duration::from_millis(2000)).await;
                 proxies[0].kill9();
                 proxies[0].restart();
+                // How much of the recovery window is left (the routes' 1 s
+                // timeout; on a busy machine the restart can outlast it,
+                // or the kill can find no write in flight and leave none).
+                let ready = send("GET", &proxies[0].admin_url("/readyz"), &[], "").await;
+                let left = ready.json()["recovering_seconds"].as_f64();
                 let exit = proxies[0].sigterm();
-                assert!(!exit.success(), "a stop during recovery is not clean");
+                match left {
+                    Some(left) if left > 0.3 => assert!(
+                        !exit.success(),
+                        "a stop {left} s before recovery ends is not clean"
+                    ),
+                    None => assert!(exit.success(), "a stop with nothing to recover is clean"),
+                    // Ending about now: either exit is right.
+                    Some(_) => {}
+                }
                 proxies[0].restart();
                 *run.replicas.write().unwrap() = vec![proxies[0].addr];
                 // The kill and the stop: each may cut the writes in flight.

@@ -316,6 +316,13 @@ pub fn parse_response(buf: &[u8], to_head: bool) -> Result<Option<ResponseHead>,
                 continue;
             }
         } else if name == header::TRANSFER_ENCODING {
+            // hyper's client reads a value that is not visible ASCII as no
+            // `chunked` (and the body as running to the close): refused,
+            // so that no reader frames the answer otherwise (found by
+            // fuzzing).
+            if value.to_str().is_err() {
+                return Err(BadResponse("a Transfer-Encoding that is not ASCII"));
+            }
             let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
             chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
         } else if name == header::CONNECTION {

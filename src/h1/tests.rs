@@ -450,6 +450,23 @@ proptest! {
     }
 }
 
+/// Found by fuzzing (fuzz/fuzz_targets/response.rs): a Transfer-Encoding
+/// value with bytes outside visible ASCII ends in `chunked`, but hyper's
+/// client reads it as no transfer coding and the body as running to the
+/// close. The lane refuses it rather than frame the answer otherwise.
+#[test]
+fn a_transfer_encoding_that_is_not_ascii_is_refused() {
+    let text = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: \x93x, chunked\r\n\r\n0\r\n\r\nmore";
+    assert!(lane_reads(text).is_none());
+    assert!(parse_response(text, false).is_err());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (_, _, body) = client_reads(&rt, text).expect("hyper reads it");
+    assert_eq!(&body[..], b"0\r\n\r\nmore", "hyper reads to the close");
+}
+
 /// The property above is only as good as the share of answers the lane
 /// reads among the generated ones.
 #[test]

@@ -11,7 +11,8 @@
 #                                    committed corpus (fuzz/corpus/TARGET)
 #   scripts/fuzz.sh --list           the targets
 #   scripts/fuzz.sh --totals         CPU time and executions per target,
-#                                    summed over fuzz/runs.tsv
+#                                    summed over fuzz/runs.tsv, and the
+#                                    most coverage and corpus any run had
 #
 # A run reads the committed corpus and writes what it finds to
 # fuzz/work/TARGET (not committed); a crash or a failed property leaves its
@@ -74,7 +75,7 @@ run() {
 case "${1:-}" in
   --list) targets ;;
   --totals)
-    awk -F'\t' '!/^#/ { cpu[$2] += $4; ex[$2] += $5; cov[$2] = $6; ft[$2] = $7; corp[$2] = $8; if ($9 != "ok") bad[$2]++ }
+    awk -F'\t' '!/^#/ { cpu[$2] += $4; ex[$2] += $5; if ($6 > cov[$2]) cov[$2] = $6; if ($7 > ft[$2]) ft[$2] = $7; if ($8 > corp[$2]) corp[$2] = $8; if ($9 != "ok") bad[$2]++ }
       END { printf "%-14s %9s %14s %6s %7s %7s %s\n", "target", "CPU min", "executions", "cov", "ft", "corpus", "failed runs";
             for (t in cpu) printf "%-14s %9.1f %14d %6s %7s %7s %d\n", t, cpu[t] / 60, ex[t], cov[t], ft[t], corp[t], bad[t] }' fuzz/runs.tsv
     ;;

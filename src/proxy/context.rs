@@ -203,6 +203,13 @@ pub(super) struct Record<'a> {
 }
 
 impl Record<'_> {
+    /// The trace id of the client's `traceparent`, if it sent a valid one.
+    pub(super) fn trace_id(&self) -> Option<String> {
+        self.traceparent
+            .as_ref()
+            .and_then(|v| crate::refusals::trace_id(v.as_bytes()))
+    }
+
     pub(super) fn finish(&mut self, status: http::StatusCode) {
         self.done = true;
         let ctx = &self.ctx;
@@ -215,10 +222,7 @@ impl Record<'_> {
                 peer = %peer.addr,
                 method = %ctx.method,
                 target = crate::refusals::loggable_target(&self.target),
-                trace_id = self
-                    .traceparent
-                    .as_ref()
-                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+                trace_id = self.trace_id(),
                 route = ctx.route.as_deref().unwrap_or("-"),
                 key = ctx.key.as_deref().unwrap_or("-"),
                 token = ctx.token,

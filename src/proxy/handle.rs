@@ -268,10 +268,7 @@ impl Proxy {
             client: record.client,
             user_agent: text(&record.user_agent),
             request_id: record.request_id.to_str().unwrap_or("-").to_string(),
-            trace_id: record
-                .traceparent
-                .as_ref()
-                .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+            trace_id: record.trace_id(),
         });
     }
 

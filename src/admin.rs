@@ -110,6 +110,13 @@ impl Admin {
                 self.metrics
                     .store_amnesia
                     .set(i64::from(self.fence.store().amnesia().is_some()));
+                let replicas = self.fence.store().replicas();
+                self.metrics
+                    .store_replicas_wanted
+                    .set(replicas.map_or(-1, |r| i64::from(r.wanted)));
+                self.metrics
+                    .store_replicas_confirmed
+                    .set(replicas.map_or(-1, |r| i64::from(r.confirmed)));
                 let mut r = Response::new(full(self.metrics.render()));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -125,13 +132,14 @@ impl Admin {
             "/v1/status" if get => match self.authorized(&req) {
                 false => unauthorized(),
                 true => {
+                    let started = std::time::Instant::now();
                     let store = self.fence.store().ping().await.map_err(|e| e.to_string());
                     json_response(
                         StatusCode::OK,
                         status::status(
                             &self.fence,
                             &self.metrics,
-                            store,
+                            (store, started.elapsed()),
                             self.draining.is_cancelled(),
                             self.refusals.newest(),
                         ),

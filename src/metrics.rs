@@ -61,6 +61,18 @@ pub struct Metrics {
     pub in_flight_marks: IntGauge,
     /// 1 while a shared store is suspected of having lost data.
     pub store_amnesia: IntGauge,
+    /// Redis: replicas the last store call waited for (`WAIT`), and how
+    /// many confirmed it; -1 before the first call and for stores that
+    /// do not count replicas.
+    pub store_replicas_wanted: IntGauge,
+    pub store_replicas_confirmed: IntGauge,
+    /// Client connections by the engine that began serving them (lane:
+    /// fencegate's own HTTP/1.1 reader; hyper: HTTP/2, or the lane off),
+    /// by listener.
+    pub connections_served: IntCounterVec,
+    /// Connections the lane handed to hyper part-way (a body that did not
+    /// come at once, a head it does not take), by listener.
+    pub lane_handoffs: IntCounterVec,
     /// Reloads by what (config, tls) and result (ok, error).
     pub reloads: IntCounterVec,
     /// By what (config, tls): 1 if the last reload worked, 0 if it failed
@@ -243,6 +255,30 @@ impl Metrics {
         registry
             .register(Box::new(store_amnesia.clone()))
             .expect("register");
+        let int_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric");
+            registry.register(Box::new(g.clone())).expect("register");
+            g.set(-1);
+            g
+        };
+        let store_replicas_wanted = int_gauge(
+            "fencegate_store_replicas_wanted",
+            "Redis: replicas the last store call waited for (WAIT); -1 before the first call or where the store does not count replicas.",
+        );
+        let store_replicas_confirmed = int_gauge(
+            "fencegate_store_replicas_confirmed",
+            "Redis: replicas that confirmed the last store call in time (fewer than wanted failed it); -1 as for fencegate_store_replicas_wanted.",
+        );
+        let connections_served = counter(
+            "fencegate_connections_served_total",
+            "Client connections by the engine that began serving them: lane (fencegate's HTTP/1.1 reader) or hyper (HTTP/2, or the lane off).",
+            &["listener", "engine"],
+        );
+        let lane_handoffs = counter(
+            "fencegate_lane_handoffs_total",
+            "Connections the lane handed to hyper part-way (a body that did not arrive at once, a head the lane does not take).",
+            &["listener"],
+        );
         let reloads = counter(
             "fencegate_reloads_total",
             "Reloads of the config (SIGHUP) or of TLS certificate files, by result.",
@@ -323,6 +359,10 @@ impl Metrics {
             reloads,
             last_reload_ok,
             store_amnesia,
+            store_replicas_wanted,
+            store_replicas_confirmed,
+            connections_served,
+            lane_handoffs,
             registry,
             writes,
             requests,

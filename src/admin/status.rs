@@ -34,11 +34,25 @@ fn by_label(collector: &dyn Collector, label: &str) -> Map<String, Value> {
     sums.into_iter().map(|(k, v)| (k, json!(v))).collect()
 }
 
-/// The answer of `GET /v1/status`; `store` is the outcome of a ping.
+/// Store calls since start, all operations together: how many and the
+/// seconds they took (the page shows the mean between two polls).
+fn store_calls(metrics: &Metrics) -> Value {
+    let (mut count, mut seconds) = (0u64, 0.0);
+    for family in metrics.store_latency.collect() {
+        for m in family.get_metric() {
+            count += m.get_histogram().get_sample_count();
+            seconds += m.get_histogram().get_sample_sum();
+        }
+    }
+    json!({ "count": count, "seconds": seconds })
+}
+
+/// The answer of `GET /v1/status`; `store` is the outcome of a ping and
+/// the time it took.
 pub(super) fn status(
     fence: &Fence,
     metrics: &Metrics,
-    store: Result<(), String>,
+    (store, ping): (Result<(), String>, std::time::Duration),
     draining: bool,
     refusals_newest: u64,
 ) -> Value {
@@ -59,6 +73,11 @@ pub(super) fn status(
                  --accept-store-reset (docs/stores.md)"
             }),
             "in_flight_marks": s.in_flight_marks(),
+            "ping_ms": ping.as_secs_f64() * 1000.0,
+            "calls": store_calls(metrics),
+            // Redis: the replicas the last call waited for and how many
+            // confirmed it.
+            "replicas": s.replicas(),
         },
         "recovery": {
             "seconds_left": fence.recovering_for().map(|d| d.as_secs_f64()),

@@ -130,6 +130,31 @@ pub(super) struct Slots {
     /// Connections start with a PROXY protocol header, from these peers
     /// only (see [`crate::proxy_protocol`]).
     pub(super) proxy_protocol: Option<Arc<crate::proxy_protocol::TrustedProxies>>,
+    pub(super) engines: Engines,
+}
+
+/// This listener's connections by the engine that serves them, resolved
+/// once so that a connection costs no label lookup.
+#[derive(Clone)]
+pub(super) struct Engines {
+    lane: prometheus::IntCounter,
+    hyper: prometheus::IntCounter,
+    handoffs: prometheus::IntCounter,
+}
+
+impl Engines {
+    pub(super) fn new(metrics: &Metrics, listener: &str) -> Self {
+        let served = |engine| {
+            metrics
+                .connections_served
+                .with_label_values(&[listener, engine])
+        };
+        Self {
+            lane: served("lane"),
+            hyper: served("hyper"),
+            handoffs: metrics.lane_handoffs.with_label_values(&[listener]),
+        }
+    }
 }
 
 impl Slots {
@@ -289,12 +314,18 @@ where
                             Ok::<_, std::convert::Infallible>(resp)
                         }
                     });
-                    let hyper = Handoff { builder, service, watcher, refusal };
+                    let engines = &behind.engines;
+                    let handoffs = engines.handoffs.clone();
+                    let hyper = Handoff { builder, service, watcher, refusal, handoffs };
                     match (tls, lane) {
                         (None, None) => {
+                            engines.hyper.inc();
                             serve_connection(hyper.builder, stream, hyper.service, hyper.watcher).await
                         }
-                        (None, Some(lane)) => lane.serve(stream, peer, activity, stop, hyper).await,
+                        (None, Some(lane)) => {
+                            engines.lane.inc();
+                            lane.serve(stream, peer, activity, stop, hyper).await
+                        }
                         (Some(tls), lane) => {
                             let Some(stream) = tls.handshake(stream, peer, &stop).await else {
                                 return;
@@ -302,8 +333,12 @@ where
                             // HTTP/2 by ALPN is hyper's from the start.
                             let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
                             match lane.filter(|_| !h2) {
-                                Some(lane) => lane.serve(stream, peer, activity, stop, hyper).await,
+                                Some(lane) => {
+                                    engines.lane.inc();
+                                    lane.serve(stream, peer, activity, stop, hyper).await
+                                }
                                 None => {
+                                    engines.hyper.inc();
                                     serve_connection(hyper.builder, stream, hyper.service, hyper.watcher)
                                         .await
                                 }

@@ -74,6 +74,8 @@ pub(super) struct Handoff<S> {
     pub(super) watcher: hyper_util::server::graceful::Watcher,
     /// Shared with the service: the head guard's refusal, for it to answer.
     pub(super) refusal: Arc<super::heads::Refusal>,
+    /// Counts the connections the lane hands over.
+    pub(super) handoffs: prometheus::IntCounter,
 }
 
 impl Lane {
@@ -129,6 +131,7 @@ impl Lane {
                     // hyper reads on, but every head it reads is read by the
                     // lane's rules first (`heads.rs`).
                     let io = super::heads::HeadGuard::new(io, self.max_head, hyper.refusal);
+                    hyper.handoffs.inc();
                     return serve_connection(hyper.builder, io, hyper.service, hyper.watcher).await;
                 }
             };

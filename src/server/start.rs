@@ -318,6 +318,7 @@ impl Server {
             metrics: metrics.clone(),
             accepted: None,
             proxy_protocol: None,
+            engines: super::conn::Engines::new(&metrics, name),
         };
         let mut listeners: Vec<std::pin::Pin<Box<dyn Future<Output = bool> + Send>>> = Vec::new();
         let mut jobs: Vec<Vec<Job>> = (0..workers).map(|_| Vec::new()).collect();

@@ -22,6 +22,15 @@ pub enum Advance {
     Stale { highest: u64 },
 }
 
+/// Replicas a store's last call waited for, and how many confirmed it in
+/// time ([`FenceStore::replicas`]). Fewer confirmed than wanted failed
+/// that call (503), and the next one reconnects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Replicas {
+    pub wanted: u32,
+    pub confirmed: u32,
+}
+
 /// Why a store could not answer. Every variant fails writes closed (503).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -325,6 +334,14 @@ pub trait FenceStore: Send + Sync + 'static {
     /// Why the store is refusing writes because it may have lost data
     /// (see `docs/stores.md`), if it is.
     fn amnesia(&self) -> Option<String> {
+        None
+    }
+
+    /// For a store whose calls wait for replicas (Redis's `WAIT`): how
+    /// many the last call waited for and how many confirmed it. `None`
+    /// where replication is not the store's to count (embedded, etcd's
+    /// quorum, PostgreSQL's synchronous commit). A read, no call.
+    fn replicas(&self) -> Option<Replicas> {
         None
     }
 

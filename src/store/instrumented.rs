@@ -164,6 +164,9 @@ impl FenceStore for InstrumentedStore {
     fn amnesia(&self) -> Option<String> {
         self.inner.amnesia()
     }
+    fn replicas(&self) -> Option<crate::store::Replicas> {
+        self.inner.replicas()
+    }
     async fn confirm_reset(&self) -> Result<(), StoreError> {
         self.inner.confirm_reset().await
     }

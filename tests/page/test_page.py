@@ -1,11 +1,12 @@
 """The admin page, as a person uses it: in a real browser (Debian's
 chromium, driven headless by Playwright), against a running fencegate on a
-real Redis store with a real backend.
+real Redis store (a primary and a replica) with a real backend.
 
 - Without the admin token the page shows nothing, and its API calls are
   refused.
 - After a stale write, its refusal appears on the page within two seconds,
   with the client's address, its token and the key's highest.
+- The health panel shows the Redis replica confirming the writes.
 - The lookup box shows the key a path takes and its highest token.
 - The health panel shows amnesia when the store is wiped, and clears after
   confirm-reset.
@@ -67,13 +68,22 @@ def stack(tmp_path_factory):
     port = free_port()
     store = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    # A replica, as in production: the page shows how many confirm.
+    replica_port = free_port()
+    (d / "replica").mkdir()
+    replica = subprocess.Popen([server, "--port", str(replica_port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", str(d / "replica"),
+                                "--replicaof", "127.0.0.1", str(port)], stdout=subprocess.DEVNULL)
     r = redis.Redis(port=port)
-    for _ in range(100):
+    deadline = time.monotonic() + 30
+    while True:
         try:
-            r.ping()
-            break
+            if redis.Redis(port=replica_port).info("replication").get("master_link_status") == "up":
+                break
         except redis.ConnectionError:
-            time.sleep(0.05)
+            pass
+        assert time.monotonic() < deadline, "the replica did not link to the primary"
+        time.sleep(0.05)
     url = f"redis://127.0.0.1:{port}"
     subprocess.run([BIN, "init-store", "--store", url], check=True, capture_output=True)
     backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Backend)
@@ -89,8 +99,9 @@ def stack(tmp_path_factory):
     yield {"proxy": "http://" + fields["proxy"], "admin": "http://" + fields["admin"], "redis": r, "log": log}
     proc.terminate()
     proc.wait(timeout=30)
-    store.terminate()
-    store.wait()
+    for p in (replica, store):
+        p.terminate()
+        p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +143,9 @@ def test_a_stale_write_appears_with_its_writer_and_the_lookup_explains_it(stack,
     expect(page.locator("#health")).to_have_text("healthy")
     for token in range(1, 13):
         assert put(stack, f"/reports/q{token % 3}.csv", token).status_code == 200
+    # The store's health: its replica confirmed the writes.
+    expect(page.locator("#status")).to_contain_text("1 of 1 waited for")
+    expect(page.locator("#status")).to_contain_text("ms mean over the last")
     stale = put(stack, "/reports/q1.csv", 4, agent="nightly-export/2.2 (paused)")
     assert stale.status_code == 409, stale.text
     refused_at = time.monotonic()

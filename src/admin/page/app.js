@@ -60,8 +60,15 @@ async function pollStatus() {
     const bad = !s.store.up || s.store.amnesia || s.draining;
     pill.className = "pill " + (bad ? "bad" : "ok");
     pill.textContent = s.store.amnesia ? "store lost data" : !s.store.up ? "store unavailable" : s.draining ? "draining" : "healthy";
+    const calls = s.store.calls;
+    const dc = last ? calls.count - last.calls.count : 0;
+    const latency = dc > 0 ? (((calls.seconds - last.calls.seconds) / dc) * 1000).toFixed(2) + " ms mean over the last " + dc + " calls" : "no calls since the last poll";
+    const r = s.store.replicas;
     fill($("status"), [
       ["store", s.store.engine + (s.store.up ? ", up" : ", DOWN: " + s.store.error)],
+      ["store ping", s.store.ping_ms.toFixed(2) + " ms"],
+      ["store calls", latency],
+      ...(r ? [["replicas confirmed", r.confirmed + " of " + r.wanted + " waited for (last call)"]] : []),
       ["recovering", s.recovery.seconds_left === null ? "no" : s.recovery.seconds_left.toFixed(1) + " s left, " + text(s.recovery.held_keys) + " keys held"],
       ["writes in flight", s.in_flight_writes],
       ["in-flight marks", s.store.in_flight_marks],
@@ -80,7 +87,7 @@ async function pollStatus() {
       if (series.length > POINTS) series.shift();
       drawChart();
     }
-    last = { at: now, admitted, refused };
+    last = { at: now, admitted, refused, calls };
     fill($("decisions"), Object.entries(s.writes).map(([k, v]) => [k, v]));
     showError("");
   } catch (e) {

@@ -28,6 +28,14 @@ impl Backend for RedisBackend {
         self.session.load(Ordering::Acquire)
     }
 
+    fn replicas(&self) -> Option<crate::store::Replicas> {
+        let w = self.last_wait.load(Ordering::Relaxed);
+        (w != u64::MAX).then_some(crate::store::Replicas {
+            wanted: (w >> 32) as u32,
+            confirmed: w as u32,
+        })
+    }
+
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(fence_key(key));

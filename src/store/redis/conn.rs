@@ -65,6 +65,9 @@ pub struct RedisBackend {
     pub(super) timeout: Duration,
     /// `store_replicas_to_wait`, if set.
     pub(super) replicas_to_wait: Option<u32>,
+    /// The last call's replicas, wanted in the high half and confirmed in
+    /// the low; `u64::MAX` before the first (`FenceStore::replicas`).
+    pub(super) last_wait: AtomicU64,
     pub(super) acquire: Script,
     pub(super) poll: Script,
     pub(super) renew: Script,
@@ -133,6 +136,7 @@ impl RedisBackend {
             source,
             conns: dashmap::DashMap::new(),
             session: AtomicU64::new(0),
+            last_wait: AtomicU64::new(u64::MAX),
             last_failure: Mutex::new(None),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
@@ -437,6 +441,10 @@ impl RedisBackend {
                 Ok((v, wanted, confirmed))
             })
             .await?;
+        self.last_wait.store(
+            u64::from(wanted) << 32 | u64::from(confirmed),
+            Ordering::Relaxed,
+        );
         if confirmed < wanted {
             self.drop_connections().await;
             *self.last_failure.lock().expect("lock") = Some(Instant::now());

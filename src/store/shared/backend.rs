@@ -20,6 +20,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Changes every time a new connection (session) to the server is made,
     /// so the marker is checked again after each reconnect.
     fn session(&self) -> u64;
+    /// See [`crate::store::FenceStore::replicas`].
+    fn replicas(&self) -> Option<crate::store::Replicas> {
+        None
+    }
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
     /// Admits several writes in one round trip (keys distinct): each answer

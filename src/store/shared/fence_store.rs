@@ -223,6 +223,10 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         self.guard.lock().expect("guard lock").amnesia.clone()
     }
 
+    fn replicas(&self) -> Option<crate::store::Replicas> {
+        self.backend.replicas()
+    }
+
     async fn confirm_reset(&self) -> Result<(), StoreError> {
         // Not while a marker check runs: it would record the old marker
         // after the new one.

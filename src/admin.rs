@@ -111,12 +111,15 @@ impl Admin {
                     .store_amnesia
                     .set(i64::from(self.fence.store().amnesia().is_some()));
                 let replicas = self.fence.store().replicas();
+                let last = replicas.and_then(|r| r.last);
                 self.metrics
                     .store_replicas_wanted
-                    .set(replicas.map_or(-1, |r| i64::from(r.wanted)));
+                    .set(last.map_or(-1, |w| i64::from(w.wanted)));
                 self.metrics
                     .store_replicas_confirmed
-                    .set(replicas.map_or(-1, |r| i64::from(r.confirmed)));
+                    .set(last.map_or(-1, |w| i64::from(w.confirmed)));
+                self.metrics
+                    .replica_wait_failures_seen(replicas.map_or(0, |r| r.failed_waits));
                 let mut r = Response::new(full(self.metrics.render()));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,

@@ -61,14 +61,21 @@ pub struct Metrics {
     pub in_flight_marks: IntGauge,
     /// 1 while a shared store is suspected of having lost data.
     pub store_amnesia: IntGauge,
-    /// Redis: replicas the last store call waited for (`WAIT`), and how
-    /// many confirmed it; -1 before the first call and for stores that
-    /// do not count replicas.
+    /// Redis: replicas the last answered store call waited for (`WAIT`),
+    /// and how many confirmed it; -1 when there is none (before the
+    /// first, the store unreachable) and for stores that do not count
+    /// replicas.
     pub store_replicas_wanted: IntGauge,
     pub store_replicas_confirmed: IntGauge,
-    /// Client connections by the engine that began serving them (lane:
-    /// fencegate's own HTTP/1.1 reader; hyper: HTTP/2, or the lane off),
-    /// by listener.
+    /// Redis: store calls failed because fewer replicas confirmed them
+    /// than were waited for.
+    pub store_replica_wait_failures: prometheus::IntCounter,
+    /// The store's own count that `store_replica_wait_failures` follows.
+    replica_wait_failures: std::sync::atomic::AtomicU64,
+    /// Client connections by the engine that began serving them, by
+    /// listener (lane: fencegate's own HTTP/1.1 reader, on the proxy and
+    /// TLS listeners; hyper: HTTP/2 by ALPN, and the admin and lease
+    /// listeners).
     pub connections_served: IntCounterVec,
     /// Connections the lane handed to hyper part-way (a body that did not
     /// come at once, a head it does not take), by listener.
@@ -263,15 +270,23 @@ impl Metrics {
         };
         let store_replicas_wanted = int_gauge(
             "fencegate_store_replicas_wanted",
-            "Redis: replicas the last store call waited for (WAIT); -1 before the first call or where the store does not count replicas.",
+            "Redis: replicas the last answered store call waited for (WAIT); -1 when there is none (before the first call, the store unreachable) or where the store does not count replicas.",
         );
         let store_replicas_confirmed = int_gauge(
             "fencegate_store_replicas_confirmed",
             "Redis: replicas that confirmed the last store call in time (fewer than wanted failed it); -1 as for fencegate_store_replicas_wanted.",
         );
+        let store_replica_wait_failures = prometheus::IntCounter::new(
+            "fencegate_store_replica_wait_failures_total",
+            "Redis: store calls failed (503) because fewer replicas confirmed them (WAIT) than were waited for.",
+        )
+        .expect("metric");
+        registry
+            .register(Box::new(store_replica_wait_failures.clone()))
+            .expect("register");
         let connections_served = counter(
             "fencegate_connections_served_total",
-            "Client connections by the engine that began serving them: lane (fencegate's HTTP/1.1 reader) or hyper (HTTP/2, or the lane off).",
+            "Client connections by the engine that began serving them: lane (fencegate's HTTP/1.1 reader, proxy and TLS listeners) or hyper (HTTP/2 by ALPN; the admin and lease listeners).",
             &["listener", "engine"],
         );
         let lane_handoffs = counter(
@@ -361,6 +376,8 @@ impl Metrics {
             store_amnesia,
             store_replicas_wanted,
             store_replicas_confirmed,
+            store_replica_wait_failures,
+            replica_wait_failures: Default::default(),
             connections_served,
             lane_handoffs,
             registry,
@@ -385,6 +402,16 @@ impl Metrics {
             recovery_seconds_left,
             in_flight_marks,
         }
+    }
+
+    /// Brings `store_replica_wait_failures` up to the store's count:
+    /// of two scrapes at once, only the one that raises the mark adds.
+    pub fn replica_wait_failures_seen(&self, count: u64) {
+        let before = self
+            .replica_wait_failures
+            .fetch_max(count, std::sync::atomic::Ordering::Relaxed);
+        self.store_replica_wait_failures
+            .inc_by(count.saturating_sub(before));
     }
 
     /// The Prometheus text exposition.

@@ -22,11 +22,22 @@ pub enum Advance {
     Stale { highest: u64 },
 }
 
-/// Replicas a store's last call waited for, and how many confirmed it in
-/// time ([`FenceStore::replicas`]). Fewer confirmed than wanted failed
-/// that call (503), and the next one reconnects.
+/// A store's replica waits ([`FenceStore::replicas`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Replicas {
+    /// The last call that got an answer: the replicas it waited for and
+    /// how many confirmed it in time. `None` before the first, and after
+    /// a call that got no answer (the store unreachable).
+    pub last: Option<LastWait>,
+    /// Calls failed since start because fewer replicas confirmed them
+    /// than were waited for (503; the next call reconnects). The last
+    /// call alone can hide these: after a replica is lost, the reconnect
+    /// may find none online and wait for none.
+    pub failed_waits: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct LastWait {
     pub wanted: u32,
     pub confirmed: u32,
 }
@@ -338,7 +349,8 @@ pub trait FenceStore: Send + Sync + 'static {
     }
 
     /// For a store whose calls wait for replicas (Redis's `WAIT`): how
-    /// many the last call waited for and how many confirmed it. `None`
+    /// many the last call waited for, how many confirmed it, and the calls
+    /// that failed for too few. `None`
     /// where replication is not the store's to count (embedded, etcd's
     /// quorum, PostgreSQL's synchronous commit). A read, no call.
     fn replicas(&self) -> Option<Replicas> {

@@ -68,7 +68,7 @@ async function pollStatus() {
       ["store", s.store.engine + (s.store.up ? ", up" : ", DOWN: " + s.store.error)],
       ["store ping", s.store.ping_ms.toFixed(2) + " ms"],
       ["store calls", latency],
-      ...(r ? [["replicas confirmed", r.confirmed + " of " + r.wanted + " waited for (last call)"]] : []),
+      ...(r ? [["replicas confirmed", (r.last ? r.last.confirmed + " of " + r.last.wanted + " waited for (last call)" : "no answered call yet") + (r.failed_waits ? ", " + r.failed_waits + " calls failed for too few since start" : "")]] : []),
       ["recovering", s.recovery.seconds_left === null ? "no" : s.recovery.seconds_left.toFixed(1) + " s left, " + text(s.recovery.held_keys) + " keys held"],
       ["writes in flight", s.in_flight_writes],
       ["in-flight marks", s.store.in_flight_marks],

@@ -30,9 +30,12 @@ impl Backend for RedisBackend {
 
     fn replicas(&self) -> Option<crate::store::Replicas> {
         let w = self.last_wait.load(Ordering::Relaxed);
-        (w != u64::MAX).then_some(crate::store::Replicas {
-            wanted: (w >> 32) as u32,
-            confirmed: w as u32,
+        Some(crate::store::Replicas {
+            last: (w != u64::MAX).then_some(crate::store::LastWait {
+                wanted: (w >> 32) as u32,
+                confirmed: w as u32,
+            }),
+            failed_waits: self.failed_waits.load(Ordering::Relaxed),
         })
     }
 

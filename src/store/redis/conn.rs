@@ -65,9 +65,12 @@ pub struct RedisBackend {
     pub(super) timeout: Duration,
     /// `store_replicas_to_wait`, if set.
     pub(super) replicas_to_wait: Option<u32>,
-    /// The last call's replicas, wanted in the high half and confirmed in
-    /// the low; `u64::MAX` before the first (`FenceStore::replicas`).
+    /// The last answered call's replicas, wanted in the high half and
+    /// confirmed in the low; `u64::MAX` when there is none
+    /// (`FenceStore::replicas`).
     pub(super) last_wait: AtomicU64,
+    /// Calls failed for too few confirmations, since start.
+    pub(super) failed_waits: AtomicU64,
     pub(super) acquire: Script,
     pub(super) poll: Script,
     pub(super) renew: Script,
@@ -137,6 +140,7 @@ impl RedisBackend {
             conns: dashmap::DashMap::new(),
             session: AtomicU64::new(0),
             last_wait: AtomicU64::new(u64::MAX),
+            failed_waits: AtomicU64::new(0),
             last_failure: Mutex::new(None),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
@@ -418,7 +422,7 @@ impl RedisBackend {
     /// online then).
     pub(super) async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
         let (cmd, wait_ms) = (&cmd, self.wait_ms());
-        let (v, wanted, confirmed) = self
+        let answered = self
             .run_on(|conn| async move {
                 // The count of the connection the call goes on: after a
                 // failover, the count the new primary reported, and never
@@ -440,12 +444,20 @@ impl RedisBackend {
                 let (v, confirmed): (T, u32) = p.query_async(&mut c).await?;
                 Ok((v, wanted, confirmed))
             })
-            .await?;
+            .await;
+        let (v, wanted, confirmed) = match answered {
+            Ok(a) => a,
+            Err(e) => {
+                self.last_wait.store(u64::MAX, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
         self.last_wait.store(
             u64::from(wanted) << 32 | u64::from(confirmed),
             Ordering::Relaxed,
         );
         if confirmed < wanted {
+            self.failed_waits.fetch_add(1, Ordering::Relaxed);
             self.drop_connections().await;
             *self.last_failure.lock().expect("lock") = Some(Instant::now());
             return Err(unavailable(format!(

@@ -426,3 +426,24 @@ proptest! {
         }
     }
 }
+
+/// Found by the key fuzz target (`/%20/` and `/ `: one resource to a
+/// decoding backend, two keys): every printable byte, raw or escaped,
+/// gives one key, or the raw spelling is refused.
+#[test]
+fn a_byte_raw_or_escaped_takes_one_key() {
+    assert_eq!(key("/ "), Err(KeyError::Unescaped));
+    assert_eq!(key("/%20/").as_deref(), Ok("/%20"));
+    for b in 0x20u8..0x7F {
+        if matches!(b, b'/' | b'%' | b'?' | b'#') {
+            continue; // structure: the separator, the escape, the query, the fragment
+        }
+        let raw = format!("/a{}b", b as char);
+        let escaped = format!("/a%{b:02X}b");
+        match (key(&raw), key(&escaped)) {
+            (Ok(r), Ok(e)) => assert_eq!(r, e, "{raw:?} and {escaped:?}"),
+            (Err(_), _) => {}
+            (Ok(r), Err(e)) => panic!("{raw:?} keys as {r:?} but {escaped:?} is refused: {e}"),
+        }
+    }
+}

@@ -7,12 +7,19 @@
 #     distinct keys on the 10M store;
 #  4. a 256 MiB upload through fencegate vs direct (nginx discarding the
 #     body): throughput ratio and fencegate's peak RSS.
-# Usage: scripts/scale.sh [KEYS_BIG] [KEYS_TOUCHED]   (needs wrk, nginx, curl)
+#  5. memory per client connection, fencegate against nginx proxying to
+#     the same backend: N connections held idle, and between two
+#     keep-alive requests, over HTTP/1.1 and HTTP/2, plain and TLS; a
+#     fresh process per row (scripts/connmem.py reads the RSS growth).
+# Usage: scripts/scale.sh [KEYS_BIG] [KEYS_TOUCHED]   (needs wrk, nginx, curl, openssl)
+#        scripts/scale.sh --connections [N]   only the connection rows
+#        (N defaults to what fencegate's descriptor budget allows under
+#        this shell's `ulimit -n`, at most 15000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIG=${1:-10000000}
 TOUCH=${2:-1000000}
-for t in wrk nginx curl python3; do command -v "$t" >/dev/null || { echo "missing: $t" >&2; exit 1; }; done
+for t in wrk nginx curl python3 openssl; do command -v "$t" >/dev/null || { echo "missing: $t" >&2; exit 1; }; done
 cargo build --release --quiet --example populate
 cargo build --release --quiet
 BIN=$PWD/target/release/fencegate
@@ -43,6 +50,83 @@ http { access_log off; client_body_temp_path $WORK/nginx/b; client_max_body_size
   server { listen 127.0.0.1:$UP; location / { return 200 "ok\n"; } } }
 CONF
 nginx -c "$WORK/nginx/conf" -p "$WORK/nginx"; PIDS+=("$(cat "$WORK/nginx/pid")")
+
+connection_rows() { # N
+  local n=$1
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=localhost \
+    -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
+  local P1 P2 PT FP FT; P1=$(port); P2=$(port); PT=$(port); FP=$(port); FT=$(port)
+  mkdir -p "$WORK/px"
+  # nginx as a reverse proxy to the same backend, timeouts as long as
+  # fencegate's below, one worker.
+  cat > "$WORK/px/conf" <<CONF
+worker_processes 1; pid $WORK/px/pid; error_log $WORK/px/err; worker_rlimit_nofile $((n * 2 + 1000));
+events { worker_connections $((n * 2 + 500)); }
+http { access_log off; client_body_temp_path $WORK/px/b; proxy_temp_path $WORK/px/p; keepalive_timeout 300s; keepalive_requests 1000000;
+  client_header_timeout 300s;
+  upstream up { server 127.0.0.1:$UP; keepalive 64; }
+  server { listen 127.0.0.1:$P1; listen 127.0.0.1:$PT ssl http2; ssl_certificate $WORK/cert.pem; ssl_certificate_key $WORK/key.pem;
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; } }
+  server { listen 127.0.0.1:$P2 http2; location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; } } }
+CONF
+  cat > "$WORK/fg.toml" <<TOML
+listen = "127.0.0.1:$FP"
+admin_listen = "127.0.0.1:0"
+store = "$WORK/conn.redb"
+[limits]
+max_connections = $((n + 100))
+header_read_timeout = "300s"
+response_idle_timeout = "300s"
+[tls]
+listen = "127.0.0.1:$FT"
+cert = "$WORK/cert.pem"
+key = "$WORK/key.pem"
+[[routes]]
+name = "default"
+upstream = "http://127.0.0.1:$UP"
+TOML
+  echo "| connections ($n each) | state | fencegate, bytes each | nginx, bytes each | ratio |"
+  echo "|---|---|---|---|---|"
+  local row
+  for row in "http/1.1 plain:$FP:$P1:" "http/1.1 tls:$FT:$PT:--tls $WORK/cert.pem" \
+             "h2c plain:$FP:$P2:--h2" "h2 tls:$FT:$PT:--h2 --tls $WORK/cert.pem"; do
+    local name=${row%%:*} rest=${row#*:}; local fport=${rest%%:*}; rest=${rest#*:}
+    local nport=${rest%%:*} opts=${rest#*:}
+    local state
+    for state in idle keepalive; do
+      # A fresh process for each row: freed memory that an allocator
+      # keeps would hide the next row's growth.
+      rm -f "$WORK/conn.redb"*
+      "$BIN" --config "$WORK/fg.toml" > "$WORK/c.out" 2> "$WORK/c.err" & local fpid=$!; PIDS+=("$fpid")
+      for _ in $(seq 1000); do grep -q listening "$WORK/c.out" 2>/dev/null && break; sleep 0.01; done
+      # shellcheck disable=SC2086
+      local f; f=$(python3 scripts/connmem.py --addr "127.0.0.1:$fport" --pid "$fpid" --n "$n" --state "$state" $opts)
+      kill "$fpid"; wait "$fpid" 2>/dev/null || true
+      nginx -c "$WORK/px/conf" -p "$WORK/px"; sleep 0.2
+      local npid; npid=$(pgrep -P "$(cat "$WORK/px/pid")" | head -1)
+      # shellcheck disable=SC2086
+      local g; g=$(python3 scripts/connmem.py --addr "127.0.0.1:$nport" --pid "$npid" --n "$n" --state "$state" $opts)
+      nginx -c "$WORK/px/conf" -p "$WORK/px" -s stop; sleep 0.3
+      python3 - "$name" "$state" "$f" "$g" <<'PY'
+import json, sys
+f, g = json.loads(sys.argv[3])["per_conn_bytes"], json.loads(sys.argv[4])["per_conn_bytes"]
+print(f"| {sys.argv[1]} | {sys.argv[2]} | {f:,} | {g:,} | {f / max(g, 1):.1f}x |")
+PY
+    done
+  done
+}
+
+if [[ ${1:-} == --connections ]]; then
+  NOFILE=$(ulimit -n)
+  # fencegate keeps (nofile - 64) / 6 per listener (docs/operations.md,
+  # limits.max_connections); the rows stay within it.
+  BUDGET=$(( (NOFILE - 64) / 6 ))
+  N=${2:-$(( BUDGET < 15000 ? BUDGET - 100 : 15000 ))}
+  connection_rows "$N"
+  echo
+  echo "machine: $(nproc) cores, $(uname -r), nofile $NOFILE, $(date -u +%Y-%m-%d)"
+  exit 0
+fi
 
 start() { # store -> "pid addr admin ready_ms"
   local t0; t0=$(date +%s%N)
@@ -99,5 +183,9 @@ print(f"| 256 MiB upload, direct | {d/2**20:.0f} MiB/s |")
 print(f"| 256 MiB upload, through fencegate | {f/2**20:.0f} MiB/s ({f/d:.2f}x direct) |")
 PY
 echo "| fencegate peak RSS (VmHWM) over the whole run on the fresh store | $(hwm_mib "$PID") MiB |"
+echo
+NOFILE=$(ulimit -n)
+BUDGET=$(( (NOFILE - 64) / 6 ))
+connection_rows $(( BUDGET < 15000 ? BUDGET - 100 : 15000 ))
 echo
 echo "machine: $(nproc) cores, $(uname -r), $(date -u +%Y-%m-%d)"

@@ -206,6 +206,49 @@ impl Slots {
     }
 }
 
+/// The connection served by the lane (hyper if it hands over), or by hyper
+/// alone, as a boxed future (see the accept loop).
+fn engine<I, S>(
+    lane: Option<Lane>,
+    io: I,
+    peer: SocketAddr,
+    activity: Arc<Activity>,
+    stop: CancellationToken,
+    hyper: Handoff<S>,
+    engines: &Engines,
+) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
+where
+    I: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + super::lane::WaitReadable
+        + Unpin
+        + Send
+        + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = http::Response<ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    match lane {
+        Some(lane) => {
+            engines.lane.inc();
+            Box::pin(async move { lane.serve(io, peer, activity, stop, hyper).await })
+        }
+        None => {
+            engines.hyper.inc();
+            Box::pin(serve_connection(
+                hyper.builder,
+                io,
+                hyper.service,
+                hyper.watcher,
+            ))
+        }
+    }
+}
+
 /// Accepts connections (TLS ones if `tls` is set) until the gate closes;
 /// then drains them within the grace period. Returns whether every
 /// connection finished in time.
@@ -317,34 +360,29 @@ where
                     let engines = &behind.engines;
                     let handoffs = engines.handoffs.clone();
                     let hyper = Handoff { builder, service, watcher, refusal, handoffs };
-                    match (tls, lane) {
-                        (None, None) => {
-                            engines.hyper.inc();
-                            serve_connection(hyper.builder, stream, hyper.service, hyper.watcher).await
-                        }
-                        (None, Some(lane)) => {
-                            engines.lane.inc();
-                            lane.serve(stream, peer, activity, stop, hyper).await
-                        }
-                        (Some(tls), lane) => {
-                            let Some(stream) = tls.handshake(stream, peer, &stop).await else {
-                                return;
-                            };
-                            // HTTP/2 by ALPN is hyper's from the start.
-                            let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
-                            match lane.filter(|_| !h2) {
-                                Some(lane) => {
-                                    engines.lane.inc();
-                                    lane.serve(stream, peer, activity, stop, hyper).await
-                                }
-                                None => {
-                                    engines.hyper.inc();
-                                    serve_connection(hyper.builder, stream, hyper.service, hyper.watcher)
-                                        .await
+                    // This task's future is as large as its largest state and
+                    // lives as long as the connection, idle ones included
+                    // (issue 44: 27 KB a connection with the engines and
+                    // the handshake inline): they are boxed, each in a
+                    // statement of its own, since rustc keeps the storage
+                    // of a value moved out before an await if its binding
+                    // or temporary outlives the await.
+                    let served = match tls {
+                        None => engine(lane, stream, peer, activity, stop, hyper, engines),
+                        Some(tls) => {
+                            let handshake = Box::pin(tls.handshake(stream, peer, &stop));
+                            match handshake.await {
+                                None => return,
+                                Some(stream) => {
+                                    // HTTP/2 by ALPN is hyper's from the start.
+                                    let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                                    let lane = lane.filter(|_| !h2);
+                                    engine(lane, stream, peer, activity, stop, hyper, engines)
                                 }
                             }
                         }
-                    }
+                    };
+                    served.await
                 });
                 // A supervisor beside the connection, not around it: it
                 // wakes only on its timer, the stop or the connection's end,

@@ -48,6 +48,49 @@ pub(super) const BODY_WAIT: Duration = Duration::from_secs(1);
 /// already there go out with the head in one write.
 const WRITE_AT: usize = 64 * 1024;
 
+/// What the first read of a request may take (more is read if the head
+/// or a small body needs it).
+const READ_AT: usize = 8 * 1024;
+
+/// Waits until a read would find bytes (or the end) where the stream can
+/// tell without a buffer, so that an idle connection holds none.
+pub(super) trait WaitReadable {
+    /// `fresh`: no read was tried on the connection yet.
+    fn wait_readable(
+        &self,
+        fresh: bool,
+    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
+}
+
+impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
+    async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
+        if fresh {
+            // tokio reports a newly registered socket readable before
+            // any byte came (the read finds none): a one-byte peek waits
+            // for a real one. Later the readiness is mostly true: the
+            // lane's watch for a client that closes, during each
+            // exchange, ends in a read that found nothing, which clears
+            // it. Where it is not, the read finds nothing and waits with
+            // its buffer taken: correct, only costlier.
+            let mut one = [0u8; 1];
+            self.inner().peek(&mut one).await.map(drop)
+        } else {
+            self.inner().readable().await
+        }
+    }
+}
+
+/// rustls may hold decrypted bytes the socket no longer shows: a TLS
+/// stream is read at once (its buffer is taken while it waits).
+impl<I> WaitReadable for tokio_rustls::server::TlsStream<I> {
+    fn wait_readable(
+        &self,
+        _fresh: bool,
+    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
 /// The lane of a proxy listener.
 #[derive(Clone)]
 pub(super) struct Lane {
@@ -88,7 +131,7 @@ impl Lane {
         stop: CancellationToken,
         hyper: Handoff<S>,
     ) where
-        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        I: AsyncRead + AsyncWrite + WaitReadable + Unpin + Send + 'static,
         S: hyper::service::Service<
                 Request<Incoming>,
                 Response = Response<ProxyBody>,
@@ -101,17 +144,27 @@ impl Lane {
             addr: peer,
             tls: self.tls,
         };
-        let mut buf = BytesMut::with_capacity(8 * 1024);
-        let mut out = Vec::with_capacity(8 * 1024);
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut fresh = true;
         loop {
-            let Some(next) = self.read_request(&mut io, &mut buf, &stop).await else {
+            // Between requests a connection holds no buffer (nginx's and
+            // HAProxy's habit): an idle keep-alive connection costs its
+            // socket and a small task, not 16 KB of buffers. Pipelined
+            // bytes keep theirs.
+            if buf.is_empty() {
+                buf = BytesMut::new();
+                out = Vec::new();
+            }
+            let Some(next) = self.read_request(&mut io, &mut buf, &stop, fresh).await else {
                 return;
             };
             let (head, body) = match next {
                 Next::Request(head, body) => (head, body),
                 Next::Refused(why) => {
                     let resp = crate::error::ProxyError::BadFraming(why.into()).into_response(None);
-                    let _ = write_response(&mut io, &mut out, resp, false, true).await;
+                    let written = Box::pin(write_response(&mut io, &mut out, resp, false, true));
+                    let _ = written.await;
                     let _ = io.shutdown().await;
                     return;
                 }
@@ -119,7 +172,8 @@ impl Lane {
                     // hyper would close a connection it meets after the
                     // drain began without reading it: the client is told.
                     let resp = crate::error::ProxyError::ShuttingDown.into_response(None);
-                    let _ = write_response(&mut io, &mut out, resp, false, true).await;
+                    let written = Box::pin(write_response(&mut io, &mut out, resp, false, true));
+                    let _ = written.await;
                     let _ = io.shutdown().await;
                     return;
                 }
@@ -132,53 +186,89 @@ impl Lane {
                     // lane's rules first (`heads.rs`).
                     let io = super::heads::HeadGuard::new(io, self.max_head, hyper.refusal);
                     hyper.handoffs.inc();
-                    return serve_connection(hyper.builder, io, hyper.service, hyper.watcher).await;
+                    let hyper_side = Box::pin(serve_connection(
+                        hyper.builder,
+                        io,
+                        hyper.service,
+                        hyper.watcher,
+                    ));
+                    return hyper_side.await;
                 }
             };
-            let to_head = head.parts.method == Method::HEAD;
-            let req = Request::from_parts(head.parts, RequestBody::Whole(Some(body)));
-            let busy = Busy::new(&activity);
-            let handled = self.proxy.clone().handle(req, peer);
-            tokio::pin!(handled);
-            // The client is watched while its request is served: one that
-            // closes is gone (hyper's rule too), and the request's future
-            // is dropped: it is logged as 499, and a write's exchange runs
-            // on to its end on a task of its own.
-            // Once pipelined bytes are there, no more is read (hyper's rule
-            // too): a client that sent its requests and half-closed gets
-            // its answers.
-            let resp = loop {
-                tokio::select! {
-                    biased;
-                    Ok(resp) = &mut handled => break resp,
-                    read = io.read_buf(&mut buf), if buf.is_empty() => match read {
-                        Ok(n) if n > 0 => {}
-                        _ => return,
-                    },
-                }
-            };
-            // From the head on the connection is streaming, not idle: an
-            // event stream's pauses are bounded by the response idle
-            // timeout, not the keep-alive one.
-            let streaming = Streaming::new(&activity);
-            drop(busy);
-            let close = head.close || stop.is_cancelled();
-            let written = write_response(&mut io, &mut out, resp, to_head, close).await;
-            drop(streaming);
-            if !matches!(written, Ok(After::KeepAlive)) {
-                let _ = io.shutdown().await;
+            // Boxed: the exchange's future (the proxy's handling, the
+            // answer's writing) is several KB, and unboxed it would size
+            // the connection's future for its whole life, idle included.
+            // Boxed in a statement of its own (see `conn.rs`).
+            fresh = false;
+            let exchange = Box::pin(self.exchange(
+                &mut io, &mut buf, &mut out, head, body, peer, &activity, &stop,
+            ));
+            if !exchange.await {
                 return;
             }
         }
     }
 
+    /// One request served and its answer written; whether the connection
+    /// carries another.
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange<I: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        io: &mut I,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        head: crate::h1::RequestHead,
+        body: Bytes,
+        peer: Peer,
+        activity: &Arc<Activity>,
+        stop: &CancellationToken,
+    ) -> bool {
+        let to_head = head.parts.method == Method::HEAD;
+        let close_asked = head.close;
+        let req = Request::from_parts(head.parts, RequestBody::Whole(Some(body)));
+        let busy = Busy::new(activity);
+        let handled = self.proxy.clone().handle(req, peer);
+        tokio::pin!(handled);
+        // The client is watched while its request is served: one that
+        // closes is gone (hyper's rule too), and the request's future
+        // is dropped: it is logged as 499, and a write's exchange runs
+        // on to its end on a task of its own.
+        // Once pipelined bytes are there, no more is read (hyper's rule
+        // too): a client that sent its requests and half-closed gets
+        // its answers.
+        let resp = loop {
+            tokio::select! {
+                biased;
+                Ok(resp) = &mut handled => break resp,
+                read = io.read_buf(buf), if buf.is_empty() => match read {
+                    Ok(n) if n > 0 => {}
+                    _ => return false,
+                },
+            }
+        };
+        // From the head on the connection is streaming, not idle: an
+        // event stream's pauses are bounded by the response idle
+        // timeout, not the keep-alive one.
+        let streaming = Streaming::new(activity);
+        drop(busy);
+        let close = close_asked || stop.is_cancelled();
+        let written = write_response(io, out, resp, to_head, close).await;
+        drop(streaming);
+        if !matches!(written, Ok(After::KeepAlive)) {
+            let _ = io.shutdown().await;
+            return false;
+        }
+        true
+    }
+
     /// The next request's head and whole body; `None` when the connection
     /// is to end (closed, timed out, or idle at the drain).
-    async fn read_request<I: AsyncRead + Unpin>(
+    async fn read_request<I: AsyncRead + WaitReadable + Unpin>(
         &self,
         io: &mut I,
         buf: &mut BytesMut,
         stop: &CancellationToken,
+        fresh: bool,
     ) -> Option<Next> {
         let mut head_by = None;
         let head = loop {
@@ -191,14 +281,19 @@ impl Lane {
                 Parsed::Partial if buf.len() > self.max_head => return Some(Next::Hyper),
                 Parsed::Partial => {}
             }
-            buf.reserve(4096);
             let read = if buf.is_empty() {
                 // Idle between requests: the drain ends the connection.
+                // The buffer is taken once bytes are there.
                 tokio::select! {
                     _ = stop.cancelled() => return None,
-                    read = io.read_buf(buf) => read,
+                    read = async {
+                        io.wait_readable(fresh).await?;
+                        buf.reserve(READ_AT);
+                        io.read_buf(buf).await
+                    } => read,
                 }
             } else {
+                buf.reserve(4096);
                 let by = *head_by
                     .get_or_insert_with(|| tokio::time::Instant::now() + self.header_timeout);
                 tokio::time::timeout_at(by, io.read_buf(buf)).await.ok()?
@@ -291,6 +386,8 @@ async fn write_response<I: AsyncWrite + Unpin>(
     let (mut parts, mut body) = resp.into_parts();
     let (framing, close) = frame_head(&mut parts, &body, to_head, close);
     out.clear();
+    // Taken per answer (a connection between requests holds none).
+    out.reserve(READ_AT);
     crate::h1::write_response_head(out, parts.status, &parts.headers);
     let mut wire = BodyOut {
         io,

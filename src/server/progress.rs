@@ -231,6 +231,11 @@ impl<I> Tracked<I> {
         Tracked { inner, activity }
     }
 
+    /// The socket itself, for its readiness.
+    pub(super) fn inner(&self) -> &I {
+        &self.inner
+    }
+
     /// The socket itself, for what is read before any request (the PROXY
     /// header).
     pub(super) fn inner_mut(&mut self) -> &mut I {

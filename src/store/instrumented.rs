@@ -164,7 +164,7 @@ impl FenceStore for InstrumentedStore {
     fn amnesia(&self) -> Option<String> {
         self.inner.amnesia()
     }
-    fn replicas(&self) -> Option<crate::store::Replicas> {
+    fn replicas(&self) -> Option<crate::store::api::Replicas> {
         self.inner.replicas()
     }
     async fn confirm_reset(&self) -> Result<(), StoreError> {

@@ -28,10 +28,10 @@ impl Backend for RedisBackend {
         self.session.load(Ordering::Acquire)
     }
 
-    fn replicas(&self) -> Option<crate::store::Replicas> {
+    fn replicas(&self) -> Option<crate::store::api::Replicas> {
         let w = self.last_wait.load(Ordering::Relaxed);
-        Some(crate::store::Replicas {
-            last: (w != u64::MAX).then_some(crate::store::LastWait {
+        Some(crate::store::api::Replicas {
+            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
                 wanted: (w >> 32) as u32,
                 confirmed: w as u32,
             }),

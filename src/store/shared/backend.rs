@@ -21,7 +21,7 @@ pub trait Backend: Send + Sync + 'static {
     /// so the marker is checked again after each reconnect.
     fn session(&self) -> u64;
     /// See [`crate::store::FenceStore::replicas`].
-    fn replicas(&self) -> Option<crate::store::Replicas> {
+    fn replicas(&self) -> Option<crate::store::api::Replicas> {
         None
     }
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;

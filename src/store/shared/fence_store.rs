@@ -223,7 +223,7 @@ impl<B: Backend> FenceStore for SharedStore<B> {
         self.guard.lock().expect("guard lock").amnesia.clone()
     }
 
-    fn replicas(&self) -> Option<crate::store::Replicas> {
+    fn replicas(&self) -> Option<crate::store::api::Replicas> {
         self.backend.replicas()
     }
 

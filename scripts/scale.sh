@@ -106,7 +106,7 @@ TOML
       local npid; npid=$(pgrep -P "$(cat "$WORK/px/pid")" | head -1)
       # shellcheck disable=SC2086
       local g; g=$(python3 scripts/connmem.py --addr "127.0.0.1:$nport" --pid "$npid" --n "$n" --state "$state" $opts)
-      nginx -c "$WORK/px/conf" -p "$WORK/px" -s stop; sleep 0.3
+      nginx -c "$WORK/px/conf" -p "$WORK/px" -s stop 2>/dev/null; sleep 0.3
       python3 - "$name" "$state" "$f" "$g" <<'PY'
 import json, sys
 f, g = json.loads(sys.argv[3])["per_conn_bytes"], json.loads(sys.argv[4])["per_conn_bytes"]

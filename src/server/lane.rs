@@ -65,13 +65,18 @@ pub(super) trait WaitReadable {
 impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
     async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
         if fresh {
-            // tokio reports a newly registered socket readable before
-            // any byte came (the read finds none): a one-byte peek waits
-            // for a real one. Later the readiness is mostly true: the
-            // lane's watch for a client that closes, during each
-            // exchange, ends in a read that found nothing, which clears
-            // it. Where it is not, the read finds nothing and waits with
-            // its buffer taken: correct, only costlier.
+            // On a new connection the first read came before any byte
+            // (strace: recvfrom EAGAIN right after accept4, 2026-12-06),
+            // and so did its buffer; after a PROXY header, read exactly,
+            // the readiness is stale too. A one-byte peek waits for a
+            // real byte (one recv more per connection; measured: 14 KB
+            // an idle connection with the buffer, 5.6 KB without).
+            // Later the readiness is mostly true: a read that came back
+            // short cleared it, and so did the watch for a client that
+            // closes, when an exchange waits. Where it is stale (a
+            // refusal answered at once after a read that filled the
+            // buffer), the read finds nothing and waits with its buffer
+            // taken: correct, only costlier.
             let mut one = [0u8; 1];
             self.inner().peek(&mut one).await.map(drop)
         } else {

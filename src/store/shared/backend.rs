@@ -20,7 +20,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Changes every time a new connection (session) to the server is made,
     /// so the marker is checked again after each reconnect.
     fn session(&self) -> u64;
-    /// See [`crate::store::FenceStore::replicas`].
+    /// See [`crate::store::api::FenceStore::replicas`].
     fn replicas(&self) -> Option<crate::store::api::Replicas> {
         None
     }

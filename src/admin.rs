@@ -35,6 +35,8 @@ pub struct Admin {
     pub draining: CancellationToken,
     /// The proxy's last refusals (`GET /v1/refusals`).
     pub refusals: Arc<crate::refusals::Refusals>,
+    /// The last raises of keys' highest tokens (the lookup's `last_raised`).
+    pub raises: Arc<crate::raises::Raises>,
 }
 
 /// An admin API problem; its type names the status (`admin-unauthorized`,
@@ -154,7 +156,10 @@ impl Admin {
                 false => unauthorized(),
                 true => self.refusals_answer(req.uri().query().unwrap_or("")),
             },
-            "/v1/fences" if get => self.lookup(req.uri().query().unwrap_or("")).await,
+            "/v1/fences" if get => {
+                let who = self.authorized(&req);
+                self.lookup(req.uri().query().unwrap_or(""), who).await
+            }
             p if p.starts_with("/v1/fences/") && get => {
                 let seg = &p["/v1/fences/".len()..];
                 match decode_segment(seg).filter(|k| !seg.is_empty() && !seg.contains('/') && !k.is_empty()) {
@@ -280,7 +285,8 @@ impl Admin {
     /// percent-decoded once (`curl -G --data-urlencode path=...`), so `P`
     /// is the target exactly as a client sends it; `+` is a plus, not a
     /// space. `header` is only needed by `header:NAME` key templates.
-    async fn lookup(&self, query: &str) -> Response<ProxyBody> {
+    /// `last_raised` names a client: only with the admin token (`who`).
+    async fn lookup(&self, query: &str, who: bool) -> Response<ProxyBody> {
         let (mut path, mut host) = (None, None);
         let mut headers = http::HeaderMap::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -328,11 +334,28 @@ impl Admin {
         };
         let mut answer = explained.to_json();
         if let Ok(key) = &explained.key {
-            match self.fence.store().highest(key).await {
-                Ok(h) => answer["highest"] = json!(h.map(|h| h.to_string())),
+            let highest = match self.fence.store().highest(key).await {
+                Ok(h) => h,
                 Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+            };
+            answer["highest"] = json!(highest.map(|h| h.to_string()));
+            // Only a raise to the highest the store holds now answers "who
+            // raised it": an older one kept here was overtaken elsewhere.
+            if who {
+                answer["last_raised"] = match self.raises.last(key) {
+                    Some(r) if Some(r.token) == highest => json!(r),
+                    _ => serde_json::Value::Null,
+                };
             }
+            let activity = self.fence.activity(key);
+            answer["in_flight"] = activity
+                .in_flight
+                .iter()
+                .map(|(token, writes)| json!({"token": token.to_string(), "writes": writes}))
+                .collect();
+            answer["held_ms"] = json!(activity.held_for.map(|d| d.as_millis() as u64));
         }
+        answer["older_mapping_in_flight"] = json!(self.routes.older_mapping_in_flight());
         json_response(StatusCode::OK, answer)
     }
 
@@ -340,10 +363,8 @@ impl Admin {
     /// lock grant, before the new holder's first write.
     async fn fence_ahead(&self, key: &str, req: Request<Incoming>) -> Response<ProxyBody> {
         use http_body_util::BodyExt;
-        let body = match http_body_util::Limited::new(req.into_body(), 4096)
-            .collect()
-            .await
-        {
+        let (parts, body) = req.into_parts();
+        let body = match http_body_util::Limited::new(body, 4096).collect().await {
             Ok(b) => b.to_bytes(),
             Err(_) => {
                 return problem(
@@ -365,9 +386,32 @@ impl Admin {
                 r#"expected {"token": "N"} with N an unsigned decimal integer"#,
             );
         };
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
+        };
         match self.fence.raise(key, token).await {
             Ok(highest) => {
                 tracing::info!(key, token, "fence-ahead: highest raised");
+                self.raises.push(crate::raises::Raise {
+                    seq: 0,
+                    at_ms: crate::clock::wall_ms(),
+                    kind: crate::raises::Kind::FenceAhead,
+                    key: key.into(),
+                    token,
+                    previous: None,
+                    method: parts.method.to_string(),
+                    target: crate::refusals::loggable_target(&parts.uri),
+                    client: None,
+                    user_agent: header("user-agent"),
+                    request_id: header("x-request-id").unwrap_or_else(|| "-".into()),
+                    trace_id: parts
+                        .headers
+                        .get("traceparent")
+                        .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+                });
                 json_response(
                     StatusCode::OK,
                     json!({"key": key, "highest": highest.to_string()}),

@@ -18,7 +18,8 @@
 //!    [`metrics`] (the Prometheus registry and handles), [`tls`]
 //!    (certificates and rustls configs; the TLS settings' types), [`h1`]
 //!    (the HTTP/1.1 heads the request path reads and writes itself),
-//!    [`refusals`] (the last refusals, kept for the operator).
+//!    [`refusals`] and [`raises`] (the last refusals and raises, kept for
+//!    the operator).
 //! 1. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
 //!    validated [`config::Config`] built from it with `TryFrom`.
 //! 2. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
@@ -58,6 +59,7 @@ pub mod lease;
 pub mod metrics;
 pub mod proxy;
 pub mod proxy_protocol;
+pub mod raises;
 pub mod refusals;
 pub mod routing;
 pub mod server;

@@ -221,4 +221,9 @@ pub trait Explain: Send + Sync {
         target: &str,
         headers: &HeaderMap,
     ) -> Result<Explained, ProxyError>;
+
+    /// Requests that started under a key mapping a reload has since
+    /// replaced and have not ended: writes under the mapping in force wait
+    /// for them (the reload barrier).
+    fn older_mapping_in_flight(&self) -> usize;
 }

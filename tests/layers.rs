@@ -36,6 +36,7 @@ const FLOORS: &[&[&str]] = &[
         "tls",
         "h1",
         "refusals",
+        "raises",
     ],
     // The validated configuration, as data.
     &["config"],

@@ -1,9 +1,12 @@
 //! What an operator reads to find a refused write and its writer: the
 //! last refusals on the admin API (`GET /v1/refusals`), for the admin
-//! token only, and the access log's line with the method, the target and
-//! the client's trace.
+//! token only; the access log's line with the method, the target and the
+//! client's trace; and the lookup's answer to who raised a key last, and
+//! what is in flight on it.
 
 mod common;
+
+use std::time::Duration;
 
 use common::*;
 
@@ -92,6 +95,112 @@ async fn a_stale_write_is_found_with_its_writer_and_tokens() {
     let a = refusals(&p, "colour=red").await;
     assert_eq!(a.status, 400);
     assert!(a.text().contains("colour"), "{}", a.text());
+}
+
+async fn lookup(p: &Proxy, path: &str) -> serde_json::Value {
+    let auth = format!("Bearer {TOKEN}");
+    let a = send(
+        "GET",
+        &p.admin_url(&format!("/v1/fences?path={path}")),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    a.json()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_lookup_names_the_request_that_raised_a_key_and_its_writes_in_flight() {
+    let (_d, up, p) = setup(&[]).await;
+    let traceparent = format!("00-{TRACE}-00f067aa0ba902b7-01");
+    let first = send(
+        "PUT",
+        &p.url("/bucket/obj?partNumber=1&X-Amz-Signature=secret"),
+        &[
+            ("x-fence-token", "7"),
+            ("user-agent", "writer/1.0"),
+            ("traceparent", &traceparent),
+        ],
+        "v",
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let first_id = first.headers["x-request-id"].to_str().unwrap().to_string();
+    let j = lookup(&p, "/bucket/obj").await;
+    assert_eq!(j["highest"], "7");
+    let r = &j["last_raised"];
+    assert_eq!(r["kind"], "raised", "{j}");
+    assert_eq!(r["token"], 7);
+    assert_eq!(r["previous"], serde_json::Value::Null, "a new key");
+    assert_eq!(r["method"], "PUT");
+    assert_eq!(
+        r["target"], "/bucket/obj?partNumber=1&X-Amz-Signature=REDACTED",
+        "credentials are never kept"
+    );
+    assert_eq!(r["client"], "127.0.0.1");
+    assert_eq!(r["user_agent"], "writer/1.0");
+    assert_eq!(r["request_id"], first_id.as_str());
+    assert_eq!(r["trace_id"], TRACE);
+    assert_eq!(j["in_flight"], serde_json::json!([]));
+    assert_eq!(j["held_ms"], serde_json::Value::Null);
+    assert_eq!(j["older_mapping_in_flight"], 0);
+
+    // Without the admin token, the lookup names no client.
+    let a = send("GET", &p.admin_url("/v1/fences?path=/bucket/obj"), &[], "").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.json()["highest"], "7");
+    assert!(a.json().get("last_raised").is_none(), "{}", a.text());
+
+    // A write at the same token raises nothing: the first stays named.
+    assert_eq!(put(&p.url("/bucket/obj"), "7").await.status, 200);
+    assert_eq!(
+        lookup(&p, "/bucket/obj").await["last_raised"]["request_id"],
+        first_id.as_str()
+    );
+
+    // A newer write, held by the backend: it is the raiser, and in flight.
+    let slow = slow_put(p.url("/bucket/obj"), "9", "3000");
+    eventually(
+        "the slow write reached the backend",
+        Duration::from_secs(10),
+        || up.arrivals() == 3,
+    )
+    .await;
+    let j = lookup(&p, "/bucket/obj").await;
+    assert_eq!(j["last_raised"]["token"], 9, "{j}");
+    assert_eq!(j["last_raised"]["previous"], 7);
+    assert_eq!(
+        j["in_flight"],
+        serde_json::json!([{"token": "9", "writes": 1}])
+    );
+    assert_eq!(slow.await.unwrap().status, 200);
+    assert_eq!(
+        lookup(&p, "/bucket/obj").await["in_flight"],
+        serde_json::json!([])
+    );
+
+    // Fence-ahead is a raise too; its caller is the admin token's holder.
+    let auth = format!("Bearer {TOKEN}");
+    let ahead = send(
+        "POST",
+        &p.admin_url("/v1/fences/default%3A%2Fbucket%2Fobj"),
+        &[("authorization", &auth), ("x-request-id", "grant-12")],
+        r#"{"token": "12"}"#,
+    )
+    .await;
+    assert_eq!(ahead.status, 200, "{}", ahead.text());
+    let r = lookup(&p, "/bucket/obj").await["last_raised"].clone();
+    assert_eq!(r["kind"], "fence_ahead", "{r}");
+    assert_eq!(r["token"], 12);
+    assert_eq!(r["request_id"], "grant-12");
+    assert_eq!(r["client"], serde_json::Value::Null);
+
+    // A key never raised through this process names nobody.
+    assert_eq!(
+        lookup(&p, "/bucket/other").await["last_raised"],
+        serde_json::Value::Null
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -58,6 +58,9 @@ pub struct RawConfig {
     /// How many of the last refusals the admin API and page show (0:
     /// none kept).
     pub refusals_kept: Option<u64>,
+    /// How many of the last raises of a key's highest token the admin
+    /// lookup and page can name the writer of (0: none kept).
+    pub raises_kept: Option<u64>,
     /// The plain listener reads a PROXY protocol header (v1 or v2) first
     /// on every connection.
     pub proxy_protocol: Option<bool>,

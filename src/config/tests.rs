@@ -424,6 +424,7 @@ fn bad_values_name_their_field() {
         (|r| r.workers = Some(0), "workers"),
         (|r| r.workers = Some(1025), "workers"),
         (|r| r.refusals_kept = Some(100_001), "refusals_kept"),
+        (|r| r.raises_kept = Some(100_001), "raises_kept"),
         (|r| r.proxy_protocol = Some(true), "proxy_protocol"),
         (
             |r| r.routes[0].error_format = Some("xml".into()),

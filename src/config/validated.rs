@@ -76,6 +76,9 @@ pub struct Config {
     /// The last refusals kept for the admin API and page
     /// (`crate::refusals`); read at start, not by a reload.
     pub refusals_kept: usize,
+    /// The last raises kept for the admin lookup and page
+    /// (`crate::raises`); read at start, not by a reload.
+    pub raises_kept: usize,
     /// The plain listener reads a PROXY protocol header first.
     pub proxy_protocol: bool,
     /// Who may speak for clients; `None` when `trusted_proxies` is unset,
@@ -262,6 +265,15 @@ impl TryFrom<RawConfig> for Config {
                     return Err(invalid(
                         "refusals_kept",
                         format!("at most {}", crate::refusals::MAX_KEPT),
+                    ))
+                }
+            },
+            raises_kept: match raw.raises_kept.unwrap_or(1024) {
+                n if n <= crate::raises::MAX_KEPT as u64 => n as usize,
+                _ => {
+                    return Err(invalid(
+                        "raises_kept",
+                        format!("at most {}", crate::raises::MAX_KEPT),
                     ))
                 }
             },
@@ -478,6 +490,7 @@ impl Config {
             shutdown_grace: Some(format_duration(self.shutdown_grace)),
             access_log: Some(self.access_log),
             refusals_kept: Some(self.refusals_kept as u64),
+            raises_kept: Some(self.raises_kept as u64),
             proxy_protocol: Some(self.proxy_protocol),
             trusted_proxies: self.trusted_proxies.as_ref().map(|t| t.to_strings()),
             limits: RawLimits {

@@ -306,6 +306,11 @@ impl Active {
         self.lock().phase != Phase::Open
     }
 
+    /// Writes admitted on it and not ended.
+    pub(super) fn in_flight(&self) -> usize {
+        self.lock().inflight
+    }
+
     /// A write on the registration ended.
     pub(super) fn end(&self) -> Release {
         let mut st = self.lock();

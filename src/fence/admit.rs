@@ -13,18 +13,29 @@ use super::error::*;
 use super::gate::*;
 use super::state::*;
 
+/// A key's writes in flight and hold ([`Fence::activity`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Activity {
+    /// (token, writes in flight with it), lowest token first.
+    pub in_flight: Vec<(u64, usize)>,
+    /// Time left in the key's crash-recovery hold, if it is held.
+    pub held_for: Option<Duration>,
+}
+
 impl Fence {
     /// Raises the key's highest to `token` in the store (durably) and records
     /// the answer in memory. Runs as its own task so that a client hanging up
     /// cannot leave memory behind a raise that did reach the disk.
     /// With `mark`, the key's in-flight mark is written in the same commit.
+    /// Returns the highest afterwards, and the previous highest if this
+    /// call is the one that raised it.
     pub(super) async fn advance(
         self: &Arc<Self>,
         key: &Arc<str>,
         gate: &Arc<KeyGate>,
         token: u64,
         mark: bool,
-    ) -> Result<u64, FenceError> {
+    ) -> Result<(u64, Option<Raised>), FenceError> {
         let fence = self.clone();
         let key = key.clone();
         let gate = gate.clone();
@@ -39,9 +50,10 @@ impl Fence {
                 fence.store.advance(&key, token).await.map(|a| (a, None))
             };
             let highest = answer.map(|(answer, seq)| {
-                let highest = match answer {
-                    Advance::Raised { .. } | Advance::Equal => token,
-                    Advance::Stale { highest } => highest,
+                let (highest, raised) = match answer {
+                    Advance::Raised { previous } => (token, Some(Raised::From(previous))),
+                    Advance::Equal => (token, None),
+                    Advance::Stale { highest } => (highest, None),
                 };
                 {
                     // The cache is written under the gate lock with the
@@ -56,7 +68,7 @@ impl Fence {
                 }
                 // Queued older writes must now see that they are stale.
                 gate.changed.notify_waiters();
-                highest
+                (highest, raised)
             });
             // The admission that started this may be gone (client hung up):
             // then this task held the last reference, and the gate must not
@@ -109,6 +121,7 @@ impl Fence {
         // Only the embedded store gets here: this process is its one writer,
         // so the in-memory highest (written only after the store committed)
         // answers "equal" and "stale" without I/O.
+        let mut raised = None;
         loop {
             self.check_held(key, gate, token).await?;
             let (known, marked) = {
@@ -116,7 +129,8 @@ impl Fence {
                 (st.highest, self.live(&st))
             };
             if known.is_none_or(|h| h < token) {
-                self.advance(key, gate, token, !marked).await?;
+                let (_, r) = self.advance(key, gate, token, !marked).await?;
+                raised = raised.or(r);
             }
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -178,6 +192,7 @@ impl Fence {
                         deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out,
+                        raised,
                     })
                 }
                 Step::Wait(until) => {
@@ -219,6 +234,35 @@ impl Fence {
         self.cache.get(key)
     }
 
+    /// What this process has in flight on `key` now, for the admin lookup:
+    /// per token, the writes admitted and not ended (on a shared store,
+    /// those admitted on this replica's registration of the key), and the
+    /// time left in the key's crash hold, if it is held.
+    pub fn activity(&self, key: &str) -> Activity {
+        let mut per_token = std::collections::BTreeMap::<u64, usize>::new();
+        let mut held_for = None;
+        if let Some(g) = self.gates.get(key) {
+            let st = g.state.lock().expect("gate lock");
+            for ((token, _), n) in &st.inflight {
+                *per_token.entry(*token).or_default() += *n as usize;
+            }
+            held_for = self.held_for(&st, Instant::now());
+        }
+        if held_for.is_none() && (self.holds_all() || self.held.contains_key(key)) {
+            held_for = self.recovering_for();
+        }
+        if let Some(a) = self.actives.get(key) {
+            let n = a.in_flight();
+            if n > 0 {
+                *per_token.entry(a.token).or_default() += n;
+            }
+        }
+        Activity {
+            in_flight: per_token.into_iter().collect(),
+            held_for,
+        }
+    }
+
     /// Fence-ahead: raises the key's highest to `token` (durably) without a
     /// write, so older holders are cut off at lock grant. Returns the
     /// highest afterwards; `Err(Stale)` if it was already above `token`.
@@ -234,7 +278,7 @@ impl Fence {
             // A raise on a held key would let a write of the new token
             // overtake the crashed run's write as an equal one.
             self.check_held(&key, gate, token).await?;
-            self.advance(&key, gate, token, false).await?
+            self.advance(&key, gate, token, false).await?.0
         } else {
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,

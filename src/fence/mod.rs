@@ -51,8 +51,9 @@ mod state;
 mod tests;
 
 pub use active::CHECK_EVERY;
+pub use admit::Activity;
 pub use cache::DEFAULT_CACHE_BYTES;
 pub use error::FenceError;
 pub use gate::CUT_GRACE;
 pub use recovery::ROTATE_EVERY;
-pub use state::{Fence, Permit};
+pub use state::{Fence, Permit, Raised};

@@ -265,6 +265,7 @@ impl Fence {
                             Some(a)
                         }
                     };
+                    let raised = active.is_some().then_some(Raised::Registered);
                     return Ok(Permit {
                         fence: self.clone(),
                         gate: None,
@@ -275,6 +276,7 @@ impl Fence {
                         deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out: false,
+                        raised,
                     });
                 }
                 LeaseOutcome::Busy { lease, retry_after } => {
@@ -351,6 +353,7 @@ impl Fence {
             deadline,
             repolled: Default::default(),
             waited_out: false,
+            raised: None,
         }
     }
 

@@ -88,6 +88,22 @@ pub struct Permit {
     /// The write went ahead while an older write was still registered in
     /// flight, past that write's own deadline.
     pub waited_out: bool,
+    /// What this admission did to the key's highest, as far as this
+    /// process can tell (the admin lookup's "last raised by").
+    pub raised: Option<Raised>,
+}
+
+/// How an admission moved its key's highest token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Raised {
+    /// Its own store call raised the highest, from `previous` (`None`: the
+    /// key was new). Exactly one admission per raise gets this.
+    From(Option<u64>),
+    /// A shared store granted the token to a write of this replica that
+    /// found no registration of it here: the first write of the token
+    /// through this replica since the last one ended, which may have been
+    /// raised by another replica (shared stores do not say who raised).
+    Registered,
 }
 
 impl Permit {

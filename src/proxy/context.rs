@@ -152,6 +152,12 @@ pub(super) struct RequestContext {
     pub(super) forwarded_untrusted: bool,
     /// A WebSocket handshake on a route that passes them.
     pub(super) websocket: bool,
+    /// The client (the peer, or the one trusted proxies name).
+    pub(super) client: Option<std::net::IpAddr>,
+    /// The keys whose highest this write's admission raised (see
+    /// [`crate::fence::Raised`]): kept in the raise ring before the write
+    /// is forwarded. Empty (no allocation) for every other request.
+    pub(super) raised: Vec<(String, u64, crate::fence::Raised)>,
 }
 
 impl RequestContext {

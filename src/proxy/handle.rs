@@ -12,7 +12,7 @@ use http::{Request, Response};
 
 use crate::config::TokenMode;
 use crate::error::{ProxyBody, ProxyError};
-use crate::fence::FenceError;
+use crate::fence::{FenceError, Raised};
 use crate::token::FENCE_TOKEN;
 
 use super::classify::*;
@@ -174,6 +174,7 @@ impl Proxy {
                 grpc: req.version() == http::Version::HTTP_2
                     && crate::error::is_grpc(req.headers()),
                 forwarded_untrusted,
+                client: Some(client),
                 ..RequestContext::default()
             },
             done: false,
@@ -272,6 +273,41 @@ impl Proxy {
         });
     }
 
+    /// Keeps the raises this write's admission made in the ring the admin
+    /// lookup reads: before the write is forwarded, so a client that hangs
+    /// up mid-exchange still leaves its raise on record.
+    fn keep_raises(&self, req: &Request<RequestBody>, ctx: &mut RequestContext) {
+        let text = |name: &http::HeaderName| {
+            req.headers()
+                .get(name)
+                .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
+        };
+        let at_ms = crate::clock::wall_ms();
+        for (key, token, raised) in ctx.raised.drain(..) {
+            let (kind, previous) = match raised {
+                Raised::From(previous) => (crate::raises::Kind::Raised, previous),
+                Raised::Registered => (crate::raises::Kind::FirstHere, None),
+            };
+            self.raises.push(crate::raises::Raise {
+                seq: 0,
+                at_ms,
+                kind,
+                key,
+                token,
+                previous,
+                method: ctx.method.to_string(),
+                target: crate::refusals::loggable_target(req.uri()),
+                client: ctx.client,
+                user_agent: text(&http::header::USER_AGENT),
+                request_id: text(&X_REQUEST_ID).unwrap_or_else(|| "-".into()),
+                trace_id: req
+                    .headers()
+                    .get(&TRACEPARENT)
+                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+            });
+        }
+    }
+
     pub(super) fn refuse(
         &self,
         err: ProxyError,
@@ -349,7 +385,13 @@ impl Proxy {
             }
             return self.forward(rt, req, &path, None, ctx).await;
         };
-        let hold = match self.fence_write(table, rt, intent, ctx).await {
+        let admitted = self.fence_write(table, rt, intent, ctx).await;
+        // A raise stands even when the write is then refused (a later key
+        // of a COPY was taken, its deadline passed).
+        if !ctx.raised.is_empty() {
+            self.keep_raises(&req, ctx);
+        }
+        let hold = match admitted {
             Ok(hold) => hold,
             Err(e) => return Err(ctx.refused_unread(req, e)),
         };
@@ -431,6 +473,9 @@ impl Proxy {
                 Ok(p) => {
                     if p.waited_out {
                         rt.metrics.admission_waited_out.inc();
+                    }
+                    if let Some(r) = p.raised {
+                        ctx.raised.push((key.clone(), token, r));
                     }
                     permits.push(p);
                 }

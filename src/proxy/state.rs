@@ -44,6 +44,8 @@ pub struct Proxy {
     pub(super) workers: usize,
     /// The last refusals, for the admin API and page.
     pub(super) refusals: Arc<crate::refusals::Refusals>,
+    /// The last raises of keys' highest tokens, for the admin lookup.
+    pub(super) raises: Arc<crate::raises::Raises>,
 }
 
 impl Explain for Proxy {
@@ -61,6 +63,16 @@ impl Explain for Proxy {
             headers,
             self.limits.max_key_bytes,
         )
+    }
+
+    fn older_mapping_in_flight(&self) -> usize {
+        self.routes
+            .load()
+            .mapping
+            .behind
+            .iter()
+            .map(TaskTracker::len)
+            .sum()
     }
 }
 
@@ -84,12 +96,18 @@ impl Proxy {
             exchanges: TaskTracker::new(),
             tunnels: Arc::new(tokio::sync::Semaphore::new(config.limits.max_connections)),
             refusals: Arc::new(crate::refusals::Refusals::new(config.refusals_kept)),
+            raises: Arc::new(crate::raises::Raises::new(config.raises_kept)),
         })
     }
 
     /// The ring of the last refusals (kept as configured at start).
     pub fn refusals(&self) -> Arc<crate::refusals::Refusals> {
         self.refusals.clone()
+    }
+
+    /// The ring of the last raises (kept as configured at start).
+    pub fn raises(&self) -> Arc<crate::raises::Raises> {
+        self.raises.clone()
     }
 
     /// The fingerprint of the key mapping now in force.

@@ -257,6 +257,7 @@ impl Server {
             admin_token: arc_swap::ArcSwapOption::from_pointee(config.admin_token.clone()),
             draining: draining.clone(),
             refusals: proxy.refusals(),
+            raises: proxy.raises(),
         });
 
         metrics

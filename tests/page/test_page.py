@@ -7,7 +7,8 @@ real Redis store (a primary and a replica) with a real backend.
 - After a stale write, its refusal appears on the page within two seconds,
   with the client's address, its token and the key's highest.
 - The health panel shows the Redis replica confirming the writes.
-- The lookup box shows the key a path takes and its highest token.
+- The lookup box shows the key a path takes, its highest token and the
+  request that last raised it, its writes in flight and holds.
 - The health panel shows amnesia when the store is wiped, and clears after
   confirm-reset.
 
@@ -141,8 +142,11 @@ def test_a_stale_write_appears_with_its_writer_and_the_lookup_explains_it(stack,
     page.fill("#token", TOKEN)
     page.click("#signin button")
     expect(page.locator("#health")).to_have_text("healthy")
+    raised_by = {}
     for token in range(1, 13):
-        assert put(stack, f"/reports/q{token % 3}.csv", token).status_code == 200
+        r = put(stack, f"/reports/q{token % 3}.csv", token)
+        assert r.status_code == 200
+        raised_by[token] = r.headers["X-Request-Id"]
     # The store's health: its replica confirmed the writes.
     expect(page.locator("#status")).to_contain_text("1 of 1 waited for")
     expect(page.locator("#status")).to_contain_text("ms mean over the last")
@@ -170,6 +174,16 @@ def test_a_stale_write_appears_with_its_writer_and_the_lookup_explains_it(stack,
     result = page.locator("#lookup-result")
     expect(result).to_contain_text("default:/reports/q1.csv")
     expect(result).to_contain_text("10")
+    # Who raised it: on a shared store, the first write of token 10
+    # through this fencegate, named by its request id and user agent.
+    raised = result.locator("dd").nth(5)
+    expect(raised).to_contain_text("first written here")
+    expect(raised).to_contain_text("PUT /reports/q1.csv")
+    expect(raised).to_contain_text("request " + raised_by[10])
+    expect(raised).to_contain_text("client 127.0.0.1")
+    expect(raised).to_contain_text("nightly-export/2.3")
+    expect(result.locator("dd").nth(6)).to_have_text("none")
+    expect(result.locator("dd").nth(7)).to_have_text("none")
     # The chart draws writes per second: a bounded burst (120 writes over
     # about 6 s, one in six stale) until it has several points.
     for i in range(120):

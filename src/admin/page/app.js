@@ -168,6 +168,31 @@ async function pollRefusals() {
   }
 }
 
+// Who raised the key's highest, from the raise ring (`last_raised`):
+// this process knows only the raises it made, kept in its ring.
+function raisedBy(j) {
+  if (!j.key || j.highest === null) return null;
+  const r = j.last_raised;
+  if (!r) return "not by a write through this fencegate among its last raises (another replica, the lock service, or before its start)";
+  const how = { raised: "raised", first_here: "first written here", fence_ahead: "fence-ahead" }[r.kind] || r.kind;
+  const from = r.previous === null ? "" : " from " + r.previous;
+  const who = [r.method + " " + r.target, r.client ? "client " + r.client : null, "request " + r.request_id,
+    r.trace_id ? "trace " + r.trace_id : null, r.user_agent].filter(Boolean).join(", ");
+  return how + from + " at " + new Date(r.at_ms).toLocaleTimeString() + " by " + who;
+}
+
+function inFlight(list) {
+  if (!list || !list.length) return "none";
+  return list.map((w) => w.writes + " at token " + w.token).join(", ");
+}
+
+function holdOf(j) {
+  const holds = [];
+  if (j.held_ms) holds.push("crash recovery: newer tokens refused for " + (j.held_ms / 1000).toFixed(1) + " s more");
+  if (j.older_mapping_in_flight) holds.push("reload barrier: " + j.older_mapping_in_flight + " requests under the previous key mapping still in flight; writes wait for them");
+  return holds.length ? holds.join("; ") : "none";
+}
+
 async function lookup(ev) {
   ev.preventDefault();
   const q = new URLSearchParams({ path: $("l-path").value });
@@ -187,6 +212,9 @@ async function lookup(ev) {
     ["key template", j.key_template],
     ["key", j.key],
     ["highest token", j.highest === null ? "never written" : j.highest],
+    ["last raised", raisedBy(j)],
+    ["writes in flight", j.key ? inFlight(j.in_flight) : null],
+    ["hold", holdOf(j)],
     ["upstream", j.upstream],
     ["would be refused", j.refused ? j.refused.status + ": " + j.refused.detail : "no (a token at or above the highest is admitted)"],
     ["refusals here", held.length ? held.length + ", last " + new Date(held[held.length - 1].at_ms).toLocaleTimeString() : "none kept"],

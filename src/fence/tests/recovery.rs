@@ -17,9 +17,16 @@ async fn after_an_unclean_stop_only_keys_marked_in_flight_are_held() {
     let w = Instant::now() + T;
     // "quiet" had a write that ended before a rotation; "busy" has one
     // in flight through it.
-    drop(f.admit("quiet", 1, w, T).await.unwrap());
+    let first = f.admit("quiet", 1, w, T).await.unwrap();
+    assert_eq!(first.raised, Some(Raised::From(None)), "a new key");
+    drop(first);
     assert_eq!(f.store().in_flight_marks(), 1, "a written key is marked");
     let busy = f.admit("busy", 1, w, T).await.unwrap();
+    let again = f.admit("busy", 1, w, T).await.unwrap();
+    assert_eq!(again.raised, None, "an equal token raises nothing");
+    assert_eq!(f.activity("busy").in_flight, [(1, 2)]);
+    drop(again);
+    assert_eq!(f.activity("busy").in_flight, [(1, 1)]);
     assert_eq!(f.rotate_marks().await.unwrap(), 1, "the key in flight");
     assert_eq!(f.store().in_flight_marks(), 1, "the idle key's mark died");
     drop(busy);
@@ -35,6 +42,10 @@ async fn after_an_unclean_stop_only_keys_marked_in_flight_are_held() {
         "{left:?}"
     );
     assert_eq!(f.held_keys(), Some(1));
+    // The lookup sees the hold on the key, and none on the other.
+    let held = f.activity("busy").held_for.expect("busy is held");
+    assert!(held > Duration::from_secs(4), "{held:?}");
+    assert_eq!(f.activity("quiet").held_for, None);
     let w = Instant::now() + T;
     match f.admit("busy", 2, w, T).await {
         Err(FenceError::Recovering { retry_after }) => {

@@ -1,0 +1,216 @@
+//! The last raises of the fence, kept in memory for the operator (issue
+//! 46): who raised a key's highest token, and when. The admin lookup
+//! (`GET /v1/fences?path=`) and the page answer "by which request was this
+//! key last raised" from it.
+//!
+//! A bounded ring, as the refusals are, with an index from key to its
+//! newest raise kept. Only writes that move a key's highest land here (one
+//! entry per raise, beside a durable store write that costs far more); a
+//! write of the key's current token writes nothing. What a process cannot
+//! know, it does not claim: a raise made by another replica of a shared
+//! store, or before this process started, or pushed out of the ring, is
+//! absent, and the lookup says so.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+/// The most entries a ring may be configured to keep.
+pub const MAX_KEPT: usize = 100_000;
+
+/// How the raise was seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A write whose own store call raised the key's highest (the
+    /// embedded store: this process is its only writer, so this is the
+    /// raise).
+    Raised,
+    /// A shared store granted the token to a write of this replica that
+    /// found no registration of it here: the first write of the token
+    /// through this replica. The raise itself may have been another
+    /// replica's, or a fence-ahead.
+    FirstHere,
+    /// The admin API's fence-ahead (`POST /v1/fences/{key}`).
+    FenceAhead,
+}
+
+/// One raise, as the operator sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Raise {
+    /// Increases by one per raise kept by this process.
+    pub seq: u64,
+    /// When it was admitted: milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    pub kind: Kind,
+    pub key: String,
+    pub token: u64,
+    /// The highest before it, when the store said (`None`: a new key, or
+    /// not known).
+    pub previous: Option<u64>,
+    pub method: String,
+    /// The request target, bounded and with credentials redacted, as a
+    /// refusal's is.
+    pub target: String,
+    /// The client: the socket's peer, or the one a PROXY header or a
+    /// trusted proxy names (`None` for a fence-ahead: the admin API's
+    /// caller is its bearer token's holder).
+    pub client: Option<IpAddr>,
+    pub user_agent: Option<String>,
+    pub request_id: String,
+    pub trace_id: Option<String>,
+}
+
+/// The ring of the last raises.
+#[derive(Debug)]
+pub struct Raises {
+    kept: usize,
+    state: Mutex<Ring>,
+}
+
+#[derive(Debug, Default)]
+struct Ring {
+    entries: VecDeque<Raise>,
+    /// Per key in `entries`: the sequence number of its entry with the
+    /// highest token.
+    newest: HashMap<String, (u64, u64)>,
+    next: u64,
+}
+
+impl Raises {
+    /// A ring of the last `kept` raises (0: none kept).
+    pub fn new(kept: usize) -> Self {
+        Self {
+            kept: kept.min(MAX_KEPT),
+            state: Mutex::new(Ring {
+                entries: VecDeque::with_capacity(kept.min(1024)),
+                newest: HashMap::new(),
+                next: 1,
+            }),
+        }
+    }
+
+    /// How many it keeps.
+    pub fn kept(&self) -> usize {
+        self.kept
+    }
+
+    /// Adds `r` (its `seq` set here), dropping the oldest when full. A
+    /// raise to a token the ring already holds for its key is not added:
+    /// the first write at a token is the one that raised it (a shared
+    /// store's replica registers a token again after each idle spell).
+    /// One that lands after a higher one on its key (their answers crossed)
+    /// is kept, but the key's newest stays the higher one.
+    pub fn push(&self, mut r: Raise) {
+        if self.kept == 0 {
+            return;
+        }
+        let mut ring = self.state.lock().expect("raise ring lock");
+        let newest = ring.newest.get(&r.key).copied();
+        if newest.is_some_and(|(_, token)| token == r.token) {
+            return;
+        }
+        r.seq = ring.next;
+        ring.next += 1;
+        if ring.entries.len() == self.kept {
+            if let Some(old) = ring.entries.pop_front() {
+                if ring
+                    .newest
+                    .get(&old.key)
+                    .is_some_and(|(s, _)| *s == old.seq)
+                {
+                    ring.newest.remove(&old.key);
+                }
+            }
+        }
+        if newest.is_none_or(|(_, token)| token < r.token) {
+            ring.newest.insert(r.key.clone(), (r.seq, r.token));
+        }
+        ring.entries.push_back(r);
+    }
+
+    /// The kept raise of `key` with the highest token, if any.
+    pub fn last(&self, key: &str) -> Option<Raise> {
+        let ring = self.state.lock().expect("raise ring lock");
+        let (seq, _) = *ring.newest.get(key)?;
+        // Entries are numbered without gaps from the front's number.
+        let front = ring.entries.front()?.seq;
+        let at = usize::try_from(seq.checked_sub(front)?).ok()?;
+        ring.entries.get(at).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raise(key: &str, token: u64) -> Raise {
+        Raise {
+            seq: 0,
+            at_ms: token,
+            kind: Kind::Raised,
+            key: key.into(),
+            token,
+            previous: None,
+            method: "PUT".into(),
+            target: "/k".into(),
+            client: Some("192.0.2.1".parse().unwrap()),
+            user_agent: None,
+            request_id: format!("r{token}"),
+            trace_id: None,
+        }
+    }
+
+    #[test]
+    fn the_last_raise_of_a_key_is_its_highest_token_kept() {
+        let ring = Raises::new(4);
+        ring.push(raise("a", 1));
+        ring.push(raise("b", 5));
+        ring.push(raise("a", 3));
+        assert_eq!(ring.last("a").unwrap().request_id, "r3");
+        assert_eq!(ring.last("b").unwrap().token, 5);
+        assert_eq!(ring.last("c"), None);
+        // Answers that crossed: 2 lands after 3, and 3 stays the newest.
+        ring.push(raise("a", 2));
+        assert_eq!(ring.last("a").unwrap().token, 3);
+    }
+
+    #[test]
+    fn the_first_write_at_a_token_is_kept_not_its_repeats() {
+        let ring = Raises::new(4);
+        let mut first = raise("a", 7);
+        first.kind = Kind::FirstHere;
+        ring.push(first);
+        let mut again = raise("a", 7);
+        again.request_id = "later".into();
+        ring.push(again);
+        assert_eq!(ring.last("a").unwrap().request_id, "r7");
+    }
+
+    #[test]
+    fn a_key_pushed_out_of_the_ring_is_forgotten() {
+        let ring = Raises::new(2);
+        ring.push(raise("a", 1));
+        ring.push(raise("b", 1));
+        ring.push(raise("c", 1));
+        assert_eq!(ring.last("a"), None);
+        assert_eq!(ring.last("b").unwrap().seq, 2);
+        assert_eq!(ring.last("c").unwrap().seq, 3);
+        // A key whose newest left while an older entry stays: no answer
+        // rather than a stale one.
+        let ring = Raises::new(2);
+        ring.push(raise("a", 2));
+        ring.push(raise("a", 1));
+        ring.push(raise("b", 1));
+        assert_eq!(ring.last("a"), None);
+    }
+
+    #[test]
+    fn a_ring_of_none_keeps_none() {
+        let ring = Raises::new(0);
+        ring.push(raise("a", 1));
+        assert_eq!(ring.last("a"), None);
+    }
+}

@@ -259,24 +259,18 @@ impl TryFrom<RawConfig> for Config {
                 Duration::from_secs(30),
             )?,
             access_log: raw.access_log.unwrap_or(false),
-            refusals_kept: match raw.refusals_kept.unwrap_or(256) {
-                n if n <= crate::refusals::MAX_KEPT as u64 => n as usize,
-                _ => {
-                    return Err(invalid(
-                        "refusals_kept",
-                        format!("at most {}", crate::refusals::MAX_KEPT),
-                    ))
-                }
-            },
-            raises_kept: match raw.raises_kept.unwrap_or(1024) {
-                n if n <= crate::raises::MAX_KEPT as u64 => n as usize,
-                _ => {
-                    return Err(invalid(
-                        "raises_kept",
-                        format!("at most {}", crate::raises::MAX_KEPT),
-                    ))
-                }
-            },
+            refusals_kept: ring_size(
+                "refusals_kept",
+                raw.refusals_kept,
+                256,
+                crate::refusals::MAX_KEPT,
+            )?,
+            raises_kept: ring_size(
+                "raises_kept",
+                raw.raises_kept,
+                1024,
+                crate::raises::MAX_KEPT,
+            )?,
             proxy_protocol,
             trusted_proxies,
             limits: Limits {
@@ -583,5 +577,19 @@ impl Config {
                 )
             })
             .collect()
+    }
+}
+
+/// The size of an in-memory ring the operator reads (`name`): `default`
+/// when unset, at most `max`.
+fn ring_size(
+    name: &str,
+    raw: Option<u64>,
+    default: usize,
+    max: usize,
+) -> Result<usize, ConfigError> {
+    match usize::try_from(raw.unwrap_or(default as u64)) {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(invalid(name, format!("at most {max}"))),
     }
 }

@@ -74,6 +74,22 @@ fn decode_segment(seg: &str) -> Option<String> {
     String::from_utf8(crate::key::percent_decode(seg).ok()?).ok()
 }
 
+/// The endpoint a path names, as the admin request counter labels it (a
+/// bounded set, whatever a client sends).
+fn endpoint(path: &str) -> &'static str {
+    match path {
+        "/" | "/ui" | "/ui/" | "/ui/app.js" | "/ui/style.css" => "page",
+        "/v1/status" => "status",
+        "/v1/refusals" => "refusals",
+        "/v1/fences" => "lookup",
+        p if p.starts_with("/v1/fences/") => "fence",
+        "/metrics" => "metrics",
+        "/healthz" | "/readyz" => "health",
+        "/v1/store/confirm-reset" => "confirm_reset",
+        _ => "other",
+    }
+}
+
 impl Admin {
     /// Whether a request carries the admin bearer token. Without a
     /// configured token, nothing is authorized.
@@ -177,6 +193,7 @@ impl Admin {
                 } else {
                     match self.fence.store().confirm_reset().await {
                         Ok(()) => {
+                            self.raises.clear();
                             tracing::warn!("store reset confirmed through the admin API");
                             json_response(StatusCode::OK, json!({"status": "confirmed"}))
                         }
@@ -220,6 +237,10 @@ impl Admin {
             }
             _ => problem(StatusCode::NOT_FOUND, "unknown admin endpoint"),
         };
+        self.metrics
+            .admin_requests
+            .with_label_values(&[endpoint(&path), resp.status().as_str()])
+            .inc();
         Ok(resp)
     }
 
@@ -392,26 +413,32 @@ impl Admin {
                 .get(name)
                 .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
         };
-        match self.fence.raise(key, token).await {
+        let mut raised = None;
+        let answer = self.fence.raise_noting(key, token, &mut raised).await;
+        // Kept only when this call raised the key (not a retry that found
+        // it at the token already).
+        if let Some(crate::fence::Raised::From { previous, at_ms }) = raised {
+            self.raises.push(crate::raises::Raise {
+                seq: 0,
+                at_ms,
+                kind: crate::raises::Kind::FenceAhead,
+                key: key.into(),
+                token,
+                previous,
+                method: parts.method.to_string(),
+                target: crate::refusals::loggable_target(&parts.uri),
+                client: None,
+                user_agent: header("user-agent"),
+                request_id: header("x-request-id").unwrap_or_else(|| "-".into()),
+                trace_id: parts
+                    .headers
+                    .get("traceparent")
+                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+            });
+        }
+        match answer {
             Ok(highest) => {
                 tracing::info!(key, token, "fence-ahead: highest raised");
-                self.raises.push(crate::raises::Raise {
-                    seq: 0,
-                    at_ms: crate::clock::wall_ms(),
-                    kind: crate::raises::Kind::FenceAhead,
-                    key: key.into(),
-                    token,
-                    previous: None,
-                    method: parts.method.to_string(),
-                    target: crate::refusals::loggable_target(&parts.uri),
-                    client: None,
-                    user_agent: header("user-agent"),
-                    request_id: header("x-request-id").unwrap_or_else(|| "-".into()),
-                    trace_id: parts
-                        .headers
-                        .get("traceparent")
-                        .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
-                });
                 json_response(
                     StatusCode::OK,
                     json!({"key": key, "highest": highest.to_string()}),
@@ -437,6 +464,7 @@ impl Admin {
     async fn reset(&self, key: &str) -> Response<ProxyBody> {
         match self.fence.forget(key).await {
             Ok(previous) => {
+                self.raises.forget(key);
                 tracing::warn!(key, previous = ?previous, "AUDIT: fence reset by an operator through the admin API");
                 json_response(
                     StatusCode::OK,

@@ -80,6 +80,9 @@ pub struct Metrics {
     /// Connections the lane handed to hyper part-way (a body that did not
     /// come at once, a head it does not take), by listener.
     pub lane_handoffs: IntCounterVec,
+    /// Requests the admin listener answered, by endpoint and status: the
+    /// page's own traffic (its polls) shows here.
+    pub admin_requests: IntCounterVec,
     /// Reloads by what (config, tls) and result (ok, error).
     pub reloads: IntCounterVec,
     /// By what (config, tls): 1 if the last reload worked, 0 if it failed
@@ -294,6 +297,11 @@ impl Metrics {
             "Connections the lane handed to hyper part-way (a body that did not arrive at once, a head the lane does not take).",
             &["listener"],
         );
+        let admin_requests = counter(
+            "fencegate_admin_requests_total",
+            "Requests the admin listener answered, by endpoint (page, status, refusals, lookup, fence, metrics, health, confirm_reset, other) and status code.",
+            &["endpoint", "code"],
+        );
         let reloads = counter(
             "fencegate_reloads_total",
             "Reloads of the config (SIGHUP) or of TLS certificate files, by result.",
@@ -380,6 +388,7 @@ impl Metrics {
             replica_wait_failures: Default::default(),
             connections_served,
             lane_handoffs,
+            admin_requests,
             registry,
             writes,
             requests,

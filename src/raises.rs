@@ -98,18 +98,21 @@ impl Raises {
     }
 
     /// Adds `r` (its `seq` set here), dropping the oldest when full. A
-    /// raise to a token the ring already holds for its key is not added:
-    /// the first write at a token is the one that raised it (a shared
-    /// store's replica registers a token again after each idle spell).
-    /// One that lands after a higher one on its key (their answers crossed)
-    /// is kept, but the key's newest stays the higher one.
+    /// [`Kind::FirstHere`] at a token the ring already holds for its key is
+    /// not added: the first kept write at a token is the one named (a
+    /// shared store's replica registers a token again after each idle
+    /// spell); a raise this process made itself at that token replaces it
+    /// as the key's newest (a fence-ahead is answered after the write it
+    /// let in may already have registered). One that lands after a higher
+    /// one on its key (their answers crossed) is kept, but the key's newest
+    /// stays the higher one.
     pub fn push(&self, mut r: Raise) {
         if self.kept == 0 {
             return;
         }
         let mut ring = self.state.lock().expect("raise ring lock");
         let newest = ring.newest.get(&r.key).copied();
-        if newest.is_some_and(|(_, token)| token == r.token) {
+        if r.kind == Kind::FirstHere && newest.is_some_and(|(_, token)| token == r.token) {
             return;
         }
         r.seq = ring.next;
@@ -125,10 +128,27 @@ impl Raises {
                 }
             }
         }
-        if newest.is_none_or(|(_, token)| token < r.token) {
+        if newest.is_none_or(|(_, token)| token <= r.token) {
             ring.newest.insert(r.key.clone(), (r.seq, r.token));
         }
         ring.entries.push_back(r);
+    }
+
+    /// Forgets `key`'s raises (an operator reset its fence: a raise from
+    /// nothing to a token kept before must not be named by the old one).
+    pub fn forget(&self, key: &str) {
+        self.state
+            .lock()
+            .expect("raise ring lock")
+            .newest
+            .remove(key);
+    }
+
+    /// Forgets every raise (the store was reset).
+    pub fn clear(&self) {
+        let mut ring = self.state.lock().expect("raise ring lock");
+        ring.newest.clear();
+        ring.entries.clear();
     }
 
     /// The kept raise of `key` with the highest token, if any.
@@ -184,9 +204,39 @@ mod tests {
         first.kind = Kind::FirstHere;
         ring.push(first);
         let mut again = raise("a", 7);
+        again.kind = Kind::FirstHere;
         again.request_id = "later".into();
         ring.push(again);
         assert_eq!(ring.last("a").unwrap().request_id, "r7");
+    }
+
+    #[test]
+    fn a_raise_made_here_names_a_token_over_a_first_write() {
+        let ring = Raises::new(4);
+        let mut first = raise("a", 7);
+        first.kind = Kind::FirstHere;
+        ring.push(first);
+        let mut ahead = raise("a", 7);
+        ahead.kind = Kind::FenceAhead;
+        ahead.request_id = "grant".into();
+        ring.push(ahead);
+        assert_eq!(ring.last("a").unwrap().request_id, "grant");
+    }
+
+    #[test]
+    fn a_reset_key_is_named_by_its_next_raise_only() {
+        let ring = Raises::new(4);
+        ring.push(raise("a", 9));
+        ring.forget("a");
+        assert_eq!(ring.last("a"), None);
+        let mut again = raise("a", 9);
+        again.request_id = "after-reset".into();
+        ring.push(again);
+        assert_eq!(ring.last("a").unwrap().request_id, "after-reset");
+        ring.push(raise("b", 1));
+        ring.clear();
+        assert_eq!(ring.last("a"), None);
+        assert_eq!(ring.last("b"), None);
     }
 
     #[test]

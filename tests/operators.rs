@@ -195,6 +195,27 @@ async fn the_lookup_names_the_request_that_raised_a_key_and_its_writes_in_flight
     assert_eq!(r["token"], 12);
     assert_eq!(r["request_id"], "grant-12");
     assert_eq!(r["client"], serde_json::Value::Null);
+    assert_eq!(r["previous"], 9);
+
+    // After a reset, the next raise to the same token is named, not the
+    // fence-ahead from before it.
+    let reset = send(
+        "DELETE",
+        &p.admin_url("/v1/fences/default%3A%2Fbucket%2Fobj"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(reset.status, 200, "{}", reset.text());
+    let again = put(&p.url("/bucket/obj"), "12").await;
+    assert_eq!(again.status, 200);
+    let r = lookup(&p, "/bucket/obj").await["last_raised"].clone();
+    assert_eq!(r["kind"], "raised", "{r}");
+    assert_eq!(r["previous"], serde_json::Value::Null, "from nothing");
+    assert_eq!(
+        r["request_id"],
+        again.headers["x-request-id"].to_str().unwrap()
+    );
 
     // A key never raised through this process names nobody.
     assert_eq!(
@@ -360,4 +381,16 @@ async fn the_page_is_served_whole_and_its_status_is_for_the_admin() {
     assert_eq!(j["writes"]["admitted"], 1.0, "{j}");
     assert_eq!(j["writes"]["stale"], 1.0, "{j}");
     assert_eq!(j["refusals_newest"], 1);
+    // The page's own traffic is counted, by endpoint and status.
+    let metrics = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    for line in [
+        r#"fencegate_admin_requests_total{code="200",endpoint="page"} 3"#,
+        r#"fencegate_admin_requests_total{code="401",endpoint="status"} 1"#,
+        r#"fencegate_admin_requests_total{code="200",endpoint="status"} 1"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in\n{metrics}"
+        );
+    }
 }

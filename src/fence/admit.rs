@@ -51,7 +51,13 @@ impl Fence {
             };
             let highest = answer.map(|(answer, seq)| {
                 let (highest, raised) = match answer {
-                    Advance::Raised { previous } => (token, Some(Raised::From(previous))),
+                    Advance::Raised { previous } => (
+                        token,
+                        Some(Raised::From {
+                            previous,
+                            at_ms: crate::clock::wall_ms(),
+                        }),
+                    ),
                     Advance::Equal => (token, None),
                     Advance::Stale { highest } => (highest, None),
                 };
@@ -92,10 +98,26 @@ impl Fence {
         wait_until: Instant,
         upstream_timeout: Duration,
     ) -> Result<Permit, FenceError> {
+        self.admit_noting(key, token, wait_until, upstream_timeout, &mut None)
+            .await
+    }
+
+    /// [`Fence::admit`], noting in `raised` how this admission moved the
+    /// key's highest, if it did: set as soon as the store answered, so a
+    /// raise is known whatever the admission ends in (admitted, refused
+    /// as busy or overtaken while it waited behind older writes).
+    pub async fn admit_noting(
+        self: &Arc<Self>,
+        key: &str,
+        token: u64,
+        wait_until: Instant,
+        upstream_timeout: Duration,
+        raised: &mut Option<Raised>,
+    ) -> Result<Permit, FenceError> {
         let key: Arc<str> = Arc::from(key);
         if !self.store.exclusive() {
             return self
-                .admit_shared(key, token, wait_until, upstream_timeout)
+                .admit_shared(key, token, wait_until, upstream_timeout, raised)
                 .await;
         }
         // Removes the gate again if this admission fails or is abandoned
@@ -106,7 +128,7 @@ impl Fence {
             gate: Some(self.gate(&key)),
         };
         let gate = guard.gate.as_ref().expect("set above");
-        self.admit_on(&key, gate, token, wait_until, upstream_timeout)
+        self.admit_on(&key, gate, token, wait_until, upstream_timeout, raised)
             .await
     }
 
@@ -117,11 +139,11 @@ impl Fence {
         token: u64,
         wait_until: Instant,
         upstream_timeout: Duration,
+        raised: &mut Option<Raised>,
     ) -> Result<Permit, FenceError> {
         // Only the embedded store gets here: this process is its one writer,
         // so the in-memory highest (written only after the store committed)
         // answers "equal" and "stale" without I/O.
-        let mut raised = None;
         loop {
             self.check_held(key, gate, token).await?;
             let (known, marked) = {
@@ -130,7 +152,9 @@ impl Fence {
             };
             if known.is_none_or(|h| h < token) {
                 let (_, r) = self.advance(key, gate, token, !marked).await?;
-                raised = raised.or(r);
+                if r.is_some() {
+                    *raised = r;
+                }
             }
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -192,7 +216,6 @@ impl Fence {
                         deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out,
-                        raised,
                     })
                 }
                 Step::Wait(until) => {
@@ -267,6 +290,17 @@ impl Fence {
     /// write, so older holders are cut off at lock grant. Returns the
     /// highest afterwards; `Err(Stale)` if it was already above `token`.
     pub async fn raise(self: &Arc<Self>, key: &str, token: u64) -> Result<u64, FenceError> {
+        self.raise_noting(key, token, &mut None).await
+    }
+
+    /// [`Fence::raise`], noting in `raised` whether this call raised the
+    /// highest (not when the key was already at `token`).
+    pub async fn raise_noting(
+        self: &Arc<Self>,
+        key: &str,
+        token: u64,
+        raised: &mut Option<Raised>,
+    ) -> Result<u64, FenceError> {
         let highest = if self.store.exclusive() {
             let key: Arc<str> = Arc::from(key);
             let guard = GateGuard {
@@ -278,13 +312,21 @@ impl Fence {
             // A raise on a held key would let a write of the new token
             // overtake the crashed run's write as an equal one.
             self.check_held(&key, gate, token).await?;
-            self.advance(&key, gate, token, false).await?.0
+            let (highest, r) = self.advance(&key, gate, token, false).await?;
+            *raised = r;
+            highest
         } else {
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
                 // Equal too: the raise that got there may be under 50 ms
                 // old.
-                Advance::Raised { .. } | Advance::Equal => {
+                answer @ (Advance::Raised { .. } | Advance::Equal) => {
+                    if let Advance::Raised { previous } = answer {
+                        *raised = Some(Raised::From {
+                            previous,
+                            at_ms: crate::clock::wall_ms(),
+                        });
+                    }
                     self.follow_shared_raise(key, token).await;
                     token
                 }

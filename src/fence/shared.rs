@@ -133,6 +133,7 @@ impl Fence {
         token: u64,
         wait_until: Instant,
         upstream_timeout: Duration,
+        raised: &mut Option<Raised>,
     ) -> Result<Permit, FenceError> {
         let lasts = upstream_timeout + CUT_GRACE;
         let existing = self.actives.get(&key).map(|e| e.value().clone());
@@ -265,7 +266,11 @@ impl Fence {
                             Some(a)
                         }
                     };
-                    let raised = active.is_some().then_some(Raised::Registered);
+                    if active.is_some() {
+                        *raised = Some(Raised::Registered {
+                            at_ms: crate::clock::wall_ms(),
+                        });
+                    }
                     return Ok(Permit {
                         fence: self.clone(),
                         gate: None,
@@ -276,7 +281,6 @@ impl Fence {
                         deadline: now + upstream_timeout,
                         repolled: Default::default(),
                         waited_out: false,
-                        raised,
                     });
                 }
                 LeaseOutcome::Busy { lease, retry_after } => {
@@ -353,7 +357,6 @@ impl Fence {
             deadline,
             repolled: Default::default(),
             waited_out: false,
-            raised: None,
         }
     }
 

@@ -88,22 +88,29 @@ pub struct Permit {
     /// The write went ahead while an older write was still registered in
     /// flight, past that write's own deadline.
     pub waited_out: bool,
-    /// What this admission did to the key's highest, as far as this
-    /// process can tell (the admin lookup's "last raised by").
-    pub raised: Option<Raised>,
 }
 
-/// How an admission moved its key's highest token.
+/// How an admission (or a fence-ahead) moved its key's highest token, as
+/// far as this process can tell: what the admin lookup's "last raised by"
+/// is made of. `at_ms` is when the store answered (Unix milliseconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Raised {
     /// Its own store call raised the highest, from `previous` (`None`: the
-    /// key was new). Exactly one admission per raise gets this.
-    From(Option<u64>),
+    /// key was new). Exactly one call per raise gets this.
+    From { previous: Option<u64>, at_ms: u64 },
     /// A shared store granted the token to a write of this replica that
     /// found no registration of it here: the first write of the token
     /// through this replica since the last one ended, which may have been
     /// raised by another replica (shared stores do not say who raised).
-    Registered,
+    Registered { at_ms: u64 },
+}
+
+impl Raised {
+    pub fn at_ms(&self) -> u64 {
+        match *self {
+            Raised::From { at_ms, .. } | Raised::Registered { at_ms } => at_ms,
+        }
+    }
 }
 
 impl Permit {

@@ -282,15 +282,14 @@ impl Proxy {
                 .get(name)
                 .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
         };
-        let at_ms = crate::clock::wall_ms();
         for (key, token, raised) in ctx.raised.drain(..) {
             let (kind, previous) = match raised {
-                Raised::From(previous) => (crate::raises::Kind::Raised, previous),
-                Raised::Registered => (crate::raises::Kind::FirstHere, None),
+                Raised::From { previous, .. } => (crate::raises::Kind::Raised, previous),
+                Raised::Registered { .. } => (crate::raises::Kind::FirstHere, None),
             };
             self.raises.push(crate::raises::Raise {
                 seq: 0,
-                at_ms,
+                at_ms: raised.at_ms(),
                 kind,
                 key,
                 token,
@@ -386,8 +385,9 @@ impl Proxy {
             return self.forward(rt, req, &path, None, ctx).await;
         };
         let admitted = self.fence_write(table, rt, intent, ctx).await;
-        // A raise stands even when the write is then refused (a later key
-        // of a COPY was taken, its deadline passed).
+        // A raise stands even when the write is then refused (it waited
+        // behind older writes past its limit, a newer token overtook it, a
+        // later key of a COPY was taken).
         if !ctx.raised.is_empty() {
             self.keep_raises(&req, ctx);
         }
@@ -465,17 +465,18 @@ impl Proxy {
         let mut permits = Vec::with_capacity(keys.len());
         for key in &keys {
             ctx.key = Some(key.clone());
-            match self
+            let mut raised = None;
+            let admitted = self
                 .fence
-                .admit(key, token, wait_until, route.upstream_timeout)
-                .await
-            {
+                .admit_noting(key, token, wait_until, route.upstream_timeout, &mut raised)
+                .await;
+            if let Some(r) = raised {
+                ctx.raised.push((key.clone(), token, r));
+            }
+            match admitted {
                 Ok(p) => {
                     if p.waited_out {
                         rt.metrics.admission_waited_out.inc();
-                    }
-                    if let Some(r) = p.raised {
-                        ctx.raised.push((key.clone(), token, r));
                     }
                     permits.push(p);
                 }

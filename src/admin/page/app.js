@@ -173,7 +173,7 @@ async function pollRefusals() {
 function raisedBy(j) {
   if (!j.key || j.highest === null) return null;
   const r = j.last_raised;
-  if (!r) return "not by a write through this fencegate among its last raises (another replica, the lock service, or before its start)";
+  if (!r) return "not known here (raised through another replica or the lock service, before this fencegate started, or out of its last raises kept)";
   const how = { raised: "raised", first_here: "first written here", fence_ahead: "fence-ahead" }[r.kind] || r.kind;
   const from = r.previous === null ? "" : " from " + r.previous;
   const who = [r.method + " " + r.target, r.client ? "client " + r.client : null, "request " + r.request_id,

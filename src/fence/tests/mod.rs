@@ -211,12 +211,16 @@ async fn raise_highest_forget_and_overtaken() {
     let uncached = Fence::new(store.clone(), 0, T);
     let f = Fence::new(store, 10, T);
     assert_eq!(f.highest("k").await.unwrap(), None);
-    assert_eq!(f.raise("k", 5).await.unwrap(), 5);
+    let mut raised = None;
+    assert_eq!(f.raise_noting("k", 5, &mut raised).await.unwrap(), 5);
+    assert!(matches!(raised, Some(Raised::From { previous: None, .. })));
+    let mut raised = None;
     assert_eq!(
-        f.raise("k", 5).await.unwrap(),
+        f.raise_noting("k", 5, &mut raised).await.unwrap(),
         5,
         "an equal raise is no error"
     );
+    assert_eq!(raised, None, "and raises nothing");
     assert!(matches!(
         f.raise("k", 3).await,
         Err(FenceError::Stale {
@@ -403,4 +407,32 @@ async fn eventually_idle(f: &Arc<Fence>) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("{} gates left behind", f.active_keys());
+}
+
+/// A write that raises its key and is then refused (it waited behind an
+/// older write in flight past its own limit) still reports its raise: the
+/// store holds its token as the key's highest whatever the write became.
+#[tokio::test]
+async fn a_raise_is_reported_even_when_its_write_is_then_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = fence(&dir);
+    let older = f.admit("k", 1, Instant::now() + T, T).await.unwrap();
+    let mut raised = None;
+    let newer = f.admit_noting("k", 2, Instant::now(), T, &mut raised).await;
+    assert!(
+        matches!(newer, Err(FenceError::Busy { .. })),
+        "behind the older write"
+    );
+    assert!(
+        matches!(
+            raised,
+            Some(Raised::From {
+                previous: Some(1),
+                ..
+            })
+        ),
+        "{raised:?}"
+    );
+    assert_eq!(f.highest("k").await.unwrap(), Some(2));
+    drop(older);
 }

@@ -118,9 +118,10 @@ PY
 
 if [[ ${1:-} == --connections ]]; then
   NOFILE=$(ulimit -n)
-  # fencegate keeps (nofile - 64) / 6 per listener (docs/operations.md,
-  # limits.max_connections); the rows stay within it.
-  BUDGET=$(( (NOFILE - 64) / 6 ))
+  # fencegate's data listeners hold nofile - 64 - 256 - the routes' upstream
+  # caps (64 here) together (docs/operations.md, limits.max_connections);
+  # the rows stay within it.
+  BUDGET=$(( NOFILE - 64 - 256 - 64 ))
   N=${2:-$(( BUDGET < 15000 ? BUDGET - 100 : 15000 ))}
   connection_rows "$N"
   echo

@@ -81,13 +81,28 @@ impl TlsSide {
     }
 }
 
-/// Connections a listener may hold: the configured limit, but never more
-/// than the process's file-descriptor limit allows with room to spare, so
-/// that a flood of client connections cannot leave no descriptor for the
-/// upstream connections and the store. Every proxied request may need one
-/// upstream connection besides its client's, so each listener gets a third
-/// of half of what is left after a reserve.
-pub(super) fn connection_budget(configured: usize) -> usize {
+/// Descriptors kept back from client connections: the store's
+/// connections, the listeners' own sockets, files, logs.
+const RESERVED_DESCRIPTORS: usize = 64;
+
+/// The admin listener's connections: its own few (a scrape, a page, an
+/// operator's curl), kept out of the budget the data listeners share, so
+/// a flood there cannot shut the operator out.
+pub(super) const ADMIN_CONNECTIONS: usize = 256;
+
+/// The client connections the data listeners (plain, TLS, lease) may hold
+/// together, from the process's descriptor limit, so that a flood of
+/// client connections cannot leave no descriptor for the upstream
+/// connections and the store; `None` when the limit cannot be read.
+///
+/// A client connection holds one descriptor. What it may add upstream
+/// depends on the routes: with every route's `upstream_max_connections`
+/// capped, the upstream connections are at most the caps' sum, whatever
+/// the number of clients (HTTP/2 streams and keep-alive requests share
+/// the pool); a route without a cap, or one that passes WebSocket tunnels
+/// (a tunnel holds its upstream connection for its life), may take one
+/// upstream connection per client, so each client counts twice.
+pub(super) fn descriptor_budget(routes: &[crate::config::Route]) -> Option<usize> {
     let nofile = std::fs::read_to_string("/proc/self/limits")
         .ok()
         .and_then(|text| {
@@ -95,27 +110,37 @@ pub(super) fn connection_budget(configured: usize) -> usize {
                 .find(|l| l.starts_with("Max open files"))
                 .and_then(|l| l.split_whitespace().nth(3))
                 .and_then(|soft| soft.parse::<usize>().ok())
-        });
-    let Some(nofile) = nofile else {
-        return configured;
-    };
-    let budget = (nofile.saturating_sub(64) / 2 / 3).max(8);
-    if budget < configured {
-        tracing::info!(
-            configured,
-            budget,
-            nofile,
-            "limiting connections per listener to what the file-descriptor limit allows"
-        );
+        })?;
+    Some(budget_under(nofile, upstream_descriptors(routes)))
+}
+
+/// The upstream connections `routes` may hold at most, or `None` when
+/// one of them has no bound.
+fn upstream_descriptors(routes: &[crate::config::Route]) -> Option<usize> {
+    routes.iter().try_fold(0usize, |sum, r| {
+        (r.upstream_max_connections > 0 && !r.websocket)
+            .then(|| sum.saturating_add(r.upstream_max_connections))
+    })
+}
+
+fn budget_under(nofile: usize, upstream: Option<usize>) -> usize {
+    let left = nofile.saturating_sub(RESERVED_DESCRIPTORS + ADMIN_CONNECTIONS);
+    match upstream {
+        Some(n) => left.saturating_sub(n),
+        None => left / 2,
     }
-    configured.min(budget)
+    .max(8)
 }
 
 /// A listener's connection budget and progress rule.
 #[derive(Clone)]
 pub(super) struct Slots {
     pub(super) name: &'static str,
+    /// This listener's own limit (`limits.max_connections`).
     pub(super) free: Arc<tokio::sync::Semaphore>,
+    /// The descriptors the data listeners share ([`descriptor_budget`]);
+    /// `None` for the admin listener, which has its own few.
+    pub(super) descriptors: Option<Arc<tokio::sync::Semaphore>>,
     /// A connection with no request being served that reads and writes
     /// nothing for this long is closed (HTTP/1 keep-alive, an HTTP/2
     /// connection without streams, a preface that never completes).
@@ -290,6 +315,17 @@ where
                     drop(stream);
                     continue;
                 };
+                let descriptor = match &slots.descriptors {
+                    None => None,
+                    Some(d) => match d.clone().try_acquire_owned() {
+                        Ok(p) => Some(p),
+                        Err(_) => {
+                            slots.closed("limit");
+                            drop(stream);
+                            continue;
+                        }
+                    },
+                };
                 if let Some(c) = &slots.accepted {
                     c.inc();
                 }
@@ -310,7 +346,7 @@ where
                 let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
                 let lane = lane.clone();
                 let mut connection = gate.connections.spawn(async move {
-                    let _held = (open, slot);
+                    let _held = (open, slot, descriptor);
                     let Some(peer) = behind.client(stream.inner_mut(), peer).await else {
                         return;
                     };
@@ -403,5 +439,21 @@ where
     tokio::select! {
         _ = graceful.shutdown() => true,
         _ = tokio::time::sleep(gate.grace) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_counts_upstream_caps_once_and_uncapped_routes_per_client() {
+        // 20,000 descriptors, one route capped at 64: a client costs one.
+        assert_eq!(budget_under(20_000, Some(64)), 20_000 - 64 - 256 - 64);
+        // A route without a cap: each client may hold an upstream too.
+        assert_eq!(budget_under(20_000, None), (20_000 - 64 - 256) / 2);
+        // A tiny limit still takes a few.
+        assert_eq!(budget_under(200, Some(64)), 8);
+        assert_eq!(budget_under(0, None), 8);
     }
 }

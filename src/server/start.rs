@@ -309,11 +309,25 @@ impl Server {
             kill: kill.clone(),
             connections: connections.clone(),
         };
-        let per_listener = connection_budget(config.limits.max_connections);
-        // One budget per listener, shared by its workers' accept loops.
+        let configured = config.limits.max_connections;
+        let descriptors = descriptor_budget(&config.routes);
+        if let Some(budget) = descriptors.filter(|b| *b < configured) {
+            tracing::info!(
+                configured,
+                budget,
+                "the file-descriptor limit holds fewer client connections than limits.max_connections: the data listeners hold at most the budget together"
+            );
+        }
+        let descriptors = descriptors.map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+        // One limit per listener, shared by its workers' accept loops; the
+        // data listeners also share the descriptor budget.
         let slots = |name: &'static str| Slots {
             name,
-            free: Arc::new(tokio::sync::Semaphore::new(per_listener)),
+            free: Arc::new(tokio::sync::Semaphore::new(match name {
+                "admin" => configured.min(ADMIN_CONNECTIONS),
+                _ => configured,
+            })),
+            descriptors: descriptors.clone().filter(|_| name != "admin"),
             idle: config.limits.header_read_timeout,
             stalled: config.limits.response_idle_timeout,
             metrics: metrics.clone(),

@@ -38,6 +38,24 @@ cleanup() {
 }
 trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# A free port below the ephemeral range: a port picked now and bound later
+# must not be taken meanwhile as the source port of one of the thousands
+# of connections the connection rows open.
+lowport() {
+  python3 - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(1000):
+    p = random.randrange(10000, low)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    print(p)
+    break
+PY
+}
 rss_mib() { awk '/VmRSS/ {printf "%.0f", $2/1024}' "/proc/$1/status"; }
 hwm_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status"; }
 
@@ -55,7 +73,7 @@ connection_rows() { # N
   local n=$1
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=localhost \
     -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
-  local P1 P2 PT FP FT; P1=$(port); P2=$(port); PT=$(port); FP=$(port); FT=$(port)
+  local P1 P2 PT FP FT; P1=$(lowport); P2=$(lowport); PT=$(lowport); FP=$(lowport); FT=$(lowport)
   mkdir -p "$WORK/px"
   # nginx as a reverse proxy to the same backend, timeouts as long as
   # fencegate's below, one worker.

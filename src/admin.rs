@@ -414,27 +414,31 @@ impl Admin {
                 .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
         };
         let mut raised = None;
+        let since = self.raises.generation();
         let answer = self.fence.raise_noting(key, token, &mut raised).await;
         // Kept only when this call raised the key (not a retry that found
         // it at the token already).
         if let Some(crate::fence::Raised::From { previous, at_ms }) = raised {
-            self.raises.push(crate::raises::Raise {
-                seq: 0,
-                at_ms,
-                kind: crate::raises::Kind::FenceAhead,
-                key: key.into(),
-                token,
-                previous,
-                method: parts.method.to_string(),
-                target: crate::refusals::loggable_target(&parts.uri),
-                client: None,
-                user_agent: header("user-agent"),
-                request_id: header("x-request-id").unwrap_or_else(|| "-".into()),
-                trace_id: parts
-                    .headers
-                    .get("traceparent")
-                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
-            });
+            self.raises.push(
+                crate::raises::Raise {
+                    seq: 0,
+                    at_ms,
+                    kind: crate::raises::Kind::FenceAhead,
+                    key: key.into(),
+                    token,
+                    previous,
+                    method: parts.method.to_string(),
+                    target: crate::refusals::loggable_target(&parts.uri),
+                    client: None,
+                    user_agent: header("user-agent"),
+                    request_id: header("x-request-id").unwrap_or_else(|| "-".into()),
+                    trace_id: parts
+                        .headers
+                        .get("traceparent")
+                        .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+                },
+                since,
+            );
         }
         match answer {
             Ok(highest) => {

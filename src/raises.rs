@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use serde::Serialize;
@@ -46,9 +47,13 @@ pub struct Raise {
     pub at_ms: u64,
     pub kind: Kind,
     pub key: String,
+    /// Tokens go out as strings: JSON readers (the page's JavaScript among
+    /// them) lose precision on integers past 2^53.
+    #[serde(serialize_with = "decimal")]
     pub token: u64,
     /// The highest before it, when the store said (`None`: a new key, or
     /// not known).
+    #[serde(serialize_with = "maybe_decimal")]
     pub previous: Option<u64>,
     pub method: String,
     /// The request target, bounded and with credentials redacted, as a
@@ -63,11 +68,23 @@ pub struct Raise {
     pub trace_id: Option<String>,
 }
 
+fn decimal<S: serde::Serializer>(token: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(token)
+}
+
+fn maybe_decimal<S: serde::Serializer>(token: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+    token.map(|t| t.to_string()).serialize(s)
+}
+
 /// The ring of the last raises.
 #[derive(Debug)]
 pub struct Raises {
     kept: usize,
     state: Mutex<Ring>,
+    /// Rises at each reset ([`Raises::forget`], [`Raises::clear`]), under
+    /// the ring's lock; read without it by every write before it asks for
+    /// a raise.
+    generation: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -77,7 +94,16 @@ struct Ring {
     /// highest token.
     newest: HashMap<String, (u64, u64)>,
     next: u64,
+    /// The generation of each key's last reset, and of the last clear: a
+    /// raise made before it (pushed once its write stopped waiting, which
+    /// may be after the reset) names nothing.
+    resets: HashMap<String, u64>,
+    cleared: u64,
 }
+
+/// Resets remembered per key; past it they are forgotten as one clear
+/// (raises from before it are then not named, which is only less known).
+const RESETS_KEPT: usize = 4096;
 
 impl Raises {
     /// A ring of the last `kept` raises (0: none kept).
@@ -86,9 +112,10 @@ impl Raises {
             kept: kept.min(MAX_KEPT),
             state: Mutex::new(Ring {
                 entries: VecDeque::with_capacity(kept.min(1024)),
-                newest: HashMap::new(),
                 next: 1,
+                ..Ring::default()
             }),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -106,11 +133,18 @@ impl Raises {
     /// let in may already have registered). One that lands after a higher
     /// one on its key (their answers crossed) is kept, but the key's newest
     /// stays the higher one.
-    pub fn push(&self, mut r: Raise) {
+    ///
+    /// `since` is [`Raises::generation`] read before the raise was asked
+    /// for: a raise that a reset of its key (or of every key) may have
+    /// undone since is not kept.
+    pub fn push(&self, mut r: Raise, since: u64) {
         if self.kept == 0 {
             return;
         }
         let mut ring = self.state.lock().expect("raise ring lock");
+        if ring.cleared > since || ring.resets.get(&r.key).is_some_and(|g| *g > since) {
+            return;
+        }
         let newest = ring.newest.get(&r.key).copied();
         if r.kind == Kind::FirstHere && newest.is_some_and(|(_, token)| token == r.token) {
             return;
@@ -137,18 +171,30 @@ impl Raises {
     /// Forgets `key`'s raises (an operator reset its fence: a raise from
     /// nothing to a token kept before must not be named by the old one).
     pub fn forget(&self, key: &str) {
-        self.state
-            .lock()
-            .expect("raise ring lock")
-            .newest
-            .remove(key);
+        let mut ring = self.state.lock().expect("raise ring lock");
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        ring.newest.remove(key);
+        if ring.resets.len() >= RESETS_KEPT {
+            ring.resets.clear();
+            ring.cleared = generation;
+        } else {
+            ring.resets.insert(key.to_string(), generation);
+        }
     }
 
     /// Forgets every raise (the store was reset).
     pub fn clear(&self) {
         let mut ring = self.state.lock().expect("raise ring lock");
+        ring.cleared = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        ring.resets.clear();
         ring.newest.clear();
         ring.entries.clear();
+    }
+
+    /// The reset generation now: read before a raise is asked for, and
+    /// given to [`Raises::push`] with it.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The kept raise of `key` with the highest token, if any.
@@ -186,14 +232,14 @@ mod tests {
     #[test]
     fn the_last_raise_of_a_key_is_its_highest_token_kept() {
         let ring = Raises::new(4);
-        ring.push(raise("a", 1));
-        ring.push(raise("b", 5));
-        ring.push(raise("a", 3));
+        ring.push(raise("a", 1), 0);
+        ring.push(raise("b", 5), 0);
+        ring.push(raise("a", 3), 0);
         assert_eq!(ring.last("a").unwrap().request_id, "r3");
         assert_eq!(ring.last("b").unwrap().token, 5);
         assert_eq!(ring.last("c"), None);
         // Answers that crossed: 2 lands after 3, and 3 stays the newest.
-        ring.push(raise("a", 2));
+        ring.push(raise("a", 2), 0);
         assert_eq!(ring.last("a").unwrap().token, 3);
     }
 
@@ -202,11 +248,11 @@ mod tests {
         let ring = Raises::new(4);
         let mut first = raise("a", 7);
         first.kind = Kind::FirstHere;
-        ring.push(first);
+        ring.push(first, 0);
         let mut again = raise("a", 7);
         again.kind = Kind::FirstHere;
         again.request_id = "later".into();
-        ring.push(again);
+        ring.push(again, 0);
         assert_eq!(ring.last("a").unwrap().request_id, "r7");
     }
 
@@ -215,52 +261,72 @@ mod tests {
         let ring = Raises::new(4);
         let mut first = raise("a", 7);
         first.kind = Kind::FirstHere;
-        ring.push(first);
+        ring.push(first, 0);
         let mut ahead = raise("a", 7);
         ahead.kind = Kind::FenceAhead;
         ahead.request_id = "grant".into();
-        ring.push(ahead);
+        ring.push(ahead, 0);
         assert_eq!(ring.last("a").unwrap().request_id, "grant");
     }
 
     #[test]
     fn a_reset_key_is_named_by_its_next_raise_only() {
         let ring = Raises::new(4);
-        ring.push(raise("a", 9));
+        ring.push(raise("a", 9), 0);
         ring.forget("a");
         assert_eq!(ring.last("a"), None);
         let mut again = raise("a", 9);
         again.request_id = "after-reset".into();
-        ring.push(again);
+        ring.push(again, ring.generation());
         assert_eq!(ring.last("a").unwrap().request_id, "after-reset");
-        ring.push(raise("b", 1));
+        ring.push(raise("b", 1), ring.generation());
         ring.clear();
         assert_eq!(ring.last("a"), None);
         assert_eq!(ring.last("b"), None);
     }
 
     #[test]
+    fn a_raise_from_before_a_reset_is_not_named_after_it() {
+        let ring = Raises::new(4);
+        let before = ring.generation();
+        ring.forget("a");
+        // The write that raised before the reset stops waiting after it.
+        ring.push(raise("a", 10), before);
+        assert_eq!(ring.last("a"), None);
+        // Another key is not affected, nor a raise asked for after it.
+        ring.push(raise("b", 1), before);
+        assert_eq!(ring.last("b").unwrap().token, 1);
+        ring.push(raise("a", 10), ring.generation());
+        assert_eq!(ring.last("a").unwrap().token, 10);
+        // A clear undoes every raise asked for before it.
+        let before = ring.generation();
+        ring.clear();
+        ring.push(raise("b", 2), before);
+        assert_eq!(ring.last("b"), None);
+    }
+
+    #[test]
     fn a_key_pushed_out_of_the_ring_is_forgotten() {
         let ring = Raises::new(2);
-        ring.push(raise("a", 1));
-        ring.push(raise("b", 1));
-        ring.push(raise("c", 1));
+        ring.push(raise("a", 1), 0);
+        ring.push(raise("b", 1), 0);
+        ring.push(raise("c", 1), 0);
         assert_eq!(ring.last("a"), None);
         assert_eq!(ring.last("b").unwrap().seq, 2);
         assert_eq!(ring.last("c").unwrap().seq, 3);
         // A key whose newest left while an older entry stays: no answer
         // rather than a stale one.
         let ring = Raises::new(2);
-        ring.push(raise("a", 2));
-        ring.push(raise("a", 1));
-        ring.push(raise("b", 1));
+        ring.push(raise("a", 2), 0);
+        ring.push(raise("a", 1), 0);
+        ring.push(raise("b", 1), 0);
         assert_eq!(ring.last("a"), None);
     }
 
     #[test]
     fn a_ring_of_none_keeps_none() {
         let ring = Raises::new(0);
-        ring.push(raise("a", 1));
+        ring.push(raise("a", 1), 0);
         assert_eq!(ring.last("a"), None);
     }
 }

@@ -61,8 +61,11 @@ async fn a_stale_write_is_found_with_its_writer_and_tokens() {
     assert_eq!(r["method"], "PUT");
     assert_eq!(r["target"], "/bucket/obj?versionId=3");
     assert_eq!(r["key"], "default:/bucket/obj");
-    assert_eq!(r["token"], 7);
-    assert_eq!(r["highest"], 9);
+    assert_eq!(r["token"], "7");
+    assert_eq!(
+        r["highest"], "9",
+        "tokens are strings: JSON numbers lose precision past 2^53"
+    );
     assert_eq!(r["client"], "127.0.0.1");
     assert_eq!(r["user_agent"], "writer/1.0");
     assert_eq!(r["request_id"], "req-stale-1");
@@ -86,7 +89,7 @@ async fn a_stale_write_is_found_with_its_writer_and_tokens() {
     let j = refusals(&p, &format!("since={newest}")).await.json();
     let list = j["refusals"].as_array().unwrap();
     assert_eq!(list.len(), 1, "{j}");
-    assert_eq!(list[0]["token"], 8);
+    assert_eq!(list[0]["token"], "8");
 
     // Bad parameters are named.
     let a = refusals(&p, "limit=0").await;
@@ -131,7 +134,7 @@ async fn the_lookup_names_the_request_that_raised_a_key_and_its_writes_in_flight
     assert_eq!(j["highest"], "7");
     let r = &j["last_raised"];
     assert_eq!(r["kind"], "raised", "{j}");
-    assert_eq!(r["token"], 7);
+    assert_eq!(r["token"], "7");
     assert_eq!(r["previous"], serde_json::Value::Null, "a new key");
     assert_eq!(r["method"], "PUT");
     assert_eq!(
@@ -168,8 +171,8 @@ async fn the_lookup_names_the_request_that_raised_a_key_and_its_writes_in_flight
     )
     .await;
     let j = lookup(&p, "/bucket/obj").await;
-    assert_eq!(j["last_raised"]["token"], 9, "{j}");
-    assert_eq!(j["last_raised"]["previous"], 7);
+    assert_eq!(j["last_raised"]["token"], "9", "{j}");
+    assert_eq!(j["last_raised"]["previous"], "7");
     assert_eq!(
         j["in_flight"],
         serde_json::json!([{"token": "9", "writes": 1}])
@@ -192,10 +195,10 @@ async fn the_lookup_names_the_request_that_raised_a_key_and_its_writes_in_flight
     assert_eq!(ahead.status, 200, "{}", ahead.text());
     let r = lookup(&p, "/bucket/obj").await["last_raised"].clone();
     assert_eq!(r["kind"], "fence_ahead", "{r}");
-    assert_eq!(r["token"], 12);
+    assert_eq!(r["token"], "12");
     assert_eq!(r["request_id"], "grant-12");
     assert_eq!(r["client"], serde_json::Value::Null);
-    assert_eq!(r["previous"], 9);
+    assert_eq!(r["previous"], "9");
 
     // After a reset, the next raise to the same token is named, not the
     // fence-ahead from before it.

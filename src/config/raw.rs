@@ -246,7 +246,50 @@ impl RawConfig {
         Ok(())
     }
 
+    /// A value of the wrong type is named by its field (`limits.max_connections`,
+    /// `routes[1].upstream_timeout`), not only shown in the quoted line.
     pub fn from_toml(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            match e.span().and_then(|span| field_at(text, span.start)) {
+                Some(field) if !e.message().contains(&field) => format!("`{field}`: {e}"),
+                _ => e.to_string(),
+            }
+        })
     }
+}
+
+/// The dotted name of the field whose value starts at byte `at` of a TOML
+/// document: the table headers above it (`[limits]`, the n-th `[[routes]]`)
+/// and the key on its line. Only plain one-line `key = value` lines are
+/// named; anything else gives `None` (the error is shown as it is).
+fn field_at(text: &str, at: usize) -> Option<String> {
+    let before = text.get(..at)?;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let key = text[line_start..].split_once('=')?.0.trim();
+    if key.is_empty()
+        || !key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+    {
+        return None;
+    }
+    let mut table = String::new();
+    let mut arrays: std::collections::HashMap<String, usize> = Default::default();
+    for line in text[..line_start].lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("[[").and_then(|l| l.split_once("]]")) {
+            let name = name.0.trim().to_string();
+            let n = arrays
+                .entry(name.clone())
+                .and_modify(|n| *n += 1)
+                .or_insert(0);
+            table = format!("{name}[{n}]");
+        } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split_once(']')) {
+            table = name.0.trim().to_string();
+        }
+    }
+    Some(if table.is_empty() {
+        key.to_string()
+    } else {
+        format!("{table}.{key}")
+    })
 }

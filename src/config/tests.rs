@@ -410,6 +410,22 @@ fn proxy_protocol_needs_trusted_proxies_on_each_listener() {
 }
 
 #[test]
+fn a_value_of_the_wrong_type_is_named_by_its_field() {
+    for (text, field) in [
+        ("raises_kept = -1", "`raises_kept`"),
+        ("refusals_kept = \"10\"", "`refusals_kept`"),
+        ("[limits]\nmax_connections = 1.5", "`limits.max_connections`"),
+        (
+            "[[routes]]\nupstream = \"http://a\"\n[[routes]]\nupstream = \"http://b\"\nupstream_max_connections = -2",
+            "`routes[1].upstream_max_connections`",
+        ),
+    ] {
+        let e = RawConfig::from_toml(text).unwrap_err();
+        assert!(e.starts_with(field), "{text}: {e}");
+    }
+}
+
+#[test]
 fn unknown_fields_are_refused() {
     let e = RawConfig::from_toml("stor = \"x\"").unwrap_err();
     assert!(e.contains("stor"), "{e}");

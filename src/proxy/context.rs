@@ -158,6 +158,9 @@ pub(super) struct RequestContext {
     /// [`crate::fence::Raised`]): kept in the raise ring before the write
     /// is forwarded. Empty (no allocation) for every other request.
     pub(super) raised: Vec<(String, u64, crate::fence::Raised)>,
+    /// The raise ring's reset generation before this write asked for its
+    /// raises (see [`crate::raises::Raises::push`]).
+    pub(super) raises_since: u64,
 }
 
 impl RequestContext {

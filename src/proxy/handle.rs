@@ -282,28 +282,32 @@ impl Proxy {
                 .get(name)
                 .map(|v| crate::refusals::bounded(&String::from_utf8_lossy(v.as_bytes()), 256))
         };
+        let since = ctx.raises_since;
         for (key, token, raised) in ctx.raised.drain(..) {
             let (kind, previous) = match raised {
                 Raised::From { previous, .. } => (crate::raises::Kind::Raised, previous),
                 Raised::Registered { .. } => (crate::raises::Kind::FirstHere, None),
             };
-            self.raises.push(crate::raises::Raise {
-                seq: 0,
-                at_ms: raised.at_ms(),
-                kind,
-                key,
-                token,
-                previous,
-                method: ctx.method.to_string(),
-                target: crate::refusals::loggable_target(req.uri()),
-                client: ctx.client,
-                user_agent: text(&http::header::USER_AGENT),
-                request_id: text(&X_REQUEST_ID).unwrap_or_else(|| "-".into()),
-                trace_id: req
-                    .headers()
-                    .get(&TRACEPARENT)
-                    .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
-            });
+            self.raises.push(
+                crate::raises::Raise {
+                    seq: 0,
+                    at_ms: raised.at_ms(),
+                    kind,
+                    key,
+                    token,
+                    previous,
+                    method: ctx.method.to_string(),
+                    target: crate::refusals::loggable_target(req.uri()),
+                    client: ctx.client,
+                    user_agent: text(&http::header::USER_AGENT),
+                    request_id: text(&X_REQUEST_ID).unwrap_or_else(|| "-".into()),
+                    trace_id: req
+                        .headers()
+                        .get(&TRACEPARENT)
+                        .and_then(|v| crate::refusals::trace_id(v.as_bytes())),
+                },
+                since,
+            );
         }
     }
 
@@ -463,6 +467,7 @@ impl Proxy {
         keys.sort();
         keys.dedup();
         let mut permits = Vec::with_capacity(keys.len());
+        ctx.raises_since = self.raises.generation();
         for key in &keys {
             ctx.key = Some(key.clone());
             let mut raised = None;

@@ -3,7 +3,10 @@
 # (perf stat tracepoints), user and system CPU per request (/proc), for
 # HAProxy and for each fencegate binary given, under wrk (1 KiB PUTs, 64
 # connections). REC=1 also records a 1 s perf profile with call graphs of
-# each process into /tmp/perf.NAME.data (perf report -i ...).
+# each process into /tmp/perf.NAME.data (perf report -i ...). TLS=1
+# measures nginx terminating TLS instead of HAProxy, and fencegate's TLS
+# listener (same self-signed ECDSA P-256 certificate, keep-alive: the
+# handshakes are amortised, what is measured is the records).
 # Same layout as compare.sh; needs perf (Debian linux-perf), wrk, nginx, haproxy.
 #
 # Usage: scripts/profile.sh BIN...
@@ -39,13 +42,34 @@ for line in open(f):
 print("\n".join(out))
 P
 }
-run haproxy "$(cat $W/h.pid)" "http://127.0.0.1:$HP/k"
+FLAGS=()
+if [ -n "${TLS:-}" ]; then
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj /CN=localhost -addext subjectAltName=IP:127.0.0.1 -keyout $W/tls.key -out $W/tls.crt 2>/dev/null
+  NP=$(port); mkdir -p $W/nt
+  cat > $W/nt/conf <<CONF
+worker_processes 1; pid $W/nt/pid; error_log $W/nt/err;
+events { worker_connections 4096; }
+http { access_log off; client_body_temp_path $W/nt/b; proxy_temp_path $W/nt/p; keepalive_requests 1000000;
+  upstream backend { server 127.0.0.1:$UP; keepalive 64; }
+  server { listen 127.0.0.1:$NP ssl; ssl_certificate $W/tls.crt; ssl_certificate_key $W/tls.key;
+    location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_request_buffering off; } } }
+CONF
+  taskset -c 1 nginx -c $W/nt/conf -p $W/nt; sleep 0.3; PIDS+=("$(cat $W/nt/pid)")
+  run nginx-tls "$(pgrep -P "$(cat $W/nt/pid)" | head -1)" "https://127.0.0.1:$NP/k"
+  FLAGS=(--tls-listen 127.0.0.1:0 --tls-cert $W/tls.crt --tls-key $W/tls.key)
+else
+  run haproxy "$(cat $W/h.pid)" "http://127.0.0.1:$HP/k"
+fi
 i=0
 for b in "$@"; do
   i=$((i+1))
-  taskset -c 1 $b --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream http://127.0.0.1:$UP --store $W/f$i.redb > $W/fg$i.out 2>$W/fg$i.err &
+  taskset -c 1 $b --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream http://127.0.0.1:$UP --store $W/f$i.redb "${FLAGS[@]}" > $W/fg$i.out 2>$W/fg$i.err &
   pid=$!; PIDS+=($pid)
   for _ in $(seq 100); do grep -q listening $W/fg$i.out 2>/dev/null && break; sleep 0.1; done
-  addr=$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' $W/fg$i.out)
-  run "fg$i" $pid "http://$addr/k"
+  if [ -n "${TLS:-}" ]; then
+    run "fg$i-tls" $pid "https://$(sed -n 's/.*tls=\([^ ]*\).*/\1/p' $W/fg$i.out)/k"
+  else
+    run "fg$i" $pid "http://$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' $W/fg$i.out)/k"
+  fi
 done

@@ -126,3 +126,59 @@ async fn the_hand_over_to_hyper_mid_connection_loses_nothing() {
         ]
     );
 }
+
+/// Idle connections are closed once idle for the idle timeout (the header
+/// read timeout), fresh ones and keep-alive ones alike, each counted once;
+/// one that keeps sending requests is not, however long it lives. One
+/// watchdog serves all of a listener's connections (issue 44).
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_are_closed_at_the_idle_timeout_and_busy_ones_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .spawn();
+    let put = |n: u32| {
+        format!("PUT /k HTTP/1.1\r\nHost: x\r\nX-Fence-Token: {n}\r\nContent-Length: 1\r\n\r\nx")
+    };
+    let opened = tokio::time::Instant::now();
+    let mut fresh = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    let mut kept = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    kept.write_all(put(1).as_bytes()).await.unwrap();
+    assert_eq!(answers(&mut kept, 1).await, ["http/1.1 200 ok"]);
+    let mut busy = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    // The busy connection sends a request every 300 ms for 4 s: 4 idle
+    // timeouts, each shorter than one.
+    let busy_side = tokio::spawn(async move {
+        for n in 0..13 {
+            busy.write_all(put(1).as_bytes()).await.unwrap();
+            assert_eq!(
+                answers(&mut busy, 1).await,
+                ["http/1.1 200 ok"],
+                "request {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    for (name, s) in [("fresh", &mut fresh), ("keep-alive", &mut kept)] {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte)).await;
+        assert!(
+            matches!(read, Ok(Ok(0) | Err(_))),
+            "the {name} connection was not closed: {read:?}"
+        );
+        // Never before it has been idle for the timeout.
+        assert!(opened.elapsed() >= Duration::from_secs(1), "{name}");
+    }
+    busy_side.await.unwrap();
+    assert_eq!(
+        metric(
+            &p,
+            "fencegate_connections_closed_total{listener=\"proxy\",reason=\"idle\"}"
+        )
+        .await,
+        Some(2.0),
+        "{}",
+        p.stderr()
+    );
+}

@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 
 use super::heads::{close_unless_upgraded, may_upgrade, Refusal};
 use super::lane::{serve_connection, Handoff, Lane};
-use super::progress::{Activity, Busy, Streaming, StreamingBody, Tracked};
+use super::progress::{Activity, Busy, Streaming, StreamingBody, Sweeper, Tracked};
 use crate::error::ProxyBody;
 use crate::metrics::Metrics;
 use crate::tls::TlsTerminator;
@@ -234,7 +234,7 @@ impl Slots {
 /// The connection served by the lane (hyper if it hands over), or by hyper
 /// alone, as a boxed future (see the accept loop).
 fn engine<I, S>(
-    lane: Option<Lane>,
+    lane: Option<Arc<Lane>>,
     io: I,
     peer: SocketAddr,
     activity: Arc<Activity>,
@@ -260,7 +260,11 @@ where
     match lane {
         Some(lane) => {
             engines.lane.inc();
-            Box::pin(async move { lane.serve(io, peer, activity, stop, hyper).await })
+            let peer = crate::proxy::Peer {
+                addr: peer,
+                tls: lane.tls,
+            };
+            Box::pin(lane.serve(io, peer, activity, stop, Box::new(hyper)))
         }
         None => {
             engines.hyper.inc();
@@ -293,6 +297,18 @@ where
         + 'static,
 {
     let graceful = GracefulShutdown::new();
+    let builder = Arc::new(builder);
+    let lane = lane.map(Arc::new);
+    let sweeper = Sweeper::new();
+    // Tracked with the connections: the stop waits for it, and it ends at
+    // the kill, having aborted the connections still open.
+    let swept = slots.clone();
+    gate.connections.spawn(sweeper.clone().run(
+        slots.idle,
+        slots.stalled,
+        gate.kill.clone(),
+        move |stop| swept.closed(stop.reason()),
+    ));
     loop {
         tokio::select! {
             _ = gate.stop.cancelled() => break,
@@ -334,22 +350,21 @@ where
                 let mut stream = Tracked::new(stream, activity.clone());
                 let handler = handler.clone();
                 let busy = activity.clone();
+                let busy_watch = activity.clone();
                 let open = slots.open();
                 let behind = slots.clone();
-                let watchdog = activity.watch(slots.idle, slots.stalled);
-                let idle_closed = slots.clone();
                 // Watched from accept on, so the drain also waits for a
                 // connection still in its TLS handshake (which the drain
                 // cuts short).
                 let watcher = graceful.watcher();
                 let builder = builder.clone();
-                let (tls, stop, kill) = (tls.clone(), gate.stop.clone(), gate.kill.clone());
+                let (tls, stop) = (tls.clone(), gate.stop.clone());
                 let lane = lane.clone();
-                let mut connection = gate.connections.spawn(async move {
-                    let _held = (open, slot, descriptor);
-                    let Some(peer) = behind.client(stream.inner_mut(), peer).await else {
-                        return;
-                    };
+                // Boxed, and dropped once the connection is served: all
+                // that serving it needs is in the engine's own box, so an
+                // idle connection's task holds two pointers (issue 44).
+                let setup = Box::pin(async move {
+                    let peer = behind.client(stream.inner_mut(), peer).await?;
                     let activity = busy.clone();
                     // What the lane's head guard refused, once hyper holds
                     // the connection (`heads.rs`).
@@ -403,34 +418,25 @@ where
                     // statement of its own, since rustc keeps the storage
                     // of a value moved out before an await if its binding
                     // or temporary outlives the await.
-                    let served = match tls {
+                    Some(match tls {
                         None => engine(lane, stream, peer, activity, stop, hyper, engines),
                         Some(tls) => {
                             let handshake = Box::pin(tls.handshake(stream, peer, &stop));
-                            match handshake.await {
-                                None => return,
-                                Some(stream) => {
-                                    // HTTP/2 by ALPN is hyper's from the start.
-                                    let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
-                                    let lane = lane.filter(|_| !h2);
-                                    engine(lane, stream, peer, activity, stop, hyper, engines)
-                                }
-                            }
+                            let stream = handshake.await?;
+                            // HTTP/2 by ALPN is hyper's from the start.
+                            let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                            let lane = lane.filter(|_| !h2);
+                            engine(lane, stream, peer, activity, stop, hyper, engines)
                         }
-                    };
-                    served.await
+                    })
                 });
-                // A supervisor beside the connection, not around it: it
-                // wakes only on its timer, the stop or the connection's end,
-                // so the request path does not poll it.
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = &mut connection => return,
-                        _ = kill.cancelled() => {}
-                        stop = watchdog => idle_closed.closed(stop.reason()),
-                    }
-                    connection.abort();
-                    let _ = connection.await;
+                sweeper.spawn(busy_watch, |place| {
+                    gate.connections.spawn(async move {
+                        let _held = (open, slot, descriptor, place);
+                        if let Some(served) = setup.await {
+                            served.await
+                        }
+                    })
                 });
             }
         }

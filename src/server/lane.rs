@@ -62,6 +62,8 @@ pub(super) trait WaitReadable {
     ) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
 }
 
+/// By polling, not tokio's `readable()` and `peek()`: their futures (152
+/// and 232 bytes) would be kept in every idle connection's state.
 impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
     async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
         if fresh {
@@ -78,21 +80,30 @@ impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
             // buffer), the read finds nothing and waits with its buffer
             // taken: correct, only costlier.
             let mut one = [0u8; 1];
-            self.inner().peek(&mut one).await.map(drop)
+            std::future::poll_fn(|cx| self.inner().poll_peek(cx, &mut ReadBuf::new(&mut one)))
+                .await
+                .map(drop)
         } else {
-            self.inner().readable().await
+            std::future::poll_fn(|cx| self.inner().poll_read_ready(cx)).await
         }
     }
 }
 
-/// rustls may hold decrypted bytes the socket no longer shows: a TLS
-/// stream is read at once (its buffer is taken while it waits).
-impl<I> WaitReadable for tokio_rustls::server::TlsStream<I> {
-    fn wait_readable(
-        &self,
-        _fresh: bool,
-    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send {
-        std::future::ready(Ok(()))
+/// rustls may hold decrypted bytes the socket no longer shows: those are
+/// there at once. Otherwise its next bytes come from the socket (rustls
+/// decrypts every whole record it has read before a read returns, so none
+/// waits inside it for bytes that already came).
+impl WaitReadable
+    for tokio_rustls::server::TlsStream<super::progress::Tracked<tokio::net::TcpStream>>
+{
+    async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
+        let (socket, tls) = self.get_ref();
+        if tls.wants_read() {
+            socket.wait_readable(fresh).await
+        } else {
+            // Plaintext waiting, or the peer's close_notify to read.
+            Ok(())
+        }
     }
 }
 
@@ -117,7 +128,9 @@ pub(super) struct Lane {
 
 /// What the hyper side of a connection needs if it takes over.
 pub(super) struct Handoff<S> {
-    pub(super) builder: auto::Builder<TokioExecutor>,
+    /// Shared by the listener's connections; copied only by a connection
+    /// hyper serves.
+    pub(super) builder: Arc<auto::Builder<TokioExecutor>>,
     pub(super) service: S,
     pub(super) watcher: hyper_util::server::graceful::Watcher,
     /// Shared with the service: the head guard's refusal, for it to answer.
@@ -128,13 +141,19 @@ pub(super) struct Handoff<S> {
 
 impl Lane {
     /// Serves a connection until it ends, or hands it to hyper.
+    ///
+    /// This future lives as long as the connection, idle included, and
+    /// is boxed for it (`conn.rs`): between requests it holds only the
+    /// connection, a small wait for its next bytes, and a pointer to what
+    /// hyper would need (issue 44). Each request's reading and exchange
+    /// are boxed apart ([`Lane::step`]) and freed when it is answered.
     pub(super) async fn serve<I, S>(
-        &self,
+        self: Arc<Self>,
         mut io: I,
-        peer: std::net::SocketAddr,
+        peer: Peer,
         activity: Arc<Activity>,
         stop: CancellationToken,
-        hyper: Handoff<S>,
+        hyper: Box<Handoff<S>>,
     ) where
         I: AsyncRead + AsyncWrite + WaitReadable + Unpin + Send + 'static,
         S: hyper::service::Service<
@@ -145,73 +164,69 @@ impl Lane {
             + 'static,
         S::Future: Send + 'static,
     {
-        let peer = Peer {
-            addr: peer,
-            tls: self.tls,
-        };
         let mut buf = BytesMut::new();
         let mut out = Vec::new();
         let mut fresh = true;
         loop {
-            // Between requests a connection holds no buffer (nginx's and
-            // HAProxy's habit): an idle keep-alive connection costs its
-            // socket and a small task, not 16 KB of buffers. Pipelined
-            // bytes keep theirs.
             if buf.is_empty() {
+                // Between requests a connection holds no buffer (nginx's
+                // and HAProxy's habit): an idle keep-alive connection costs
+                // its socket and a small task, not 16 KB of buffers.
+                // Pipelined bytes keep theirs. Idle, the drain ends it.
                 buf = BytesMut::new();
                 out = Vec::new();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    ready = io.wait_readable(fresh) => if ready.is_err() {
+                        return;
+                    },
+                }
             }
-            let Some(next) = self.read_request(&mut io, &mut buf, &stop, fresh).await else {
-                return;
-            };
-            let (head, body) = match next {
-                Next::Request(head, body) => (head, body),
-                Next::Refused(why) => {
-                    let resp = crate::error::ProxyError::BadFraming(why.into()).into_response(None);
-                    let written = Box::pin(write_response(&mut io, &mut out, resp, false, true));
-                    let _ = written.await;
-                    let _ = io.shutdown().await;
-                    return;
-                }
-                Next::Hyper if stop.is_cancelled() => {
-                    // hyper would close a connection it meets after the
-                    // drain began without reading it: the client is told.
-                    let resp = crate::error::ProxyError::ShuttingDown.into_response(None);
-                    let written = Box::pin(write_response(&mut io, &mut out, resp, false, true));
-                    let _ = written.await;
-                    let _ = io.shutdown().await;
-                    return;
-                }
-                Next::Hyper => {
-                    let io = Rewind {
-                        pre: buf.freeze(),
-                        io,
-                    };
-                    // hyper reads on, but every head it reads is read by the
-                    // lane's rules first (`heads.rs`).
-                    let io = super::heads::HeadGuard::new(io, self.max_head, hyper.refusal);
-                    hyper.handoffs.inc();
-                    let hyper_side = Box::pin(serve_connection(
-                        hyper.builder,
-                        io,
-                        hyper.service,
-                        hyper.watcher,
-                    ));
+            fresh = false;
+            // Boxed in a statement of its own (see `conn.rs`).
+            let step = Box::pin(self.step(&mut io, &mut buf, &mut out, peer, &activity, &stop));
+            match step.await {
+                Step::Again => {}
+                Step::End => return,
+                Step::Hyper => {
+                    let hyper_side = hand_off(io, buf, *hyper, self.max_head);
                     return hyper_side.await;
                 }
-            };
-            // Boxed: the exchange's future (the proxy's handling, the
-            // answer's writing) is several KB, and unboxed it would size
-            // the connection's future for its whole life, idle included.
-            // Boxed in a statement of its own (see `conn.rs`).
-            fresh = false;
-            let exchange = Box::pin(self.exchange(
-                &mut io, &mut buf, &mut out, head, body, peer, &activity, &stop,
-            ));
-            if !exchange.await {
-                return;
             }
         }
+    }
+
+    /// Reads the next request and serves it, or says it is hyper's.
+    async fn step<I: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        io: &mut I,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        peer: Peer,
+        activity: &Arc<Activity>,
+        stop: &CancellationToken,
+    ) -> Step {
+        let Some(next) = self.read_request(io, buf, stop).await else {
+            return Step::End;
+        };
+        let refusal = match next {
+            Next::Request(head, body) => {
+                let again = self
+                    .exchange(io, buf, out, head, body, peer, activity, stop)
+                    .await;
+                return if again { Step::Again } else { Step::End };
+            }
+            Next::Hyper if stop.is_cancelled() => {
+                // hyper would close a connection it meets after the drain
+                // began without reading it: the client is told.
+                crate::error::ProxyError::ShuttingDown
+            }
+            Next::Hyper => return Step::Hyper,
+            Next::Refused(why) => crate::error::ProxyError::BadFraming(why.into()),
+        };
+        let _ = write_response(io, out, refusal.into_response(None), false, true).await;
+        let _ = io.shutdown().await;
+        Step::End
     }
 
     /// One request served and its answer written; whether the connection
@@ -268,12 +283,11 @@ impl Lane {
 
     /// The next request's head and whole body; `None` when the connection
     /// is to end (closed, timed out, or idle at the drain).
-    async fn read_request<I: AsyncRead + WaitReadable + Unpin>(
+    async fn read_request<I: AsyncRead + Unpin>(
         &self,
         io: &mut I,
         buf: &mut BytesMut,
         stop: &CancellationToken,
-        fresh: bool,
     ) -> Option<Next> {
         let mut head_by = None;
         let head = loop {
@@ -287,15 +301,12 @@ impl Lane {
                 Parsed::Partial => {}
             }
             let read = if buf.is_empty() {
-                // Idle between requests: the drain ends the connection.
-                // The buffer is taken once bytes are there.
+                // The caller saw bytes there (or the readiness was stale):
+                // the buffer is taken now. Still idle: the drain ends it.
+                buf.reserve(READ_AT);
                 tokio::select! {
                     _ = stop.cancelled() => return None,
-                    read = async {
-                        io.wait_readable(fresh).await?;
-                        buf.reserve(READ_AT);
-                        io.read_buf(buf).await
-                    } => read,
+                    read = io.read_buf(buf) => read,
                 }
             } else {
                 buf.reserve(4096);
@@ -334,6 +345,16 @@ impl Lane {
         let body = request.split_off(head.len).freeze();
         Some(Next::Request(head, body))
     }
+}
+
+/// What a request's step leaves the connection to do.
+enum Step {
+    /// Read the next request.
+    Again,
+    /// Close (the step has written what was to be written).
+    End,
+    /// Hand it to hyper from the buffer's first byte.
+    Hyper,
 }
 
 // Made once per request and moved once: a box would be an allocation more.
@@ -646,9 +667,44 @@ impl<I: AsyncWrite> AsyncWrite for Rewind<I> {
     }
 }
 
+/// The connection as hyper's, from the first byte of `buf` on. A plain
+/// function, not part of the lane's future: what it takes would otherwise
+/// be kept in that future's storage for the connection's whole life.
+fn hand_off<I, S>(
+    io: I,
+    buf: BytesMut,
+    hyper: Handoff<S>,
+    max_head: usize,
+) -> Pin<Box<dyn Future<Output = ()> + Send>>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let io = Rewind {
+        pre: buf.freeze(),
+        io,
+    };
+    // hyper reads on, but every head it reads is read by the lane's rules
+    // first (`heads.rs`).
+    let io = super::heads::HeadGuard::new(io, max_head, hyper.refusal);
+    hyper.handoffs.inc();
+    Box::pin(serve_connection(
+        hyper.builder,
+        io,
+        hyper.service,
+        hyper.watcher,
+    ))
+}
+
 /// Serves one connection (plain or TLS) under the drain's watch.
 pub(super) async fn serve_connection<I, S>(
-    builder: auto::Builder<TokioExecutor>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,

@@ -1,9 +1,11 @@
-//! Whether a connection makes progress, for the idle watchdog of
-//! `conn.rs`: bytes moved either way ([`Tracked`]), a request handler
+//! Whether a connection makes progress, for the idle watchdog
+//! ([`Sweeper`]): bytes moved either way ([`Tracked`]), a request handler
 //! running ([`Busy`]), or a response body on its way out ([`Streaming`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
 
 /// Whether a connection makes progress: bytes moved, a request handler
 /// running (an upstream answer can take a while), or a response streaming.
@@ -46,33 +48,139 @@ impl Activity {
             self.moved.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
+}
 
-    /// Ends when the connection has been idle for at least `idle` (at most
-    /// half as long again): no bytes either way and no request in hand.
-    /// With a response streaming, ends only once no bytes have moved for
+/// One idle watchdog for all of an accept loop's connections, instead of a
+/// timer task beside each (issue 44: that task cost about 0.9 KB a
+/// connection, idle ones included). Every `idle / 2` it looks at each
+/// connection's [`Activity`] and aborts those that are done; on the kill
+/// it aborts them all.
+#[derive(Clone)]
+pub(super) struct Sweeper {
+    watched: Arc<Mutex<slab::Slab<Watched>>>,
+}
+
+struct Watched {
+    activity: Arc<Activity>,
+    abort: tokio::task::AbortHandle,
+    /// Ticks in a row with no progress.
+    quiet: u32,
+    /// Not looked at yet: a connection accepted just before a tick has not
+    /// been quiet for a whole tick.
+    fresh: bool,
+    /// Aborted already; counted once.
+    closed: bool,
+}
+
+/// A connection's place in the [`Sweeper`], given back when its task ends
+/// (or is aborted: dropping the future drops this).
+pub(super) struct Place {
+    watched: Arc<Mutex<slab::Slab<Watched>>>,
+    key: usize,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        lock(&self.watched).remove(self.key);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Nothing done under this lock can panic half-way.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Sweeper {
+    pub(super) fn new() -> Self {
+        Sweeper {
+            watched: Arc::new(Mutex::new(slab::Slab::new())),
+        }
+    }
+
+    /// Spawns the connection's task with `spawn` and watches it from now
+    /// on. The task holds its [`Place`] for as long as it runs.
+    pub(super) fn spawn<F>(
+        &self,
+        activity: Arc<Activity>,
+        spawn: impl FnOnce(Place) -> tokio::task::JoinHandle<F>,
+    ) {
+        // Held while spawning, so the task's end (on another thread) cannot
+        // give back its place before the place is filled.
+        let mut watched = lock(&self.watched);
+        let entry = watched.vacant_entry();
+        let place = Place {
+            watched: self.watched.clone(),
+            key: entry.key(),
+        };
+        let abort = spawn(place).abort_handle();
+        entry.insert(Watched {
+            activity,
+            abort,
+            quiet: 0,
+            fresh: true,
+            closed: false,
+        });
+    }
+
+    /// Runs until `kill`: closes each connection idle for at least `idle`
+    /// (at most half as long again): no bytes either way and no request in
+    /// hand. With a response streaming, only once no bytes have moved for
     /// longer than `stalled` (strictly longer: a response body whose
     /// upstream went silent is cut at `stalled` by its own timer, and
-    /// logged as that).
-    pub(super) async fn watch(self: Arc<Self>, idle: Duration, stalled: Duration) -> Stop {
-        use std::sync::atomic::Ordering::Relaxed;
+    /// logged as that). `closed` counts each.
+    pub(super) async fn run(
+        self,
+        idle: Duration,
+        stalled: Duration,
+        kill: CancellationToken,
+        closed: impl Fn(Stop),
+    ) {
         let tick = idle / 2;
-        let mut quiet = Duration::ZERO;
         loop {
-            tokio::time::sleep(tick).await;
-            let moved = self.moved.swap(false, Relaxed);
-            if moved || self.busy.load(Relaxed) > 0 {
-                quiet = Duration::ZERO;
-                continue;
-            }
-            quiet += tick;
-            if self.streaming.load(Relaxed) > 0 {
-                if quiet > stalled {
-                    return Stop::Stalled;
+            tokio::select! {
+                _ = kill.cancelled() => {
+                    let all: Vec<_> = lock(&self.watched).iter().map(|(_, w)| w.abort.clone()).collect();
+                    all.iter().for_each(tokio::task::AbortHandle::abort);
+                    return;
                 }
-            } else if quiet >= idle {
-                return Stop::Idle;
+                _ = tokio::time::sleep(tick) => {}
+            }
+            let mut doomed = Vec::new();
+            for (_, w) in lock(&self.watched).iter_mut() {
+                if let Some(stop) = w.look(tick, idle, stalled) {
+                    doomed.push((w.abort.clone(), stop));
+                }
+            }
+            // Aborted outside the lock: the task's end takes it.
+            for (abort, stop) in doomed {
+                closed(stop);
+                abort.abort();
             }
         }
+    }
+}
+
+impl Watched {
+    /// One tick's look: why to close the connection, if it is to be.
+    fn look(&mut self, tick: Duration, idle: Duration, stalled: Duration) -> Option<Stop> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let moved = self.activity.moved.swap(false, Relaxed);
+        if self.closed || std::mem::take(&mut self.fresh) {
+            return None;
+        }
+        if moved || self.activity.busy.load(Relaxed) > 0 {
+            self.quiet = 0;
+            return None;
+        }
+        self.quiet = self.quiet.saturating_add(1);
+        let quiet = tick.saturating_mul(self.quiet);
+        let stop = if self.activity.streaming.load(Relaxed) > 0 {
+            (quiet > stalled).then_some(Stop::Stalled)
+        } else {
+            (quiet >= idle).then_some(Stop::Idle)
+        };
+        self.closed = stop.is_some();
+        stop
     }
 }
 

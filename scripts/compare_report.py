@@ -77,8 +77,10 @@ def main():
         return "-" if v is None else f"{v:.{digits}f}"
 
     lines = [f"Machine: {machine}", ""]
+    # ONLY= may leave out either: a ratio to a row not run is "-".
     direct = med("direct", "value")
-    best = max(v for v in (med("nginx", "value"), med("haproxy", "value")) if v)
+    best = max((v for v in (med("nginx", "value"), med("haproxy", "value")) if v), default=None)
+    over = lambda v, base: "-" if v is None or not base else f"{v / base:.2f}x"  # noqa: E731
     lines += [
         "| system | req/s | p50 ms | p99 ms | proxy CPU µs/req | vs direct | vs best plain proxy |",
         "|---|---|---|---|---|---|---|",
@@ -90,7 +92,7 @@ def main():
         p50 = med(s, "p50")
         lines.append(
             f"| {LABELS.get(s, s)} | {v:.0f} | {fmt(p50, 3)} | {fmt(med(s, 'p99'))} "
-            f"| {fmt(med(s, 'cpu'), 1) if s != 'direct' else '-'} | {v / direct:.2f}x | {v / best:.2f}x |"
+            f"| {fmt(med(s, 'cpu'), 1) if s != 'direct' else '-'} | {over(v, direct)} | {over(v, best)} |"
         )
     ratio = lambda a, b: (  # noqa: E731
         f"{med(a, 'value') / med(b, 'value'):.2f}x" if med(a, "value") and med(b, "value") else "-"
@@ -99,7 +101,7 @@ def main():
         "",
         f"- steady token vs the better plain proxy: {ratio('steady', 'nginx' if med('nginx', 'value') == best else 'haproxy')}",
         f"- disk fsync rate (4 KiB write+fsync, same filesystem): {fsync:.0f}/s; "
-        f"new-key durable advances: {med('newkey', 'value') / fsync:.2f}x that rate",
+        f"new-key durable advances: {over(med('newkey', 'value'), fsync)} that rate",
         f"- shared stores vs the embedded store (steady / new key): "
         f"Redis {ratio('steady-redis', 'steady')} / {ratio('newkey-redis', 'newkey')}, "
         f"PostgreSQL {ratio('steady-postgres', 'steady')} / {ratio('newkey-postgres', 'newkey')}, "

@@ -9,39 +9,6 @@ use std::time::Duration;
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Reads from `s` until `n` answers have come whole (Content-Length or
-/// chunked bodies), or the connection ends; returns their status lines.
-async fn answers(s: &mut tokio::net::TcpStream, n: usize) -> Vec<String> {
-    let mut buf = Vec::new();
-    let mut out = Vec::new();
-    let read = async {
-        loop {
-            while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                let len: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .map_or(0, |v| v.trim().parse().unwrap());
-                if buf.len() < end + 4 + len {
-                    break;
-                }
-                out.push(head.lines().next().unwrap_or_default().to_string());
-                buf.drain(..end + 4 + len);
-                if out.len() == n {
-                    return;
-                }
-            }
-            let mut chunk = [0u8; 4096];
-            match s.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(k) => buf.extend_from_slice(&chunk[..k]),
-            }
-        }
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
-    out
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_body_that_comes_late_is_served_whole() {
     let dir = tempfile::tempdir().unwrap();

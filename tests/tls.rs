@@ -671,3 +671,63 @@ async fn large_answers_over_tls_reach_a_slow_reader_whole() {
         assert_eq!(got, len);
     }
 }
+
+/// A TLS connection between requests waits on its socket (issue 44: it
+/// holds no read buffer then), and still wakes for each thing a client
+/// sends: a request right after the handshake, one after a pause, two
+/// pipelined in one record, and a close_notify, which ends it. One left
+/// idle is closed at the idle timeout, never before.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_connections_between_requests_wake_for_whatever_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "ca");
+    let leaf = ca.server("proxy");
+    let up = start_upstream().await;
+    let args = tls_args(&leaf);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&args)
+        .args(&["--header-read-timeout", "3s"])
+        .spawn();
+    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
+    let connect = || async {
+        let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
+            .await
+            .unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        connector.connect(name, tcp).await.unwrap()
+    };
+    let put = |n: u32| {
+        format!("PUT /k HTTP/1.1\r\nHost: x\r\nX-Fence-Token: {n}\r\nContent-Length: 1\r\n\r\nx")
+    };
+    let opened = tokio::time::Instant::now();
+    let mut idle = connect().await;
+    let mut s = connect().await;
+    s.write_all(put(1).as_bytes()).await.unwrap();
+    assert_eq!(answers(&mut s, 1).await, ["http/1.1 200 ok"]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.write_all(put(2).as_bytes()).await.unwrap();
+    assert_eq!(answers(&mut s, 1).await, ["http/1.1 200 ok"]);
+    s.write_all(format!("{}{}", put(2), put(1)).as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(
+        answers(&mut s, 2).await,
+        ["http/1.1 200 ok", "http/1.1 409 conflict"]
+    );
+    // close_notify while idle: the proxy ends the connection, well before
+    // the idle timeout (3 s, never sooner) would.
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "a close_notify did not end the connection");
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(15), idle.read(&mut byte)).await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "the idle connection was not closed: {read:?}"
+    );
+    assert!(opened.elapsed() >= Duration::from_secs(3));
+    let seen: Vec<_> = up.records().iter().map(|r| r.token.clone()).collect();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+}

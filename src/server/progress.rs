@@ -62,7 +62,8 @@ pub(super) struct Sweeper {
 
 struct Watched {
     activity: Arc<Activity>,
-    abort: tokio::task::AbortHandle,
+    /// Set right after the spawn.
+    abort: Option<tokio::task::AbortHandle>,
     /// Ticks in a row with no progress.
     quiet: u32,
     /// Not looked at yet: a connection accepted just before a tick has not
@@ -81,7 +82,7 @@ pub(super) struct Place {
 
 impl Drop for Place {
     fn drop(&mut self) {
-        lock(&self.watched).remove(self.key);
+        lock(&self.watched).try_remove(self.key);
     }
 }
 
@@ -104,22 +105,25 @@ impl Sweeper {
         activity: Arc<Activity>,
         spawn: impl FnOnce(Place) -> tokio::task::JoinHandle<F>,
     ) {
-        // Held while spawning, so the task's end (on another thread) cannot
-        // give back its place before the place is filled.
-        let mut watched = lock(&self.watched);
-        let entry = watched.vacant_entry();
-        let place = Place {
-            watched: self.watched.clone(),
-            key: entry.key(),
-        };
-        let abort = spawn(place).abort_handle();
-        entry.insert(Watched {
+        let key = lock(&self.watched).insert(Watched {
             activity,
-            abort,
+            abort: None,
             quiet: 0,
             fresh: true,
             closed: false,
         });
+        // Not under the lock: a spawn refused (the runtime shutting down)
+        // drops the task's future, and with it its place, at once.
+        let abort = spawn(Place {
+            watched: self.watched.clone(),
+            key,
+        })
+        .abort_handle();
+        // Gone already if the task ended; the key is not reused meanwhile,
+        // as only this accept loop takes places.
+        if let Some(w) = lock(&self.watched).get_mut(key) {
+            w.abort = Some(abort);
+        }
     }
 
     /// Runs until `kill`: closes each connection idle for at least `idle`
@@ -139,7 +143,7 @@ impl Sweeper {
         loop {
             tokio::select! {
                 _ = kill.cancelled() => {
-                    let all: Vec<_> = lock(&self.watched).iter().map(|(_, w)| w.abort.clone()).collect();
+                    let all: Vec<_> = lock(&self.watched).iter().filter_map(|(_, w)| w.abort.clone()).collect();
                     all.iter().for_each(tokio::task::AbortHandle::abort);
                     return;
                 }
@@ -147,8 +151,10 @@ impl Sweeper {
             }
             let mut doomed = Vec::new();
             for (_, w) in lock(&self.watched).iter_mut() {
-                if let Some(stop) = w.look(tick, idle, stalled) {
-                    doomed.push((w.abort.clone(), stop));
+                if let Some(abort) = w.abort.clone() {
+                    if let Some(stop) = w.look(tick, idle, stalled) {
+                        doomed.push((abort, stop));
+                    }
                 }
             }
             // Aborted outside the lock: the task's end takes it.

@@ -937,6 +937,40 @@ pub fn write_config(path: &std::path::Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
+/// Reads from `s` until `n` answers have come whole (their bodies
+/// framed by Content-Length), or the connection ends; returns their status lines.
+pub async fn answers<S: tokio::io::AsyncRead + Unpin>(s: &mut S, n: usize) -> Vec<String> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    let read = async {
+        loop {
+            while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if buf.len() < end + 4 + len {
+                    break;
+                }
+                out.push(head.lines().next().unwrap_or_default().to_string());
+                buf.drain(..end + 4 + len);
+                if out.len() == n {
+                    return;
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(k) => buf.extend_from_slice(&chunk[..k]),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
+    out
+}
+
 /// The value of the first metric line starting with `line_prefix` (labels
 /// included), from the admin listener.
 pub async fn metric(p: &Proxy, line_prefix: &str) -> Option<f64> {

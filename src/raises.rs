@@ -49,11 +49,11 @@ pub struct Raise {
     pub key: String,
     /// Tokens go out as strings: JSON readers (the page's JavaScript among
     /// them) lose precision on integers past 2^53.
-    #[serde(serialize_with = "decimal")]
+    #[serde(serialize_with = "crate::token::serialize_as_text")]
     pub token: u64,
     /// The highest before it, when the store said (`None`: a new key, or
     /// not known).
-    #[serde(serialize_with = "maybe_decimal")]
+    #[serde(serialize_with = "crate::token::serialize_maybe_as_text")]
     pub previous: Option<u64>,
     pub method: String,
     /// The request target, bounded and with credentials redacted, as a
@@ -66,14 +66,6 @@ pub struct Raise {
     pub user_agent: Option<String>,
     pub request_id: String,
     pub trace_id: Option<String>,
-}
-
-fn decimal<S: serde::Serializer>(token: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(token)
-}
-
-fn maybe_decimal<S: serde::Serializer>(token: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
-    token.map(|t| t.to_string()).serialize(s)
 }
 
 /// The ring of the last raises.
@@ -194,7 +186,9 @@ impl Raises {
     /// The reset generation now: read before a raise is asked for, and
     /// given to [`Raises::push`] with it.
     pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::SeqCst)
+        // Acquire: not moved after the store call it precedes. A value
+        // older than the newest only drops a raise, never names a wrong one.
+        self.generation.load(Ordering::Acquire)
     }
 
     /// The kept raise of `key` with the highest token, if any.

@@ -40,9 +40,9 @@ pub struct Refusal {
     /// The token the request carried, and the key's highest when it was
     /// refused as stale; strings in JSON (past 2^53 a JSON number loses
     /// precision in most readers).
-    #[serde(serialize_with = "maybe_token_text")]
+    #[serde(serialize_with = "crate::token::serialize_maybe_as_text")]
     pub token: Option<u64>,
-    #[serde(serialize_with = "maybe_token_text")]
+    #[serde(serialize_with = "crate::token::serialize_maybe_as_text")]
     pub highest: Option<u64>,
     /// The client: the socket's peer, or the one a PROXY header or a
     /// trusted proxy names.
@@ -51,11 +51,6 @@ pub struct Refusal {
     pub request_id: String,
     /// The W3C trace the client's `traceparent` names.
     pub trace_id: Option<String>,
-}
-
-/// An optional token as JSON text (`null` when absent).
-fn maybe_token_text<S: serde::Serializer>(token: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
-    token.map(|t| t.to_string()).serialize(s)
 }
 
 /// The longest request target kept (and logged): longer ones are cut, and

@@ -77,6 +77,24 @@ fn trim_ows(raw: &[u8]) -> &[u8] {
     &raw[start..end]
 }
 
+/// A token in a JSON answer, as a decimal string: JSON readers (the admin
+/// page's JavaScript among them) lose precision on integers past 2^53, so
+/// every token the admin API gives out is text. For `serialize_with`.
+pub fn serialize_as_text<S: serde::Serializer>(token: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(token)
+}
+
+/// [`serialize_as_text`] for a token that may be absent (`null`).
+pub fn serialize_maybe_as_text<S: serde::Serializer>(
+    token: &Option<u64>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match token {
+        Some(t) => s.collect_str(t),
+        None => s.serialize_none(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

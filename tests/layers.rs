@@ -35,9 +35,10 @@ const FLOORS: &[&[&str]] = &[
         "metrics",
         "tls",
         "h1",
-        "refusals",
-        "raises",
     ],
+    // What operators are shown of past requests: the last refusals and
+    // raises (their tokens as text, from `token`).
+    &["refusals", "raises"],
     // The validated configuration, as data.
     &["config"],
     // The store contract and its engines.

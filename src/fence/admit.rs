@@ -318,15 +318,17 @@ impl Fence {
         } else {
             match self.store.advance(key, token).await? {
                 Advance::Stale { highest } => highest,
-                // Equal too: the raise that got there may be under 50 ms
+                Advance::Raised { previous } => {
+                    *raised = Some(Raised::From {
+                        previous,
+                        at_ms: crate::clock::wall_ms(),
+                    });
+                    self.follow_shared_raise(key, token).await;
+                    token
+                }
+                // Followed too: the raise that got there may be under 50 ms
                 // old.
-                answer @ (Advance::Raised { .. } | Advance::Equal) => {
-                    if let Advance::Raised { previous } = answer {
-                        *raised = Some(Raised::From {
-                            previous,
-                            at_ms: crate::clock::wall_ms(),
-                        });
-                    }
+                Advance::Equal => {
                     self.follow_shared_raise(key, token).await;
                     token
                 }

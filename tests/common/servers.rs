@@ -106,12 +106,37 @@ fn init_store_with(url: &str, args: &[String]) {
     }
 }
 
+/// A loopback port for a server started later (its binary binds it, after
+/// an `initdb` that can take seconds). Below the ephemeral range: a port
+/// the kernel hands out for `:0` can meanwhile become another test's
+/// outgoing connection's source port, and the server then fails to bind
+/// ("postgres never became ready", seen in CI). Never the same one twice
+/// in a process.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
+    use std::hash::BuildHasher;
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    if low > 11000 {
+        let random = std::collections::hash_map::RandomState::new();
+        for i in 0..1000u32 {
+            let port = 10000 + (random.hash_one(i) % u64::from(low - 10000)) as u16;
+            if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return port;
+            }
+        }
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port()
+        .port();
+    given.push(port);
+    port
 }
 
 pub fn require(bin: &str, package: &str) -> String {

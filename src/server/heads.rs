@@ -339,6 +339,12 @@ impl<I: AsyncRead> AsyncRead for HeadGuard<I> {
                 let n = this.ready.len().min(buf.remaining());
                 buf.put_slice(&this.ready[..n]);
                 this.ready.advance(n);
+                if this.ready.is_empty() {
+                    // Given back, not kept for the connection's life: an
+                    // HTTP/2 connection passes through here once, and an
+                    // idle one would hold it (issue 44).
+                    *this.ready = BytesMut::new();
+                }
                 return Poll::Ready(Ok(()));
             }
             if *this.eof {
@@ -386,6 +392,10 @@ impl<I: AsyncRead> AsyncRead for HeadGuard<I> {
                 // A head cut short by the end: hyper sees what came.
                 this.ready.extend_from_slice(this.held);
                 this.held.clear();
+            }
+            if this.held.is_empty() {
+                // Taken again when bytes are to be judged (as `ready`).
+                *this.held = BytesMut::new();
             }
         }
     }

@@ -631,6 +631,11 @@ impl<I: AsyncRead> AsyncRead for Rewind<I> {
             let n = this.pre.len().min(buf.remaining());
             buf.put_slice(&this.pre[..n]);
             this.pre.advance(n);
+            if this.pre.is_empty() {
+                // The lane's read buffer is freed, not held by an empty
+                // view for the connection's life (issue 44).
+                *this.pre = Bytes::new();
+            }
             return Poll::Ready(Ok(()));
         }
         this.io.poll_read(cx, buf)

@@ -18,27 +18,28 @@
 //!    [`metrics`] (the Prometheus registry and handles), [`tls`]
 //!    (certificates and rustls configs; the TLS settings' types), [`h1`]
 //!    (the HTTP/1.1 heads the request path reads and writes itself),
-//!    [`refusals`] and [`raises`] (the last refusals and raises, kept for
-//!    the operator).
-//! 1. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
+//!    [`ring`] (a bounded ring of numbered entries).
+//! 1. [`refusals`] and [`raises`]: the last refusals and raises, kept for
+//!    the operator.
+//! 2. [`config`]: the TOML/flag shape ([`config::RawConfig`]) and the
 //!    validated [`config::Config`] built from it with `TryFrom`.
-//! 2. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
+//! 3. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
 //!    its engines ([`store::embedded`], redb with group commit; Redis,
 //!    PostgreSQL and etcd behind [`store::shared`]).
-//! 3. [`fence`]: admission and ordering (stale / equal / raise, waiting
+//! 4. [`fence`]: admission and ordering (stale / equal / raise, waiting
 //!    behind older in-flight writes, crash recovery), one file per concern.
-//! 4. [`error`]: the one place where errors become HTTP answers
+//! 5. [`error`]: the one place where errors become HTTP answers
 //!    (problem+json, S3's XML, or gRPC statuses for gRPC calls).
-//! 5. What the services share: [`routing`] (route matching, the fence key
+//! 6. What the services share: [`routing`] (route matching, the fence key
 //!    a route gives, and `explain` for people, reached through the
 //!    [`routing::Explain`] trait) and [`upstream`] (a route's connections,
 //!    a pool per worker, and one exchange, never sent twice).
-//! 6. The services, side by side: [`proxy`] (the request path: classify,
+//! 7. The services, side by side: [`proxy`] (the request path: classify,
 //!    fence, forward), [`lease`] (the lock service), [`admin`] (metrics,
 //!    health, fence lookups, `confirm-reset`).
-//! 7. [`workers`]: the worker threads (one runtime, listener and upstream
+//! 8. [`workers`]: the worker threads (one runtime, listener and upstream
 //!    pool each) and the CPU count they default to.
-//! 8. [`server`]: listeners, connection serving, reload, graceful
+//! 9. [`server`]: listeners, connection serving, reload, graceful
 //!    shutdown.
 //!
 //! The binary (`src/main.rs`, its command line in `src/cli/`) parses flags,
@@ -61,6 +62,7 @@ pub mod proxy;
 pub mod proxy_protocol;
 pub mod raises;
 pub mod refusals;
+pub mod ring;
 pub mod routing;
 pub mod server;
 pub mod slot;

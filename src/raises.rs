@@ -11,15 +11,14 @@
 //! store, or before this process started, or pushed out of the ring, is
 //! absent, and the lookup says so.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use serde::Serialize;
 
-/// The most entries a ring may be configured to keep.
-pub const MAX_KEPT: usize = 100_000;
+use crate::ring::{Numbered, SeqRing};
 
 /// How the raise was seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -68,6 +67,15 @@ pub struct Raise {
     pub trace_id: Option<String>,
 }
 
+impl Numbered for Raise {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn set_seq(&mut self, seq: u64) {
+        self.seq = seq;
+    }
+}
+
 /// The ring of the last raises.
 #[derive(Debug)]
 pub struct Raises {
@@ -79,13 +87,12 @@ pub struct Raises {
     generation: AtomicU64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Ring {
-    entries: VecDeque<Raise>,
+    entries: SeqRing<Raise>,
     /// Per key in `entries`: the sequence number of its entry with the
     /// highest token.
     newest: HashMap<String, (u64, u64)>,
-    next: u64,
     /// The generation of each key's last reset, and of the last clear: a
     /// raise made before it (pushed once its write stopped waiting, which
     /// may be after the reset) names nothing.
@@ -100,12 +107,14 @@ const RESETS_KEPT: usize = 4096;
 impl Raises {
     /// A ring of the last `kept` raises (0: none kept).
     pub fn new(kept: usize) -> Self {
+        let entries = SeqRing::new(kept);
         Self {
-            kept: kept.min(MAX_KEPT),
+            kept: entries.kept(),
             state: Mutex::new(Ring {
-                entries: VecDeque::with_capacity(kept.min(1024)),
-                next: 1,
-                ..Ring::default()
+                entries,
+                newest: HashMap::new(),
+                resets: HashMap::new(),
+                cleared: 0,
             }),
             generation: AtomicU64::new(0),
         }
@@ -129,7 +138,7 @@ impl Raises {
     /// `since` is [`Raises::generation`] read before the raise was asked
     /// for: a raise that a reset of its key (or of every key) may have
     /// undone since is not kept.
-    pub fn push(&self, mut r: Raise, since: u64) {
+    pub fn push(&self, r: Raise, since: u64) {
         if self.kept == 0 {
             return;
         }
@@ -141,23 +150,20 @@ impl Raises {
         if r.kind == Kind::FirstHere && newest.is_some_and(|(_, token)| token == r.token) {
             return;
         }
-        r.seq = ring.next;
-        ring.next += 1;
-        if ring.entries.len() == self.kept {
-            if let Some(old) = ring.entries.pop_front() {
-                if ring
-                    .newest
-                    .get(&old.key)
-                    .is_some_and(|(s, _)| *s == old.seq)
-                {
-                    ring.newest.remove(&old.key);
-                }
+        let (key, token) = (r.key.clone(), r.token);
+        if let Some(old) = ring.entries.push(r) {
+            if ring
+                .newest
+                .get(&old.key)
+                .is_some_and(|(s, _)| *s == old.seq)
+            {
+                ring.newest.remove(&old.key);
             }
         }
-        if newest.is_none_or(|(_, token)| token <= r.token) {
-            ring.newest.insert(r.key.clone(), (r.seq, r.token));
+        if newest.is_none_or(|(_, t)| t <= token) {
+            let seq = ring.entries.newest();
+            ring.newest.insert(key, (seq, token));
         }
-        ring.entries.push_back(r);
     }
 
     /// Forgets `key`'s raises (an operator reset its fence: a raise from
@@ -195,10 +201,7 @@ impl Raises {
     pub fn last(&self, key: &str) -> Option<Raise> {
         let ring = self.state.lock().expect("raise ring lock");
         let (seq, _) = *ring.newest.get(key)?;
-        // Entries are numbered without gaps from the front's number.
-        let front = ring.entries.front()?.seq;
-        let at = usize::try_from(seq.checked_sub(front)?).ok()?;
-        ring.entries.get(at).cloned()
+        ring.entries.get(seq).cloned()
     }
 }
 

@@ -9,14 +9,12 @@
 //! of them (a stale writer retrying) contends on it no more than on the
 //! log line each also writes.
 
-use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::Mutex;
 
 use serde::Serialize;
 
-/// The most entries a ring may be configured to keep.
-pub const MAX_KEPT: usize = 100_000;
+use crate::ring::{Numbered, SeqRing};
 
 /// One refusal, as the operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -126,24 +124,25 @@ pub struct Filter {
 #[derive(Debug)]
 pub struct Refusals {
     kept: usize,
-    state: Mutex<Ring>,
+    state: Mutex<SeqRing<Refusal>>,
 }
 
-#[derive(Debug, Default)]
-struct Ring {
-    entries: VecDeque<Refusal>,
-    next: u64,
+impl Numbered for Refusal {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn set_seq(&mut self, seq: u64) {
+        self.seq = seq;
+    }
 }
 
 impl Refusals {
     /// A ring of the last `kept` refusals (0: none kept).
     pub fn new(kept: usize) -> Self {
+        let ring = SeqRing::new(kept);
         Self {
-            kept: kept.min(MAX_KEPT),
-            state: Mutex::new(Ring {
-                entries: VecDeque::with_capacity(kept.min(1024)),
-                next: 1,
-            }),
+            kept: ring.kept(),
+            state: Mutex::new(ring),
         }
     }
 
@@ -154,31 +153,24 @@ impl Refusals {
 
     /// The sequence number of the newest refusal so far (0: none yet).
     pub fn newest(&self) -> u64 {
-        self.state.lock().expect("refusal ring lock").next - 1
+        self.state.lock().expect("refusal ring lock").newest()
     }
 
     /// Adds `r`, numbered next (its `seq` is set here), dropping the
     /// oldest when full.
-    pub fn push(&self, mut r: Refusal) {
+    pub fn push(&self, r: Refusal) {
         if self.kept == 0 {
             return;
         }
-        let mut ring = self.state.lock().expect("refusal ring lock");
-        r.seq = ring.next;
-        ring.next += 1;
-        if ring.entries.len() == self.kept {
-            ring.entries.pop_front();
-        }
-        ring.entries.push_back(r);
+        self.state.lock().expect("refusal ring lock").push(r);
     }
 
     /// The refusals `f` asks for, oldest first, and the sequence number of
     /// the newest refusal so far (0: none yet), for the next `since`.
     pub fn read(&self, f: &Filter) -> (Vec<Refusal>, u64) {
         let ring = self.state.lock().expect("refusal ring lock");
-        let newest = ring.next - 1;
+        let newest = ring.newest();
         let mut out: Vec<Refusal> = ring
-            .entries
             .iter()
             .rev()
             .take_while(|r| r.seq > f.since)

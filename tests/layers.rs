@@ -35,6 +35,7 @@ const FLOORS: &[&[&str]] = &[
         "metrics",
         "tls",
         "h1",
+        "ring",
     ],
     // What operators are shown of past requests: the last refusals and
     // raises (their tokens as text, from `token`).

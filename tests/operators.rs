@@ -18,14 +18,7 @@ async fn setup(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {
 }
 
 async fn refusals(p: &Proxy, query: &str) -> Answer {
-    let auth = format!("Bearer {TOKEN}");
-    send(
-        "GET",
-        &p.admin_url(&format!("/v1/refusals?{query}")),
-        &[("authorization", &auth)],
-        "",
-    )
-    .await
+    admin_get(p, &format!("/v1/refusals?{query}")).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -101,14 +94,7 @@ async fn a_stale_write_is_found_with_its_writer_and_tokens() {
 }
 
 async fn lookup(p: &Proxy, path: &str) -> serde_json::Value {
-    let auth = format!("Bearer {TOKEN}");
-    let a = send(
-        "GET",
-        &p.admin_url(&format!("/v1/fences?path={path}")),
-        &[("authorization", &auth)],
-        "",
-    )
-    .await;
+    let a = admin_get(p, &format!("/v1/fences?path={path}")).await;
     assert_eq!(a.status, 200, "{}", a.text());
     a.json()
 }
@@ -374,8 +360,7 @@ async fn the_page_is_served_whole_and_its_status_is_for_the_admin() {
     assert_eq!(send("GET", &url, &[], "").await.status, 401);
     assert_eq!(put(&p.url("/k"), "5").await.status, 200);
     assert_eq!(put(&p.url("/k"), "4").await.status, 409);
-    let auth = format!("Bearer {TOKEN}");
-    let a = send("GET", &url, &[("authorization", &auth)], "").await;
+    let a = admin_get(&p, "/v1/status").await;
     assert_eq!(a.status, 200, "{}", a.text());
     let j = a.json();
     assert_eq!(j["store"]["engine"], "embedded", "{j}");

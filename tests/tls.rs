@@ -66,6 +66,20 @@ fn tls_args(leaf: &Leaf) -> Vec<String> {
     ]
 }
 
+/// fencegate with a TLS listener (a certificate from a CA made in `dir`)
+/// in front of `up`, with `extra` flags.
+fn with_tls_listener(dir: &std::path::Path, up: &Upstream, extra: &[&str]) -> (TestCa, Proxy) {
+    let ca = TestCa::new(dir, "ca");
+    let leaf = ca.server("proxy");
+    let args = tls_args(&leaf);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let p = ProxyBuilder::new(&up.url(), dir)
+        .args(&args)
+        .args(extra)
+        .spawn();
+    (ca, p)
+}
+
 fn https(p: &Proxy, path: &str) -> String {
     format!("https://{}{}", p.tls.expect("a TLS listener"), path)
 }
@@ -73,12 +87,8 @@ fn https(p: &Proxy, path: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn tls_listener_fences_the_same_over_http1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
-    let ca = TestCa::new(dir.path(), "ca");
-    let leaf = ca.server("proxy");
     let up = start_upstream().await;
-    let args = tls_args(&leaf);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let p = ProxyBuilder::new(&up.url(), dir.path()).args(&args).spawn();
+    let (ca, p) = with_tls_listener(dir.path(), &up, &[]);
 
     assert_eq!(listening_sockets(p.child.id()), 3, "plain, TLS and admin");
     let h1 = https_client(&ca.pem, None, Alpn::Http1);
@@ -639,18 +649,11 @@ async fn read_answer_slowly<S: tokio::io::AsyncRead + Unpin>(
 #[tokio::test(flavor = "multi_thread")]
 async fn large_answers_over_tls_reach_a_slow_reader_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let ca = TestCa::new(dir.path(), "ca");
-    let leaf = ca.server("proxy");
     // More than loopback's socket buffers hold, so that the proxy's last
     // writes meet a full socket.
     let len = 16 << 20;
     let up = start_big_upstream(len).await;
-    let args = tls_args(&leaf);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let p = ProxyBuilder::new(&up.url(), dir.path())
-        .args(&args)
-        .args(&["--header-read-timeout", "30s"])
-        .spawn();
+    let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "30s"]);
     let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
     let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
         .await
@@ -680,15 +683,8 @@ async fn large_answers_over_tls_reach_a_slow_reader_whole() {
 #[tokio::test(flavor = "multi_thread")]
 async fn tls_connections_between_requests_wake_for_whatever_comes() {
     let dir = tempfile::tempdir().unwrap();
-    let ca = TestCa::new(dir.path(), "ca");
-    let leaf = ca.server("proxy");
     let up = start_upstream().await;
-    let args = tls_args(&leaf);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let p = ProxyBuilder::new(&up.url(), dir.path())
-        .args(&args)
-        .args(&["--header-read-timeout", "3s"])
-        .spawn();
+    let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "3s"]);
     let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
     let connect = || async {
         let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())

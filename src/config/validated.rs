@@ -263,14 +263,9 @@ impl TryFrom<RawConfig> for Config {
                 "refusals_kept",
                 raw.refusals_kept,
                 256,
-                crate::refusals::MAX_KEPT,
+                crate::ring::MAX_KEPT,
             )?,
-            raises_kept: ring_size(
-                "raises_kept",
-                raw.raises_kept,
-                1024,
-                crate::raises::MAX_KEPT,
-            )?,
+            raises_kept: ring_size("raises_kept", raw.raises_kept, 1024, crate::ring::MAX_KEPT)?,
             proxy_protocol,
             trusted_proxies,
             limits: Limits {

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::heads::{close_unless_upgraded, may_upgrade, Refusal};
-use super::lane::{serve_connection, Handoff, Lane};
+use super::lane::{serve_connection, ConnService, Handoff, Lane};
 use super::progress::{Activity, Busy, Streaming, StreamingBody, Sweeper, Tracked};
 use crate::error::ProxyBody;
 use crate::metrics::Metrics;
@@ -249,13 +249,7 @@ where
         + Unpin
         + Send
         + 'static,
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = http::Response<ProxyBody>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: ConnService,
 {
     match lane {
         Some(lane) => {

@@ -126,6 +126,29 @@ pub(super) struct Lane {
     pub(super) body_wait: Duration,
 }
 
+/// What serves a connection's requests on hyper's side.
+pub(super) trait ConnService:
+    hyper::service::Service<
+        Request<Incoming>,
+        Response = Response<ProxyBody>,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S> ConnService for S where
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
 /// What the hyper side of a connection needs if it takes over.
 pub(super) struct Handoff<S> {
     /// Shared by the listener's connections; copied only by a connection
@@ -156,13 +179,7 @@ impl Lane {
         hyper: Box<Handoff<S>>,
     ) where
         I: AsyncRead + AsyncWrite + WaitReadable + Unpin + Send + 'static,
-        S: hyper::service::Service<
-                Request<Incoming>,
-                Response = Response<ProxyBody>,
-                Error = std::convert::Infallible,
-            > + Send
-            + 'static,
-        S::Future: Send + 'static,
+        S: ConnService,
     {
         let mut buf = BytesMut::new();
         let mut out = Vec::new();
@@ -683,13 +700,7 @@ fn hand_off<I, S>(
 ) -> Pin<Box<dyn Future<Output = ()> + Send>>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = Response<ProxyBody>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: ConnService,
 {
     let io = Rewind {
         pre: buf.freeze(),
@@ -715,13 +726,7 @@ pub(super) async fn serve_connection<I, S>(
     watcher: hyper_util::server::graceful::Watcher,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            Request<Incoming>,
-            Response = http::Response<ProxyBody>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: ConnService,
 {
     // With upgrades: a WebSocket route hands its connections to a tunnel.
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);

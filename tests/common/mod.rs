@@ -1075,6 +1075,13 @@ pub async fn queued(p: &Proxy, n: u32) {
 /// The admin bearer token of [`with_admin_token`]'s proxies.
 pub const ADMIN_TOKEN: &str = "operator-token-0123456789";
 
+/// GET `path` on `p`'s admin listener with the operator's token
+/// ([`ADMIN_TOKEN`]).
+pub async fn admin_get(p: &Proxy, path: &str) -> Answer {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    send("GET", &p.admin_url(path), &[("authorization", &auth)], "").await
+}
+
 /// A proxy in front of a fresh upstream, its admin token [`ADMIN_TOKEN`]
 /// (`--admin-token-file`), with `extra` flags.
 pub async fn with_admin_token(extra: &[&str]) -> (tempfile::TempDir, Upstream, Proxy) {

@@ -727,3 +727,53 @@ async fn tls_connections_between_requests_wake_for_whatever_comes() {
     let seen: Vec<_> = up.records().iter().map(|r| r.token.clone()).collect();
     assert_eq!(seen.len(), 3, "{seen:?}");
 }
+
+/// A client that drips one TLS record a byte at a time never gives the
+/// proxy a byte of a request: the connection is idle, and closed at the
+/// idle timeout, however long the record takes (progress is counted in
+/// plaintext; found by a black-box attack: 20 such connections held a
+/// listener's every slot).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tls_record_dripped_a_byte_at_a_time_does_not_pin_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "1s"]);
+    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
+    let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut s = connector.connect(name, tcp).await.unwrap();
+    let (tcp, _) = s.get_mut();
+    let (mut rd, mut wr) = tcp.split();
+    // An application-data record of 64 bytes, sent over about 20 s.
+    let mut record = vec![0x17, 0x03, 0x03, 0x00, 0x40];
+    record.extend([0x55; 64]);
+    let drip = async {
+        for b in &record {
+            if wr.write_all(std::slice::from_ref(b)).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    };
+    // Until the end (the session tickets the server sent come first).
+    let closed = async {
+        let mut buf = [0u8; 4096];
+        while matches!(rd.read(&mut buf).await, Ok(n) if n > 0) {}
+    };
+    tokio::select! {
+        () = closed => {}
+        () = drip => panic!("the connection outlived a 20 s drip of one record"),
+    }
+    assert_eq!(
+        metric(
+            &p,
+            "fencegate_connections_closed_total{listener=\"tls\",reason=\"idle\"}"
+        )
+        .await,
+        Some(1.0),
+        "{}",
+        p.stderr()
+    );
+}

@@ -341,7 +341,12 @@ where
                 }
                 let _ = stream.set_nodelay(true);
                 let activity = Arc::new(Activity::default());
-                let mut stream = Tracked::new(stream, activity.clone());
+                let mut stream = stream;
+                // Progress is counted in the bytes the connection's engine
+                // reads and writes: on TLS, plaintext, so that a client
+                // that drips a record that never completes (no request
+                // ever begins) is idle, as a silent one is.
+                let tracked = activity.clone();
                 let handler = handler.clone();
                 let busy = activity.clone();
                 let busy_watch = activity.clone();
@@ -358,7 +363,7 @@ where
                 // that serving it needs is in the engine's own box, so an
                 // idle connection's task holds two pointers (issue 44).
                 let setup = Box::pin(async move {
-                    let peer = behind.client(stream.inner_mut(), peer).await?;
+                    let peer = behind.client(&mut stream, peer).await?;
                     let activity = busy.clone();
                     // What the lane's head guard refused, once hyper holds
                     // the connection (`heads.rs`).
@@ -413,13 +418,18 @@ where
                     // of a value moved out before an await if its binding
                     // or temporary outlives the await.
                     Some(match tls {
-                        None => engine(lane, stream, peer, activity, stop, hyper, engines),
+                        None => {
+                            let stream = Tracked::new(stream, tracked);
+                            engine(lane, stream, peer, activity, stop, hyper, engines)
+                        }
                         Some(tls) => {
+                            // The handshake is bounded by its own timeout.
                             let handshake = Box::pin(tls.handshake(stream, peer, &stop));
                             let stream = handshake.await?;
                             // HTTP/2 by ALPN is hyper's from the start.
                             let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
                             let lane = lane.filter(|_| !h2);
+                            let stream = Tracked::new(stream, tracked);
                             engine(lane, stream, peer, activity, stop, hyper, engines)
                         }
                     })

@@ -64,27 +64,27 @@ pub(super) trait WaitReadable {
 
 /// By polling, not tokio's `readable()` and `peek()`: their futures (152
 /// and 232 bytes) would be kept in every idle connection's state.
-impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
+impl WaitReadable for tokio::net::TcpStream {
     async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
         if fresh {
             // On a new connection the first read came before any byte
             // (strace: recvfrom EAGAIN right after accept4, 2026-12-06),
             // and so did its buffer; after a PROXY header, read exactly,
-            // the readiness is stale too. A one-byte peek waits for a
-            // real byte (one recv more per connection; measured: 14 KB
-            // an idle connection with the buffer, 5.6 KB without).
-            // Later the readiness is mostly true: a read that came back
-            // short cleared it, and so did the watch for a client that
-            // closes, when an exchange waits. Where it is stale (a
-            // refusal answered at once after a read that filled the
-            // buffer), the read finds nothing and waits with its buffer
-            // taken: correct, only costlier.
+            // or a TLS handshake, the readiness is stale too. A one-byte
+            // peek waits for a real byte (one recv more per connection;
+            // measured: 14 KB an idle connection with the buffer, 5.6 KB
+            // without). Later the readiness is mostly true: a read that
+            // came back short cleared it, and so did the watch for a
+            // client that closes, when an exchange waits. Where it is
+            // stale (a refusal answered at once after a read that filled
+            // the buffer), the read finds nothing and waits with its
+            // buffer taken: correct, only costlier.
             let mut one = [0u8; 1];
-            std::future::poll_fn(|cx| self.inner().poll_peek(cx, &mut ReadBuf::new(&mut one)))
+            std::future::poll_fn(|cx| self.poll_peek(cx, &mut ReadBuf::new(&mut one)))
                 .await
                 .map(drop)
         } else {
-            std::future::poll_fn(|cx| self.inner().poll_read_ready(cx)).await
+            std::future::poll_fn(|cx| self.poll_read_ready(cx)).await
         }
     }
 }
@@ -93,9 +93,7 @@ impl WaitReadable for super::progress::Tracked<tokio::net::TcpStream> {
 /// there at once. Otherwise its next bytes come from the socket (rustls
 /// decrypts every whole record it has read before a read returns, so none
 /// waits inside it for bytes that already came).
-impl WaitReadable
-    for tokio_rustls::server::TlsStream<super::progress::Tracked<tokio::net::TcpStream>>
-{
+impl WaitReadable for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
     async fn wait_readable(&self, fresh: bool) -> std::io::Result<()> {
         let (socket, tls) = self.get_ref();
         if tls.wants_read() {
@@ -104,6 +102,15 @@ impl WaitReadable
             // Plaintext waiting, or the peer's close_notify to read.
             Ok(())
         }
+    }
+}
+
+impl<I: WaitReadable + Sync> WaitReadable for super::progress::Tracked<I> {
+    fn wait_readable(
+        &self,
+        fresh: bool,
+    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send {
+        self.inner().wait_readable(fresh)
     }
 }
 

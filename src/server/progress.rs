@@ -349,10 +349,4 @@ impl<I> Tracked<I> {
     pub(super) fn inner(&self) -> &I {
         &self.inner
     }
-
-    /// The socket itself, for what is read before any request (the PROXY
-    /// header).
-    pub(super) fn inner_mut(&mut self) -> &mut I {
-        &mut self.inner
-    }
 }

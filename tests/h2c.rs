@@ -339,3 +339,77 @@ async fn answers_to_head_have_no_body_over_h2c() {
     assert!(body.is_empty());
     assert!(up.records().iter().any(|r| r.method == "HEAD"));
 }
+
+/// On HTTP/2 a stream is progress, bytes alone are not: a connection that
+/// only sends PINGs, or drips one HEADERS frame a byte at a time, has no
+/// request and is closed at the idle timeout (found by a black-box attack:
+/// such connections held a listener's every slot).
+#[tokio::test(flavor = "multi_thread")]
+async fn pings_or_a_dripped_headers_frame_do_not_pin_an_h2c_connection() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let up = start_upstream().await;
+    let p = ProxyBuilder::new(&up.url(), dir.path())
+        .args(&["--header-read-timeout", "1s"])
+        .spawn();
+    // A frame: 24-bit length, type, flags, stream id.
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend([kind, flags]);
+        f.extend(stream.to_be_bytes());
+        f.extend(payload);
+        f
+    };
+    let pinger = |drip: bool| {
+        let addr = p.addr;
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(4, 0, 0, &[]));
+        // PING frames, or one HEADERS frame of 100 bytes a byte at a time:
+        // about 20 s either way.
+        let pieces: Vec<Vec<u8>> = if drip {
+            let mut headers = frame(1, 0x4, 1, &[0x82; 100]);
+            headers.truncate(9 + 60);
+            headers.into_iter().map(|b| vec![b]).collect()
+        } else {
+            (0..69u8).map(|i| frame(6, 0, 0, &[i; 8])).collect()
+        };
+        async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(&hello).await.unwrap();
+            let (mut rd, mut wr) = s.split();
+            let send = async {
+                for piece in &pieces {
+                    if wr.write_all(piece).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            };
+            let closed = async {
+                let mut buf = [0u8; 4096];
+                while matches!(rd.read(&mut buf).await, Ok(n) if n > 0) {}
+            };
+            tokio::select! {
+                () = closed => true,
+                () = send => false,
+            }
+        }
+    };
+    let (pings, dripped) = tokio::join!(pinger(false), pinger(true));
+    assert!(pings, "PINGs kept the connection for 20 s");
+    assert!(
+        dripped,
+        "a dripped HEADERS frame kept the connection for 20 s"
+    );
+    assert_eq!(
+        metric(
+            &p,
+            "fencegate_connections_closed_total{listener=\"proxy\",reason=\"idle\"}"
+        )
+        .await,
+        Some(2.0),
+        "{}",
+        p.stderr()
+    );
+}

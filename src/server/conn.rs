@@ -428,6 +428,7 @@ where
                             let stream = handshake.await?;
                             // HTTP/2 by ALPN is hyper's from the start.
                             let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                            activity.h2.store(h2, std::sync::atomic::Ordering::Relaxed);
                             let lane = lane.filter(|_| !h2);
                             let stream = Tracked::new(stream, tracked);
                             engine(lane, stream, peer, activity, stop, hyper, engines)

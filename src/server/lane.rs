@@ -213,6 +213,12 @@ impl Lane {
                 Step::Again => {}
                 Step::End => return,
                 Step::Hyper => {
+                    if buf.starts_with(b"PRI * HTTP/2.0") {
+                        // h2c with prior knowledge: see `Activity::h2`.
+                        activity
+                            .h2
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                     let hyper_side = hand_off(io, buf, *hyper, self.max_head);
                     return hyper_side.await;
                 }

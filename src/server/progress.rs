@@ -17,6 +17,10 @@ pub(super) struct Activity {
     /// download): the connection is not idle, but bounded by the longer
     /// `limits.response_idle_timeout`.
     pub(super) streaming: std::sync::atomic::AtomicUsize,
+    /// Served as HTTP/2: bytes alone are no progress (a PING, or a HEADERS
+    /// frame dripped a byte at a time, would keep the connection forever);
+    /// a stream is.
+    pub(super) h2: std::sync::atomic::AtomicBool,
 }
 
 /// Why the watchdog closes a connection (`connections_closed_total`'s
@@ -174,13 +178,15 @@ impl Watched {
         if self.closed || std::mem::take(&mut self.fresh) {
             return None;
         }
-        if moved || self.activity.busy.load(Relaxed) > 0 {
+        let streaming = self.activity.streaming.load(Relaxed) > 0;
+        let bytes_count = streaming || !self.activity.h2.load(Relaxed);
+        if (moved && bytes_count) || self.activity.busy.load(Relaxed) > 0 {
             self.quiet = 0;
             return None;
         }
         self.quiet = self.quiet.saturating_add(1);
         let quiet = tick.saturating_mul(self.quiet);
-        let stop = if self.activity.streaming.load(Relaxed) > 0 {
+        let stop = if streaming {
             (quiet > stalled).then_some(Stop::Stalled)
         } else {
             (quiet >= idle).then_some(Stop::Idle)

@@ -80,6 +80,19 @@ fn with_tls_listener(dir: &std::path::Path, up: &Upstream, extra: &[&str]) -> (T
     (ca, p)
 }
 
+/// A TLS connection to `p`'s TLS listener, trusting `ca`.
+async fn tls_connect(
+    p: &Proxy,
+    ca: &TestCa,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
+    let tcp = tokio::net::TcpStream::connect(p.tls.expect("a TLS listener"))
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    connector.connect(name, tcp).await.unwrap()
+}
+
 fn https(p: &Proxy, path: &str) -> String {
     format!("https://{}{}", p.tls.expect("a TLS listener"), path)
 }
@@ -654,12 +667,7 @@ async fn large_answers_over_tls_reach_a_slow_reader_whole() {
     let len = 16 << 20;
     let up = start_big_upstream(len).await;
     let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "30s"]);
-    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
-    let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
-        .await
-        .unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut s = connector.connect(name, tcp).await.unwrap();
+    let mut s = tls_connect(&p, &ca).await;
     let mut buf = Vec::new();
     for _ in 0..2 {
         s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -685,20 +693,12 @@ async fn tls_connections_between_requests_wake_for_whatever_comes() {
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;
     let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "3s"]);
-    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
-    let connect = || async {
-        let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
-            .await
-            .unwrap();
-        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-        connector.connect(name, tcp).await.unwrap()
-    };
     let put = |n: u32| {
         format!("PUT /k HTTP/1.1\r\nHost: x\r\nX-Fence-Token: {n}\r\nContent-Length: 1\r\n\r\nx")
     };
     let opened = tokio::time::Instant::now();
-    let mut idle = connect().await;
-    let mut s = connect().await;
+    let mut idle = tls_connect(&p, &ca).await;
+    let mut s = tls_connect(&p, &ca).await;
     s.write_all(put(1).as_bytes()).await.unwrap();
     assert_eq!(answers(&mut s, 1).await, ["http/1.1 200 ok"]);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -738,12 +738,7 @@ async fn a_tls_record_dripped_a_byte_at_a_time_does_not_pin_the_connection() {
     let dir = tempfile::tempdir().unwrap();
     let up = start_upstream().await;
     let (ca, p) = with_tls_listener(dir.path(), &up, &["--header-read-timeout", "1s"]);
-    let connector = tokio_rustls::TlsConnector::from(client_config(&ca.pem));
-    let tcp = tokio::net::TcpStream::connect(p.tls.unwrap())
-        .await
-        .unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut s = connector.connect(name, tcp).await.unwrap();
+    let mut s = tls_connect(&p, &ca).await;
     let (tcp, _) = s.get_mut();
     let (mut rd, mut wr) = tcp.split();
     // An application-data record of 64 bytes, sent over about 20 s.

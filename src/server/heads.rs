@@ -40,7 +40,7 @@ use crate::h1::{check_request_head, BodyFraming, HeadCheck};
 const MARKER: &str = "x-fencegate-refused-head";
 
 /// HTTP/2's connection preface: hyper's, not a head to read.
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub(super) const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// The marker's value: random per process, so a client cannot send a
 /// stand-in of its own.

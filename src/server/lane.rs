@@ -213,8 +213,10 @@ impl Lane {
                 Step::Again => {}
                 Step::End => return,
                 Step::Hyper => {
-                    if buf.starts_with(b"PRI * HTTP/2.0") {
-                        // h2c with prior knowledge: see `Activity::h2`.
+                    // h2c with prior knowledge (see `Activity::h2`): the lane
+                    // hands over once its request line does not parse, at
+                    // "HTTP/2.0", so the whole preface may not be here yet.
+                    if buf.starts_with(&super::heads::PREFACE[..14]) {
                         activity
                             .h2
                             .store(true, std::sync::atomic::Ordering::Relaxed);

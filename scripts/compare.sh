@@ -28,7 +28,9 @@
 # Usage: [ONLY="row row..."] scripts/compare.sh [ROUNDS] [SECONDS]
 # With BASELINE_BIN=path/to/an/older/fencegate, two more rows (steady-base,
 # newkey-base) run that binary in the same rounds: what a change costs on
-# the request path, measured in one run.
+# the request path, measured in one run; and when newkey-redis runs, a
+# third (newkey-redis-base: that binary on the same Redis), for a change to
+# the Redis store.
 # Needs: wrk h2load nginx haproxy taskset python3 curl, and for the shared-store
 # rows redis-server, postgresql (as root: PostgreSQL runs via runuser) and etcd.
 # It installs nothing: it says what is missing.
@@ -165,7 +167,8 @@ read -r FGE_PID FGE_ADDR < <(start_fencegate etcd "etcd://127.0.0.1:$ETCD_PORT")
 PIDS+=("$FG_PID" "$FGR_PID" "$FGRR_PID" "$FGP_PID" "$FGE_PID")
 if [ -n "${BASELINE_BIN:-}" ]; then
   read -r FGB_PID FGB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate baseline "$WORK/baseline.redb")
-  PIDS+=("$FGB_PID")
+  read -r FGRB_PID FGRB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate redis-baseline "redis://127.0.0.1:$REDIS_PORT/0")
+  PIDS+=("$FGB_PID" "$FGRB_PID")
 fi
 sleep 1
 
@@ -187,7 +190,10 @@ SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-red
 # ONLY="steady steady-redis ...": just these rows (a quick look; the docs
 # quote full runs).
 [ -n "${ONLY:-}" ] && read -r -a SYSTEMS <<< "$ONLY"
-[ -n "${BASELINE_BIN:-}" ] && SYSTEMS+=(steady-base newkey-base)
+if [ -n "${BASELINE_BIN:-}" ]; then
+  SYSTEMS+=(steady-base newkey-base)
+  [[ " ${SYSTEMS[*]} " == *" newkey-redis "* ]] && SYSTEMS+=(newkey-redis-base)
+fi
 ROWS=$WORK/rows.tsv
 : > "$ROWS"
 head -c 1024 /dev/zero | tr '\0' x > "$WORK/body.bin"
@@ -219,6 +225,7 @@ for r in $(seq "$ROUNDS"); do
       steady-tls) url="https://$FG_TLS/k"; script=steady; pid=$FG_PID;;
       steady-base) url="http://$FGB_ADDR/k"; script=steady; pid=$FGB_PID;;
       newkey-base) url="http://$FGB_ADDR/new/$r-$sys/"; script=newkey; pid=$FGB_PID;;
+      newkey-redis-base) url="http://$FGRB_ADDR/new/$r-$sys/"; script=newkey; pid=$FGRB_PID;;
       nginx-h2c) tool=h2; url="http://127.0.0.1:$NGINX_H2C_PORT/k"; pid=$NGINX_H2C_WORKER;;
       steady-h2c) tool=h2; url="http://$FG_ADDR/k"; pid=$FG_PID;;
       nginx-h2) tool=h2; url="https://127.0.0.1:$NGINX_H2_PORT/k"; pid=$NGINX_H2_WORKER;;
@@ -227,7 +234,7 @@ for r in $(seq "$ROUNDS"); do
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     # The store server's own CPU on the shared-store rows (it runs on the
     # proxy's core: what it spends per write is what the proxy cannot).
-    case $sys in *-redis) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
+    case $sys in *-redis|*-redis-base) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
     s0=0; [ -n "$spid" ] && s0=$(treecpu "$spid")
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"

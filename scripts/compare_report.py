@@ -34,6 +34,7 @@ LABELS = {
     "steady-tls": "fencegate TLS listener, steady token",
     "steady-base": "baseline binary, steady token (`BASELINE_BIN`)",
     "newkey-base": "baseline binary, new key (`BASELINE_BIN`)",
+    "newkey-redis-base": "baseline binary on Redis, new key (`BASELINE_BIN`)",
     "nginx-h2c": "nginx, HTTP/2 cleartext (h2c), h2load",
     "steady-h2c": "fencegate, HTTP/2 cleartext (h2c), steady token, h2load",
     "nginx-h2": "nginx, HTTP/2 over TLS, h2load",
@@ -126,6 +127,13 @@ def main():
         lines.append(
             f"- this build vs the baseline binary: steady {ratio('steady', 'steady-base')}, "
             f"new key {ratio('newkey', 'newkey-base')}"
+            + (
+                f", new key on Redis {ratio('newkey-redis', 'newkey-redis-base')} "
+                f"(store server CPU per request {fmt(med('newkey-redis@store', 'value'), 0)} µs "
+                f"against {fmt(med('newkey-redis-base@store', 'value'), 0)})"
+                if "newkey-redis-base" in data
+                else ""
+            )
         )
     transfers = [s for s in order if kinds[s] == "mibs"]
     if transfers:

@@ -3,7 +3,8 @@
 # (perf stat tracepoints), user and system CPU per request (/proc), for
 # HAProxy and for each fencegate binary given, under wrk (1 KiB PUTs, 64
 # connections). REC=1 also records a 1 s perf profile with call graphs of
-# each process into /tmp/perf.NAME.data (perf report -i ...). TLS=1
+# each process into /tmp/perf.NAME.data (perf report -i ...);
+# FREQ (Hz, default 2000) and REC_SECS (default 1, at most 3) set its size. TLS=1
 # measures nginx terminating TLS instead of HAProxy, and fencegate's TLS
 # listener (same self-signed ECDSA P-256 certificate, keep-alive: the
 # handshakes are amortised, what is measured is the records).
@@ -25,7 +26,7 @@ run() { # name pid url
   taskset -c 0 wrk -t1 -c64 -d8s -s $W/steady.lua "$3" > $W/wrk.txt &
   local wp=$!
   sleep 1; perf stat -x, -e $EV -p $2 -- sleep 4 2> $W/perf.txt
-  [ -n "${REC:-}" ] && perf record -q --call-graph dwarf,8192 -F 2000 -o /tmp/perf.$1.data -p $2 -- sleep 1 >/dev/null 2>&1
+  [ -n "${REC:-}" ] && perf record -q --call-graph dwarf,8192 -F ${FREQ:-2000} -o /tmp/perf.$1.data -p $2 -- sleep ${REC_SECS:-1} >/dev/null 2>&1
   wait $wp
   local c1=$(awk '{print $14+$15}' /proc/$2/stat); local u1=$(awk '{print $14}' /proc/$2/stat)
   local rps=$(awk '/Requests\/sec/ {print $2}' $W/wrk.txt)

@@ -28,6 +28,7 @@ pub use route::{
 };
 pub use secret::Secret;
 pub use store::{
-    redact_url, store, url_password, Sentinel, SharedEngine, SharedStoreConfig, StoreConfig,
+    redact_url, store, url_password, RedisCluster, Sentinel, SharedEngine, SharedStoreConfig,
+    StoreConfig,
 };
 pub use validated::{Config, LeaseConfig, Limits, MAX_WORKERS};

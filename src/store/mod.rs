@@ -74,6 +74,38 @@ pub fn connect_shared(
                 .map_err(opened)?,
             )
         }
+        SharedEngine::RedisCluster(cluster) => {
+            let tls = match &c.tls {
+                None => None,
+                Some(t) => Some(Some(crate::tls::store_pem(t).map_err(tls)?)),
+            };
+            let shared = redis::cluster::Cluster::new(redis::cluster::ClusterOptions {
+                cluster,
+                password: c.password.as_ref(),
+                tls,
+                timeout: c.timeout,
+                replicas_to_wait: c.replicas_to_wait,
+            })
+            .map_err(bad)?;
+            let groups = (0..redis::cluster::GROUPS)
+                .map(|g| {
+                    let state = c
+                        .state_file
+                        .as_ref()
+                        .map(|p| shared::StateFile::new(group_state_file(p, g)));
+                    let store = shared::SharedStore::new(
+                        redis::cluster::ClusterGroup::new(shared.clone(), g),
+                        c.accept_reset,
+                        batch_sizes,
+                        state,
+                    )?
+                    .with_known_capacity(1_000_000 / redis::cluster::GROUPS);
+                    Ok((redis::cluster::group_tag(g), store))
+                })
+                .collect::<Result<Vec<_>, StoreError>>()
+                .map_err(opened)?;
+            Arc::new(shared::Grouped::new(groups, redis::cluster::group_of))
+        }
         SharedEngine::Postgres { conn, prefer } => {
             let config = client_config()?;
             Arc::new(
@@ -119,4 +151,12 @@ pub fn connect_shared(
             )
         }
     })
+}
+
+/// A cluster group's own state file: the configured path with the group's
+/// number after it (`fencegate.state.17`).
+fn group_state_file(p: &std::path::Path, g: usize) -> std::path::PathBuf {
+    let mut name = p.as_os_str().to_owned();
+    name.push(format!(".{g}"));
+    name.into()
 }

@@ -97,6 +97,9 @@ pub enum SharedEngine {
         /// `redis+sentinel://`: the primary is asked of these Sentinels.
         sentinel: Option<Sentinel>,
     },
+    /// `redis+cluster://` / `rediss+cluster://`: a Redis Cluster, its
+    /// topology found from these seed nodes.
+    RedisCluster(RedisCluster),
     Postgres {
         /// The URL handed to the PostgreSQL driver: fencegate's own TLS
         /// parameters (`sslrootcert`, `sslcert`, `sslkey`, the `verify-*`
@@ -142,6 +145,28 @@ impl std::fmt::Debug for Sentinel {
             .field("db", &self.db)
             .field("user", &self.user)
             .field("sentinel_auth", &self.sentinel_auth)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Redis Cluster: `redis+cluster://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...][/]`
+/// (`rediss+cluster://` over TLS). Any node of the cluster will do as a
+/// seed; the others are found from it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisCluster {
+    /// The seed nodes (port 6379 when not given).
+    pub seeds: Vec<(String, u16)>,
+    /// The ACL user and password (the password may be replaced by
+    /// `store_password_file` or the environment).
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+}
+
+impl std::fmt::Debug for RedisCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisCluster")
+            .field("seeds", &self.seeds)
+            .field("user", &self.user)
             .finish_non_exhaustive()
     }
 }
@@ -293,6 +318,10 @@ fn shared(
             },
             UrlTls::off(),
         ),
+        "redis+cluster" | "rediss+cluster" => (
+            SharedEngine::RedisCluster(cluster(rest)?),
+            UrlTls::on(scheme == "rediss+cluster"),
+        ),
         "rediss+sentinel" => {
             return Err(invalid(
                 "store",
@@ -304,7 +333,7 @@ fn shared(
         _ => {
             return Err(invalid(
                 "store",
-                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, rediss://, redis+sentinel://, postgres://, etcd:// or etcds://"),
+                format!("unsupported store `{scheme}://`; use a file path, redb://PATH, redis://, rediss://, redis+sentinel://, redis+cluster://, rediss+cluster://, postgres://, etcd:// or etcds://"),
             ))
         }
     };
@@ -385,8 +414,12 @@ fn shared(
     }
     let replicas_to_wait = match (&engine, raw.store_replicas_to_wait) {
         (_, None) => None,
-        (SharedEngine::Redis { .. }, Some(n)) if n <= MAX_REPLICAS_TO_WAIT => Some(n),
-        (SharedEngine::Redis { .. }, Some(_)) => {
+        (SharedEngine::Redis { .. } | SharedEngine::RedisCluster(_), Some(n))
+            if n <= MAX_REPLICAS_TO_WAIT =>
+        {
+            Some(n)
+        }
+        (SharedEngine::Redis { .. } | SharedEngine::RedisCluster(_), Some(_)) => {
             return Err(invalid(
                 "store_replicas_to_wait",
                 format!("must be between 0 and {MAX_REPLICAS_TO_WAIT}"),
@@ -423,53 +456,12 @@ const MAX_REPLICAS_TO_WAIT: u32 = 100;
 /// `redis+sentinel://` and any `USER[:PASSWORD]@`.
 fn sentinel(rest: &str) -> Result<Sentinel, ConfigError> {
     let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let decode = |v: &str| {
-        percent_encoding::percent_decode_str(v)
-            .decode_utf8_lossy()
-            .into_owned()
-    };
-    let (userinfo, rest) = match rest.rsplit_once('@') {
-        Some((u, r)) => (Some(u), r),
-        None => (None, rest),
-    };
-    let (user, password) = match userinfo.map(|u| u.split_once(':').unwrap_or((u, ""))) {
-        None => (None, None),
-        Some((u, p)) => (
-            Some(decode(u)).filter(|u| !u.is_empty()),
-            Some(Secret::new(decode(p))).filter(|p| !p.expose().is_empty()),
-        ),
-    };
+    let (user, password, rest) = userinfo(rest);
     let form = "redis+sentinel://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]/MASTER[/DB]";
     let (hosts, path) = rest
         .split_once('/')
         .ok_or_else(|| invalid("store", format!("the Sentinel URL names no master: {form}")))?;
-    let mut addrs = Vec::new();
-    for h in hosts.split(',') {
-        let h = h.trim();
-        // `[::1]` alone is a host without a port.
-        let bracketed = h.starts_with('[') && h.ends_with(']');
-        let (host, port) = match h
-            .rsplit_once(':')
-            .filter(|(host, _)| !host.ends_with(':') && !bracketed)
-        {
-            Some((host, port)) if !host.is_empty() => (
-                host,
-                port.parse::<u16>()
-                    .ok()
-                    .filter(|p| *p != 0)
-                    .ok_or_else(|| invalid("store", format!("Sentinel `{h}`: bad port")))?,
-            ),
-            _ => (h, 26379),
-        };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() || host.contains(['/', '@', ' ']) {
-            return Err(invalid(
-                "store",
-                format!("Sentinel `{h}` is not HOST[:PORT]"),
-            ));
-        }
-        addrs.push((host.to_string(), port));
-    }
+    let addrs = host_list(hosts, 26379, "Sentinel")?;
     let mut parts = path.trim_end_matches('/').splitn(2, '/');
     let master = decode(parts.next().unwrap_or(""));
     if master.is_empty() {
@@ -509,6 +501,84 @@ fn sentinel(rest: &str) -> Result<Sentinel, ConfigError> {
         password,
         sentinel_auth,
     })
+}
+
+/// `HOST[:PORT][,HOST[:PORT]...][/]`, after `redis+cluster://` and any
+/// `USER[:PASSWORD]@`. A cluster has one database, and no parameter is
+/// known yet: anything more is refused rather than ignored.
+fn cluster(rest: &str) -> Result<RedisCluster, ConfigError> {
+    let (user, password, rest) = userinfo(rest);
+    let hosts = rest.strip_suffix('/').unwrap_or(rest);
+    if let Some(extra) = hosts.find(['/', '?', '#']) {
+        return Err(invalid(
+            "store",
+            format!(
+                "`{}` after the cluster's nodes: a Redis Cluster has one database and takes no parameter (redis+cluster://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...])",
+                &hosts[extra..]
+            ),
+        ));
+    }
+    Ok(RedisCluster {
+        seeds: host_list(hosts, 6379, "cluster node")?,
+        user,
+        password,
+    })
+}
+
+fn decode(v: &str) -> String {
+    percent_encoding::percent_decode_str(v)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// `[USER[:PASSWORD]@]REST` (the user information runs to the last `@`):
+/// the user and password, percent-decoded, empty ones as none.
+fn userinfo(rest: &str) -> (Option<String>, Option<Secret>, &str) {
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, rest),
+    };
+    match userinfo.map(|u| u.split_once(':').unwrap_or((u, ""))) {
+        None => (None, None, rest),
+        Some((u, p)) => (
+            Some(decode(u)).filter(|u| !u.is_empty()),
+            Some(Secret::new(decode(p))).filter(|p| !p.expose().is_empty()),
+            rest,
+        ),
+    }
+}
+
+/// `HOST[:PORT][,HOST[:PORT]...]` (`[V6]` or `[V6]:PORT` for IPv6).
+fn host_list(
+    hosts: &str,
+    default_port: u16,
+    what: &str,
+) -> Result<Vec<(String, u16)>, ConfigError> {
+    let mut addrs = Vec::new();
+    for h in hosts.split(',') {
+        let h = h.trim();
+        // `[::1]` alone is a host without a port.
+        let bracketed = h.starts_with('[') && h.ends_with(']');
+        let (host, port) = match h
+            .rsplit_once(':')
+            .filter(|(host, _)| !host.ends_with(':') && !bracketed)
+        {
+            Some((host, port)) if !host.is_empty() => (
+                host,
+                port.parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| invalid("store", format!("{what} `{h}`: bad port")))?,
+            ),
+            _ => (h, default_port),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.contains(['/', '@', ' ']) {
+            return Err(invalid("store", format!("{what} `{h}` is not HOST[:PORT]")));
+        }
+        addrs.push((host.to_string(), port));
+    }
+    Ok(addrs)
 }
 
 /// `store_state_file`: a file in a directory that exists (the file itself

@@ -317,6 +317,52 @@ fn sentinel_urls_name_their_sentinels_master_and_database() {
 }
 
 #[test]
+fn cluster_urls_name_their_seed_nodes() {
+    let cluster = |url: &str| match shared_of(&raw(url)) {
+        SharedStoreConfig {
+            engine: SharedEngine::RedisCluster(c),
+            tls,
+            ..
+        } => (c, tls.is_some()),
+        other => panic!("{url}: {other:?}"),
+    };
+    let (c, tls) = cluster("redis+cluster://fg:p%40ss@10.0.0.1:7001,10.0.0.2,[::1]:7003/");
+    assert_eq!(
+        c.seeds,
+        vec![
+            ("10.0.0.1".to_string(), 7001),
+            ("10.0.0.2".to_string(), 6379),
+            ("::1".to_string(), 7003)
+        ]
+    );
+    assert_eq!(c.user.as_deref(), Some("fg"));
+    assert_eq!(c.password.as_ref().map(Secret::expose), Some("p@ss"));
+    assert!(!tls);
+    assert!(!format!("{c:?}").contains("p@ss"));
+    let (c, tls) = cluster("rediss+cluster://h:1");
+    assert!(tls && c.user.is_none() && c.password.is_none());
+    assert_eq!(
+        shared_of(&RawConfig {
+            store_replicas_to_wait: Some(1),
+            ..raw("redis+cluster://h:1")
+        })
+        .replicas_to_wait,
+        Some(1)
+    );
+    for bad in [
+        "redis+cluster://",
+        "redis+cluster://h:x",
+        "redis+cluster://h:0",
+        "redis+cluster://,h:1",
+        "redis+cluster://h:1/0",
+        "redis+cluster://h:1/?x=1",
+        "redis+cluster://h:1?x=1",
+    ] {
+        assert_eq!(field_of(&raw(bad)), "store", "{bad}");
+    }
+}
+
+#[test]
 fn replicas_to_wait_is_for_redis_and_bounded() {
     let with = |url: &str, n: u32| RawConfig {
         store_replicas_to_wait: Some(n),

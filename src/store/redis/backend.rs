@@ -1,12 +1,14 @@
 //! What the shared-store admission asks of Redis ([`Backend`]): each
-//! operation one script call, and how its answer is read.
+//! operation one script call, and how its answer is read; the same over a
+//! lone primary ([`RedisBackend`]) and over one group of a cluster
+//! ([`ClusterGroup`](super::cluster::ClusterGroup)), through [`Calls`].
 
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
+use redis::{Cmd, FromRedisValue, Script};
 
-use crate::store::api::{Advance, LeaseOutcome, StoreError, WriteLease};
+use crate::store::api::{Advance, LeaseOutcome, Replicas, StoreError, WriteLease};
 use crate::store::shared::{
     advance_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply, Marker,
 };
@@ -14,41 +16,100 @@ use crate::store::shared::{
 use super::conn::*;
 use super::scripts::*;
 
+/// A connection the operations run on: a lone primary's, or a cluster
+/// group's. Each call is atomic on the server and counts once the replicas
+/// wanted have it (`WAIT`, in the same round trip).
 #[async_trait]
-impl Backend for RedisBackend {
+pub trait Calls: Send + Sync + 'static {
+    fn kind(&self) -> &'static str;
+    fn timeout(&self) -> Duration;
+    /// See [`Backend::session`].
+    fn session(&self) -> u64;
+    fn replicas(&self) -> Option<Replicas>;
+    /// Where this connection's keys are.
+    fn keys(&self) -> &Keyspace;
+    fn scripts(&self) -> &Scripts;
+    /// Runs `cmd`, then waits for the replicas (see the module doc).
+    async fn query<T: FromRedisValue + Send>(&self, cmd: Cmd) -> Result<T, StoreError>;
+    /// Whether the server answers at all (not waited for: it changes and
+    /// reads nothing).
+    async fn ping(&self) -> Result<(), StoreError>;
+    /// Checks made before each marker read (every second, by the
+    /// heartbeat): the server still a primary, its replicas online.
+    async fn before_marker_read(&self) -> Result<(), StoreError>;
+
+    /// Runs one script (EVALSHA) with these keys and arguments.
+    async fn script<T: FromRedisValue + Send>(
+        &self,
+        script: &Script,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<T, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        self.query(cmd).await
+    }
+
+    /// Runs the poll or renew script: both take the fence, lease and
+    /// lease-order keys and (token, lease id, TTL in ms).
+    async fn lease_script(
+        &self,
+        script: &Script,
+        key: &str,
+        lease: &WriteLease,
+        ttl: Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let k = self.keys();
+        let reply = self
+            .script(
+                script,
+                &[k.fence(key), k.lease(key), k.lease_order(key)],
+                &[
+                    lease.token.to_string(),
+                    lease.id.clone(),
+                    ttl_ms(ttl).to_string(),
+                ],
+            )
+            .await?;
+        lease_outcome(reply, lease.clone())
+    }
+}
+
+#[async_trait]
+impl<C: Calls> Backend for C {
     fn kind(&self) -> &'static str {
-        "redis"
+        Calls::kind(self)
     }
 
     fn timeout(&self) -> std::time::Duration {
-        self.timeout
+        Calls::timeout(self)
     }
 
     fn session(&self) -> u64 {
-        self.session.load(Ordering::Acquire)
+        Calls::session(self)
     }
 
-    fn replicas(&self) -> Option<crate::store::api::Replicas> {
-        let w = self.last_wait.load(Ordering::Relaxed);
-        Some(crate::store::api::Replicas {
-            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
-                wanted: (w >> 32) as u32,
-                confirmed: w as u32,
-            }),
-            failed_waits: self.failed_waits.load(Ordering::Relaxed),
-        })
+    fn replicas(&self) -> Option<Replicas> {
+        Calls::replicas(self)
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
         let mut cmd = redis::cmd("GET");
-        cmd.arg(fence_key(key));
+        cmd.arg(self.keys().fence(key));
         let v: Option<String> = self.query(cmd).await?;
         v.map(|v| parse_token(&v)).transpose()
     }
 
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
         let (status, value): (String, String) = self
-            .script(&self.advance, &[fence_key(key)], &[token.to_string()])
+            .script(
+                &self.scripts().advance,
+                &[self.keys().fence(key)],
+                &[token.to_string()],
+            )
             .await?;
         advance_answer("redis", &status, Some(&value))
     }
@@ -57,21 +118,18 @@ impl Backend for RedisBackend {
         &self,
         reqs: &[Acquire],
     ) -> Result<Vec<Result<LeaseOutcome, StoreError>>, StoreError> {
+        let k = self.keys();
         let mut keys = Vec::with_capacity(reqs.len() * 3);
         let mut args = Vec::with_capacity(reqs.len() * 3);
         for r in reqs {
-            keys.extend([
-                fence_key(&r.key),
-                lease_key(&r.key),
-                lease_order_key(&r.key),
-            ]);
+            keys.extend([k.fence(&r.key), k.lease(&r.key), k.lease_order(&r.key)]);
             args.extend([
                 r.lease.token.to_string(),
                 r.lease.id.clone(),
                 ttl_ms(r.ttl).to_string(),
             ]);
         }
-        let reply: Vec<String> = self.script(&self.acquire, &keys, &args).await?;
+        let reply: Vec<String> = self.script(&self.scripts().acquire, &keys, &args).await?;
         if reply.len() != reqs.len() * 2 {
             return Err(unavailable(format!(
                 "{} answers for a batch of {}",
@@ -92,7 +150,8 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        self.lease_script(&self.poll, key, lease, ttl).await
+        self.lease_script(&self.scripts().poll, key, lease, ttl)
+            .await
     }
 
     async fn renew(
@@ -101,31 +160,29 @@ impl Backend for RedisBackend {
         lease: &WriteLease,
         ttl: Duration,
     ) -> Result<LeaseOutcome, StoreError> {
-        self.lease_script(&self.renew, key, lease, ttl).await
+        self.lease_script(&self.scripts().renew, key, lease, ttl)
+            .await
     }
 
     async fn release_many(&self, leases: &[(String, WriteLease)]) -> Result<(), StoreError> {
+        let k = self.keys();
         let mut keys = Vec::with_capacity(leases.len() * 2);
         let mut args = Vec::with_capacity(leases.len() * 2);
         for (key, lease) in leases {
-            keys.extend([lease_key(key), lease_order_key(key)]);
+            keys.extend([k.lease(key), k.lease_order(key)]);
             args.extend([lease.token.to_string(), lease.id.clone()]);
         }
-        let _: i64 = self.script(&self.release, &keys, &args).await?;
+        let _: i64 = self.script(&self.scripts().release, &keys, &args).await?;
         Ok(())
     }
 
     async fn lock(&self, key: &str, call: LockCall<'_>) -> Result<LockReply, StoreError> {
         let (op, id, holder, ttl) = call.args();
+        let k = self.keys();
         let reply: Vec<String> = self
             .script(
-                &self.lock,
-                &[
-                    fence_key(key),
-                    grant_key(key),
-                    lease_key(key),
-                    lease_order_key(key),
-                ],
+                &self.scripts().lock,
+                &[k.fence(key), k.grant(key), k.lease(key), k.lease_order(key)],
                 &[op.into(), id.into(), holder.into(), ttl.to_string()],
             )
             .await?;
@@ -133,53 +190,23 @@ impl Backend for RedisBackend {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        // Not waited for: it changes and reads nothing.
-        let _: String = self
-            .run(|mut c| async move { redis::cmd("PING").query_async(&mut c).await })
-            .await?;
-        Ok(())
+        Calls::ping(self).await
     }
 
     async fn read_marker(&self) -> Result<Option<Marker>, StoreError> {
-        if self.replicas_to_wait.is_none() {
-            // The heartbeat reads the marker every second: a replica that
-            // came online is waited for from then on. The count only goes
-            // down at a connect (a wait that failed drops the connections):
-            // a primary that lost its replica because it was cut off and
-            // replaced (a failover while it was stopped or partitioned) must
-            // not start taking writes unwaited on this connection, writes
-            // that the promoted replica will never have.
-            let info: Result<String, _> = self
-                .run(|mut c| async move {
-                    redis::cmd("INFO")
-                        .arg("replication")
-                        .query_async(&mut c)
-                        .await
-                })
-                .await;
-            if let Ok(info) = info {
-                let (role, online) = replication(&info);
-                if role != "master" {
-                    // Demoted without its clients being cut (a REPLICAOF by
-                    // hand or by a tool other than Sentinel): its answers
-                    // are a copy that may lag.
-                    self.drop_connections().await;
-                    *self.last_failure.lock().expect("lock") = Some(Instant::now());
-                    return Err(unavailable(format!(
-                        "the server became a {role}: reconnecting to the primary"
-                    )));
-                }
-                self.saw_replicas(online);
-            }
-        }
+        self.before_marker_read().await?;
         let mut cmd = redis::cmd("HMGET");
-        cmd.arg(MARKER).arg("epoch").arg("seq");
+        cmd.arg(self.keys().marker()).arg("epoch").arg("seq");
         marker(self.query(cmd).await?)
     }
 
     async fn create_marker(&self, epoch: &str) -> Result<Marker, StoreError> {
         let v = self
-            .script(&self.create_marker, &[MARKER.into()], &[epoch.into()])
+            .script(
+                &self.scripts().create_marker,
+                &[self.keys().marker()],
+                &[epoch.into()],
+            )
             .await?;
         marker(v)?.ok_or_else(|| unavailable("marker not readable after creation"))
     }
@@ -187,7 +214,7 @@ impl Backend for RedisBackend {
     async fn bump_marker(&self) -> Result<Option<Marker>, StoreError> {
         // Only bump an existing marker: never recreate one by accident.
         marker(
-            self.script(&self.bump_marker, &[MARKER.into()], &[])
+            self.script(&self.scripts().bump_marker, &[self.keys().marker()], &[])
                 .await?,
         )
     }
@@ -203,8 +230,8 @@ impl Backend for RedisBackend {
         };
         let v = self
             .script(
-                &self.replace_marker,
-                &[MARKER.into()],
+                &self.scripts().replace_marker,
+                &[self.keys().marker()],
                 &[e, q, epoch.into()],
             )
             .await?;

@@ -10,10 +10,12 @@ use std::time::{Duration, Instant};
 use redis::aio::MultiplexedConnection;
 use redis::{
     AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, FromRedisValue, IntoConnectionInfo,
-    Script, TlsCertificates,
+    TlsCertificates,
 };
 
-use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
+use crate::store::api::{Replicas, StoreError};
+
+use super::backend::Calls;
 
 use super::scripts::*;
 use super::sentinel::Sentinels;
@@ -71,15 +73,8 @@ pub struct RedisBackend {
     pub(super) last_wait: AtomicU64,
     /// Calls failed for too few confirmations, since start.
     pub(super) failed_waits: AtomicU64,
-    pub(super) acquire: Script,
-    pub(super) poll: Script,
-    pub(super) renew: Script,
-    pub(super) advance: Script,
-    pub(super) release: Script,
-    pub(super) lock: Script,
-    pub(super) bump_marker: Script,
-    pub(super) create_marker: Script,
-    pub(super) replace_marker: Script,
+    pub(super) keys: Keyspace,
+    pub(super) scripts: Scripts,
 }
 
 pub(super) fn unavailable(e: impl std::fmt::Display) -> StoreError {
@@ -134,7 +129,6 @@ impl RedisBackend {
                 )
             }
         };
-        let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
         Ok(Self {
             source,
             conns: dashmap::DashMap::new(),
@@ -144,15 +138,8 @@ impl RedisBackend {
             last_failure: Mutex::new(None),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
-            acquire: with_lib(ACQUIRE),
-            poll: with_lib(POLL),
-            renew: with_lib(RENEW),
-            advance: with_lib(ADVANCE),
-            release: with_lib(RELEASE),
-            lock: with_lib(LOCK),
-            bump_marker: Script::new(BUMP_MARKER),
-            create_marker: Script::new(CREATE_MARKER),
-            replace_marker: Script::new(REPLACE_MARKER),
+            keys: Keyspace::lone(),
+            scripts: Scripts::new(),
         })
     }
 
@@ -367,17 +354,7 @@ impl RedisBackend {
         &self,
         c: &mut MultiplexedConnection,
     ) -> Result<(), StoreError> {
-        for script in [
-            &self.acquire,
-            &self.poll,
-            &self.renew,
-            &self.advance,
-            &self.release,
-            &self.lock,
-            &self.bump_marker,
-            &self.create_marker,
-            &self.replace_marker,
-        ] {
+        for script in self.scripts.all() {
             if let Err(e) = script.load_async(c).await {
                 return Err(self.failed(e).await);
             }
@@ -420,7 +397,7 @@ impl RedisBackend {
     /// `WAIT` go in the same round trip. Too few confirmations fail the
     /// call, and the next one reconnects (and sees how many replicas are
     /// online then).
-    pub(super) async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
+    pub(super) async fn waited<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, StoreError> {
         let (cmd, wait_ms) = (&cmd, self.wait_ms());
         let answered = self
             .run_on(|conn| async move {
@@ -435,7 +412,7 @@ impl RedisBackend {
                 let mut p = redis::pipe();
                 p.add_command(cmd.clone())
                     .cmd("SET")
-                    .arg(SYNC)
+                    .arg(self.keys.sync())
                     .arg(1)
                     .ignore()
                     .cmd("WAIT")
@@ -466,43 +443,86 @@ impl RedisBackend {
         }
         Ok(v)
     }
+}
 
-    /// Runs one script (EVALSHA) with these keys and arguments.
-    pub(super) async fn script<T: FromRedisValue>(
-        &self,
-        script: &Script,
-        keys: &[String],
-        args: &[String],
-    ) -> Result<T, StoreError> {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash())
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args);
-        self.query(cmd).await
+#[async_trait::async_trait]
+impl Calls for RedisBackend {
+    fn kind(&self) -> &'static str {
+        "redis"
     }
 
-    /// Runs the poll or renew script: both take the fence, lease and
-    /// lease-order keys and (token, lease id, TTL in ms).
-    pub(super) async fn lease_script(
-        &self,
-        script: &Script,
-        key: &str,
-        lease: &WriteLease,
-        ttl: Duration,
-    ) -> Result<LeaseOutcome, StoreError> {
-        let reply = self
-            .script(
-                script,
-                &[fence_key(key), lease_key(key), lease_order_key(key)],
-                &[
-                    lease.token.to_string(),
-                    lease.id.clone(),
-                    ttl_ms(ttl).to_string(),
-                ],
-            )
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn session(&self) -> u64 {
+        self.session.load(Ordering::Acquire)
+    }
+
+    fn replicas(&self) -> Option<Replicas> {
+        let w = self.last_wait.load(Ordering::Relaxed);
+        Some(Replicas {
+            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
+                wanted: (w >> 32) as u32,
+                confirmed: w as u32,
+            }),
+            failed_waits: self.failed_waits.load(Ordering::Relaxed),
+        })
+    }
+
+    fn keys(&self) -> &Keyspace {
+        &self.keys
+    }
+
+    fn scripts(&self) -> &Scripts {
+        &self.scripts
+    }
+
+    async fn query<T: FromRedisValue + Send>(&self, cmd: Cmd) -> Result<T, StoreError> {
+        self.waited(cmd).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = self
+            .run(|mut c| async move { redis::cmd("PING").query_async(&mut c).await })
             .await?;
-        lease_outcome(reply, lease.clone())
+        Ok(())
+    }
+
+    async fn before_marker_read(&self) -> Result<(), StoreError> {
+        if self.replicas_to_wait.is_some() {
+            return Ok(());
+        }
+        // The heartbeat reads the marker every second: a replica that
+        // came online is waited for from then on. The count only goes
+        // down at a connect (a wait that failed drops the connections):
+        // a primary that lost its replica because it was cut off and
+        // replaced (a failover while it was stopped or partitioned) must
+        // not start taking writes unwaited on this connection, writes
+        // that the promoted replica will never have.
+        let info: Result<String, _> = self
+            .run(|mut c| async move {
+                redis::cmd("INFO")
+                    .arg("replication")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await;
+        if let Ok(info) = info {
+            let (role, online) = replication(&info);
+            if role != "master" {
+                // Demoted without its clients being cut (a REPLICAOF by
+                // hand or by a tool other than Sentinel): its answers are
+                // a copy that may lag.
+                self.drop_connections().await;
+                *self.last_failure.lock().expect("lock") = Some(Instant::now());
+                return Err(unavailable(format!(
+                    "the server became a {role}: reconnecting to the primary"
+                )));
+            }
+            self.saw_replicas(online);
+        }
+        Ok(())
     }
 }
 

@@ -38,6 +38,7 @@
 //! scripts and the keyspace).
 
 mod backend;
+pub mod cluster;
 mod conn;
 mod scripts;
 mod sentinel;

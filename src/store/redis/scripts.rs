@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use redis::Script;
+
 use crate::store::api::{LeaseOutcome, StoreError, WriteLease};
 use crate::store::shared::lease_answer;
 
@@ -215,25 +217,114 @@ end
 return redis.call('HMGET', KEYS[1], 'epoch', 'seq')
 "#;
 
-pub(super) const MARKER: &str = "fencegate:marker";
-
-/// Written after a call so that `WAIT` covers it (see the module doc).
-pub(super) const SYNC: &str = "fencegate:sync";
-
-pub(super) fn fence_key(key: &str) -> String {
-    format!("fencegate:f:{{{key}}}")
+/// Where an operation's keys are. On a lone primary each fence key has
+/// its own hash tag (`fencegate:f:{KEY}`: a key's fence and leases in one
+/// slot). On a cluster, every key of a group carries the group's tag
+/// (`fencegate:{TAG}:f:KEY`): a group is one slot, so that a batch's
+/// script may touch any of its keys, and its marker moves with it when
+/// the slot is resharded.
+#[derive(Clone, Debug)]
+pub struct Keyspace {
+    /// The group's hash tag, braces included; `None` on a lone primary.
+    tag: Option<String>,
 }
 
-pub(super) fn lease_key(key: &str) -> String {
-    format!("fencegate:l:{{{key}}}")
+impl Keyspace {
+    pub(super) fn lone() -> Self {
+        Self { tag: None }
+    }
+
+    pub(super) fn group(tag: String) -> Self {
+        Self { tag: Some(tag) }
+    }
+
+    /// The group's hash tag (`-` on a lone primary), to name it.
+    pub(super) fn tag(&self) -> &str {
+        self.tag.as_deref().unwrap_or("-")
+    }
+
+    fn name(&self, kind: &str, key: &str) -> String {
+        match &self.tag {
+            None => format!("fencegate:{kind}:{{{key}}}"),
+            Some(tag) => format!("fencegate:{tag}:{kind}:{key}"),
+        }
+    }
+
+    pub(super) fn fence(&self, key: &str) -> String {
+        self.name("f", key)
+    }
+
+    pub(super) fn lease(&self, key: &str) -> String {
+        self.name("l", key)
+    }
+
+    pub(super) fn grant(&self, key: &str) -> String {
+        self.name("g", key)
+    }
+
+    pub(super) fn lease_order(&self, key: &str) -> String {
+        self.name("o", key)
+    }
+
+    /// The amnesia marker (a hash with `epoch` and `seq`).
+    pub(super) fn marker(&self) -> String {
+        match &self.tag {
+            None => "fencegate:marker".into(),
+            Some(tag) => format!("fencegate:{tag}:marker"),
+        }
+    }
+
+    /// Written after a call so that `WAIT` covers it (see the module doc).
+    pub(super) fn sync(&self) -> String {
+        match &self.tag {
+            None => "fencegate:sync".into(),
+            Some(tag) => format!("fencegate:{tag}:sync"),
+        }
+    }
 }
 
-pub(super) fn grant_key(key: &str) -> String {
-    format!("fencegate:g:{{{key}}}")
+/// The scripts, each loaded once per server and run by its hash.
+pub struct Scripts {
+    pub(super) acquire: Script,
+    pub(super) poll: Script,
+    pub(super) renew: Script,
+    pub(super) advance: Script,
+    pub(super) release: Script,
+    pub(super) lock: Script,
+    pub(super) bump_marker: Script,
+    pub(super) create_marker: Script,
+    pub(super) replace_marker: Script,
 }
 
-pub(super) fn lease_order_key(key: &str) -> String {
-    format!("fencegate:o:{{{key}}}")
+impl Scripts {
+    pub(super) fn new() -> Self {
+        let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
+        Self {
+            acquire: with_lib(ACQUIRE),
+            poll: with_lib(POLL),
+            renew: with_lib(RENEW),
+            advance: with_lib(ADVANCE),
+            release: with_lib(RELEASE),
+            lock: with_lib(LOCK),
+            bump_marker: Script::new(BUMP_MARKER),
+            create_marker: Script::new(CREATE_MARKER),
+            replace_marker: Script::new(REPLACE_MARKER),
+        }
+    }
+
+    pub(super) fn all(&self) -> [&Script; 9] {
+        [
+            &self.acquire,
+            &self.poll,
+            &self.renew,
+            &self.advance,
+            &self.release,
+            &self.lock,
+            &self.bump_marker,
+            &self.create_marker,
+            &self.replace_marker,
+        ]
+    }
 }
 
 /// A lease TTL as the scripts take it: whole milliseconds, at least one.

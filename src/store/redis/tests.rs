@@ -320,7 +320,7 @@ async fn the_replica_count_is_kept_per_connection() {
     };
     {
         let _w = crate::slot::become_worker(0);
-        let _: () = backend.query(set()).await.expect("waited for the replica");
+        let _: () = backend.waited(set()).await.expect("waited for the replica");
     }
     // The replica stops, and the primary drops it.
     signal(replica.child.id(), "STOP");
@@ -334,12 +334,12 @@ async fn the_replica_count_is_kept_per_connection() {
     {
         // Another runtime connects now: none online, nothing to wait for.
         let _w = crate::slot::become_worker(1);
-        let _: () = backend.query(set()).await.expect("no replica to wait for");
+        let _: () = backend.waited(set()).await.expect("no replica to wait for");
     }
     {
         // The first runtime's connection still waits for its replica.
         let _w = crate::slot::become_worker(0);
-        let e = backend.query::<()>(set()).await.unwrap_err();
+        let e = backend.waited::<()>(set()).await.unwrap_err();
         assert!(e.to_string().contains("0 of 1 replicas"), "{e}");
     }
     signal(replica.child.id(), "CONT");

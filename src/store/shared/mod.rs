@@ -18,6 +18,7 @@
 mod backend;
 pub mod dial;
 mod fence_store;
+mod groups;
 mod marker;
 mod store;
 
@@ -25,5 +26,6 @@ pub use backend::{
     advance_answer, busy, lease_answer, lock_reply, stored_token, Acquire, Backend, LockCall,
     LockReply,
 };
+pub use groups::Grouped;
 pub use marker::{Marker, StateFile};
 pub use store::SharedStore;

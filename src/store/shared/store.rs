@@ -167,6 +167,13 @@ impl<B: Backend> SharedStore<B> {
         })
     }
 
+    /// Bounds the tokens witnessed per key (see `known_highest`) to `n`
+    /// entries, for a store that is one of several groups.
+    pub fn with_known_capacity(mut self, n: usize) -> Self {
+        self.known_capacity = n;
+        self
+    }
+
     pub fn backend(&self) -> &B {
         &self.backend
     }

@@ -1,0 +1,437 @@
+//! Redis Cluster (`redis+cluster://`, `rediss+cluster://`): the cluster's
+//! topology found from the seeds and followed through `MOVED` and `ASK`
+//! (redis-rs's cluster client), and the fence keys spread over
+//! [`GROUPS`] groups.
+//!
+//! A group is one hash slot: every key of its fence keys carries its hash
+//! tag ([`Keyspace::group`]), so one script may touch any of them (a
+//! batch's admissions), and its amnesia marker lives in the same slot.
+//! Resharding moves a group whole, marker and all: what detects a loss
+//! moves with what it protects. Each group is a
+//! [`SharedStore`](crate::store::shared::SharedStore) of its own (its
+//! marker checked, its highest tokens witnessed, its batches, its latch
+//! in amnesia), so a shard that comes back empty refuses only its groups'
+//! writes until an operator confirms.
+//!
+//! The groups' slots are spread evenly over the slot range (group `g`'s
+//! tag is the first `fg<g>.<n>` whose slot falls in the `g`th of
+//! [`GROUPS`] equal ranges), so a cluster whose primaries own ranges of
+//! slots (as `redis-cli --cluster create` makes them) gets its groups
+//! evenly. A fence key belongs to the group whose range holds the key's
+//! own slot. Neither mapping may ever change: it says where a key's fence
+//! is.
+//!
+//! Each call runs on the primary of its group's slot, followed there (in
+//! the same round trip) by `WAIT` for the replicas wanted: the replicas
+//! of that primary, which is what a failover of that shard promotes.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, FromRedisValue, Value};
+
+use crate::store::api::{Replicas, StoreError};
+
+use super::backend::Calls;
+use super::conn::{connect_failed, replication, unavailable};
+use super::scripts::{Keyspace, Scripts};
+
+/// How many groups the fence keys are spread over. Fixed: a key's group
+/// is where its fence is.
+pub const GROUPS: usize = 64;
+
+/// Redis Cluster's slot count.
+const SLOTS: usize = 16384;
+
+/// The group a fence key belongs to.
+pub fn group_of(key: &str) -> usize {
+    usize::from(slot_of(key.as_bytes())) * GROUPS / SLOTS
+}
+
+/// Redis Cluster's slot of a key without a hash tag (CRC16/XMODEM, as the
+/// cluster computes it).
+fn slot_of(key: &[u8]) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(key) % SLOTS as u16
+}
+
+/// Group `g`'s hash tag, braces included.
+pub fn group_tag(g: usize) -> String {
+    let range = (g * SLOTS / GROUPS)..((g + 1) * SLOTS / GROUPS);
+    (0u32..)
+        .map(|n| format!("fg{g}.{n}"))
+        .find(|t| range.contains(&usize::from(slot_of(t.as_bytes()))))
+        .map(|t| format!("{{{t}}}"))
+        .expect("every range holds some tag's slot")
+}
+
+/// How to reach the cluster.
+pub struct ClusterOptions<'a> {
+    pub cluster: &'a crate::config::RedisCluster,
+    /// Replaces the URL's password.
+    pub password: Option<&'a crate::config::Secret>,
+    /// TLS (`rediss+cluster://`): the CA and client certificate, if given.
+    pub tls: Option<Option<crate::tls::StorePem>>,
+    /// Bounds connects and every command.
+    pub timeout: Duration,
+    /// Replicas a change must reach on its shard (`None`: one while the
+    /// shard's primary has a replica online).
+    pub replicas_to_wait: Option<u32>,
+}
+
+/// The connection to the cluster, shared by its groups.
+pub struct Cluster {
+    client: redis::cluster::ClusterClient,
+    /// One connection per runtime (see [`crate::slot::slot`]), made at its
+    /// first call: its driver task lives on the runtime that made it.
+    conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<ClusterConnection>>>>,
+    timeout: Duration,
+    replicas_to_wait: Option<u32>,
+    scripts: Scripts,
+}
+
+impl Cluster {
+    pub fn new(o: ClusterOptions<'_>) -> Result<Arc<Self>, String> {
+        let scheme = if o.tls.is_some() { "rediss" } else { "redis" };
+        let seeds: Vec<String> = o
+            .cluster
+            .seeds
+            .iter()
+            .map(|(h, p)| {
+                if h.contains(':') {
+                    format!("{scheme}://[{h}]:{p}")
+                } else {
+                    format!("{scheme}://{h}:{p}")
+                }
+            })
+            .collect();
+        let mut b = ClusterClientBuilder::new(seeds)
+            .connection_timeout(o.timeout)
+            .response_timeout(o.timeout);
+        if let Some(user) = &o.cluster.user {
+            b = b.username(user);
+        }
+        if let Some(pw) = o.password.or(o.cluster.password.as_ref()) {
+            b = b.password(pw.expose());
+        }
+        if let Some(pem) = o.tls {
+            b = b.tls(redis::TlsMode::Secure);
+            if let Some(pem) = pem {
+                b = b.certs(redis::TlsCertificates {
+                    client_tls: pem.client.map(|(client_cert, client_key)| {
+                        redis::ClientTlsConfig {
+                            client_cert,
+                            client_key,
+                        }
+                    }),
+                    root_cert: pem.ca,
+                });
+            }
+        }
+        Ok(Arc::new(Self {
+            client: b.build().map_err(|e| e.to_string())?,
+            conns: dashmap::DashMap::new(),
+            timeout: o.timeout,
+            replicas_to_wait: o.replicas_to_wait,
+            scripts: Scripts::new(),
+        }))
+    }
+
+    /// This runtime's connection, made now if it has none.
+    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        let slot = crate::slot::slot();
+        let slot = match self.conns.get(&slot) {
+            Some(s) => s.value().clone(),
+            None => self.conns.entry(slot).or_default().value().clone(),
+        };
+        let mut slot = slot.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let c = tokio::time::timeout(self.timeout, self.client.get_async_connection())
+            .await
+            .map_err(|_| unavailable("connect to the cluster timed out"))?
+            .map_err(|e| connect_failed(e, "redis cluster"))?;
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    /// `WAIT`'s own timeout: half the store timeout, so that the reply
+    /// (too few replicas) arrives before the call itself times out.
+    fn wait_ms(&self) -> u64 {
+        (self.timeout.as_millis() as u64 / 2).max(1)
+    }
+}
+
+/// One group of a cluster: its keys, its slot, and what its shard's
+/// primary last said of itself.
+pub struct ClusterGroup {
+    cluster: Arc<Cluster>,
+    keys: Keyspace,
+    route: Route,
+    /// Bumped when the group's slot is found served by another primary
+    /// (a failover, a reshard) or by the same one restarted: the marker is
+    /// checked again before the next call's answer counts.
+    session: AtomicU64,
+    /// The serving primary's `run_id`, as last seen.
+    run_id: Mutex<Option<String>>,
+    /// Replicas online at that primary, as last seen (see
+    /// [`ClusterGroup::replicas_wanted`]).
+    online: AtomicU32,
+    last_wait: AtomicU64,
+    failed_waits: AtomicU64,
+}
+
+impl ClusterGroup {
+    pub fn new(cluster: Arc<Cluster>, g: usize) -> Self {
+        let tag = group_tag(g);
+        Self {
+            route: Route::new(
+                slot_of(tag.trim_matches(['{', '}']).as_bytes()),
+                SlotAddr::Master,
+            ),
+            keys: Keyspace::group(tag),
+            cluster,
+            session: AtomicU64::new(0),
+            run_id: Mutex::new(None),
+            online: AtomicU32::new(0),
+            last_wait: AtomicU64::new(u64::MAX),
+            failed_waits: AtomicU64::new(0),
+        }
+    }
+
+    fn to_primary(&self) -> SingleNodeRoutingInfo {
+        SingleNodeRoutingInfo::SpecificNode(self.route)
+    }
+
+    /// Replicas a call waits for: the setting, or one while the shard's
+    /// primary reports one online (read every second, with the marker).
+    fn replicas_wanted(&self) -> u32 {
+        self.cluster
+            .replicas_to_wait
+            .unwrap_or_else(|| self.online.load(Ordering::Relaxed).min(1))
+    }
+
+    /// A pipeline on the group's primary, once more after loading the
+    /// scripts if that primary does not have them (a promoted replica, a
+    /// node that joined by a reshard). A command's own error comes back
+    /// as its value (`Value::ServerError`).
+    async fn on_primary(
+        &self,
+        p: &redis::Pipeline,
+        count: usize,
+    ) -> Result<Vec<Value>, StoreError> {
+        let mut c = self.cluster.connection().await?;
+        let mut loaded = false;
+        loop {
+            let no_script = |e: &redis::RedisError| {
+                e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+            };
+            let answer = c
+                .route_pipeline(p.clone(), 0, count, self.to_primary())
+                .await;
+            let missing = match &answer {
+                Ok(v) => {
+                    matches!(v.first(), Some(Value::ServerError(e)) if no_script(&e.clone().into()))
+                }
+                Err(e) => no_script(e),
+            };
+            if !missing || loaded {
+                return answer.map_err(|e| self.failed(e));
+            }
+            loaded = true;
+            // SCRIPT LOAD goes to every primary.
+            for s in self.cluster.scripts.all() {
+                s.load_async(&mut c).await.map_err(|e| self.failed(e))?;
+            }
+        }
+    }
+
+    fn failed(&self, e: redis::RedisError) -> StoreError {
+        // Whatever broke, the marker is checked again before the next
+        // answer counts: the slot may be served by another node now.
+        self.session.fetch_add(1, Ordering::AcqRel);
+        if e.code() == Some("NOPERM") {
+            return StoreError::Refused(format!(
+                "redis cluster: {e} (docs/stores.md lists the ACL fencegate needs)"
+            ));
+        }
+        unavailable(e)
+    }
+}
+
+fn parse<T: FromRedisValue>(v: Value) -> Result<T, StoreError> {
+    T::from_redis_value(v).map_err(unavailable)
+}
+
+#[async_trait::async_trait]
+impl Calls for ClusterGroup {
+    fn kind(&self) -> &'static str {
+        "redis-cluster"
+    }
+
+    fn timeout(&self) -> Duration {
+        self.cluster.timeout
+    }
+
+    fn session(&self) -> u64 {
+        self.session.load(Ordering::Acquire)
+    }
+
+    fn replicas(&self) -> Option<Replicas> {
+        let w = self.last_wait.load(Ordering::Relaxed);
+        Some(Replicas {
+            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
+                wanted: (w >> 32) as u32,
+                confirmed: w as u32,
+            }),
+            failed_waits: self.failed_waits.load(Ordering::Relaxed),
+        })
+    }
+
+    fn keys(&self) -> &Keyspace {
+        &self.keys
+    }
+
+    fn scripts(&self) -> &Scripts {
+        &self.cluster.scripts
+    }
+
+    async fn query<T: FromRedisValue + Send>(&self, cmd: Cmd) -> Result<T, StoreError> {
+        let wanted = self.replicas_wanted();
+        let wait_ms = self.cluster.wait_ms();
+        let mut p = redis::pipe();
+        p.add_command(cmd);
+        if wanted > 0 {
+            p.cmd("SET")
+                .arg(self.keys.sync())
+                .arg(1)
+                .cmd("WAIT")
+                .arg(wanted)
+                .arg(wait_ms);
+        }
+        let count = if wanted > 0 { 3 } else { 1 };
+        let answered = self.on_primary(&p, count).await;
+        let mut values = match answered {
+            Ok(v) if v.len() == count => v.into_iter(),
+            Ok(v) => {
+                self.last_wait.store(u64::MAX, Ordering::Relaxed);
+                return Err(unavailable(format!(
+                    "{} answers to {count} commands",
+                    v.len()
+                )));
+            }
+            Err(e) => {
+                self.last_wait.store(u64::MAX, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let first = values.next().expect("counted");
+        if let Value::ServerError(e) = &first {
+            return Err(self.failed(e.clone().into()));
+        }
+        if wanted == 0 {
+            return parse(first);
+        }
+        let confirmed: u32 = parse(values.nth(1).expect("counted"))?;
+        self.last_wait.store(
+            u64::from(wanted) << 32 | u64::from(confirmed),
+            Ordering::Relaxed,
+        );
+        if confirmed < wanted {
+            self.failed_waits.fetch_add(1, Ordering::Relaxed);
+            self.session.fetch_add(1, Ordering::AcqRel);
+            return Err(unavailable(format!(
+                "{confirmed} of {wanted} replicas of the shard confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
+            )));
+        }
+        parse(first)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut p = redis::pipe();
+        p.cmd("PING");
+        self.on_primary(&p, 1).await.map(|_| ())
+    }
+
+    async fn before_marker_read(&self) -> Result<(), StoreError> {
+        // Who serves the slot now, and with how many replicas: a new
+        // primary (a failover, a reshard, a restart) means a new session,
+        // and its own count of replicas (never the old primary's).
+        let mut p = redis::pipe();
+        p.cmd("INFO").arg("server").arg("replication");
+        let info: String = match self.on_primary(&p, 1).await {
+            Ok(mut v) => match parse(v.remove(0)) {
+                Ok(info) => info,
+                // An ACL without INFO: the replicas are not known.
+                Err(_) => return Ok(()),
+            },
+            Err(StoreError::Refused(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let run_id = info
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("run_id:"))
+            .map(str::to_string);
+        let (role, online) = replication(&info);
+        if role != "master" {
+            self.session.fetch_add(1, Ordering::AcqRel);
+            return Err(unavailable(format!(
+                "the node serving the slot of group {} is a {role}",
+                self.keys.tag()
+            )));
+        }
+        let mut seen = self.run_id.lock().expect("run id");
+        if *seen != run_id {
+            if seen.is_some() {
+                self.session.fetch_add(1, Ordering::AcqRel);
+            }
+            *seen = run_id;
+            self.online.store(online, Ordering::Relaxed);
+        } else {
+            self.online.fetch_max(online, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_group_is_one_slot_in_its_own_range() {
+        let mut seen = std::collections::HashSet::new();
+        for g in 0..GROUPS {
+            let tag = group_tag(g);
+            let slot = usize::from(slot_of(tag.trim_matches(['{', '}']).as_bytes()));
+            assert_eq!(slot * GROUPS / SLOTS, g, "{tag}");
+            assert!(seen.insert(slot), "{tag}: a slot twice");
+            // Every key name of the group hashes to that slot (the tag is
+            // the name's first braces, whatever the fence key holds).
+            let k = Keyspace::group(tag.clone());
+            for name in [k.fence("/b/{x}"), k.marker(), k.sync(), k.lease_order("}{")] {
+                let hashed = &name[name.find('{').unwrap() + 1..];
+                let hashed = &hashed[..hashed.find('}').unwrap()];
+                assert_eq!(usize::from(slot_of(hashed.as_bytes())), slot, "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_mappings_never_change() {
+        // Where a key's fence is: a change would lose every fence
+        // (docs/stores.md). These values are pinned on purpose.
+        assert_eq!(group_tag(0), "{fg0.59}");
+        assert_eq!(group_tag(17), "{fg17.111}");
+        assert_eq!(group_tag(63), "{fg63.19}");
+        // CRC16/XMODEM's check value: the slot Redis Cluster gives.
+        assert_eq!(slot_of(b"123456789"), 0x31C3);
+        let keys = ["a", "default:/a", "default:/bucket/x", ""];
+        let groups: Vec<usize> = keys.iter().map(|k| group_of(k)).collect();
+        assert_eq!(groups, vec![60, 27, 50, 0]);
+    }
+}

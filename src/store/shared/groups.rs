@@ -1,0 +1,276 @@
+//! [`Grouped`]: one [`FenceStore`] over several [`SharedStore`]s, each
+//! fence key in one of them (a Redis Cluster's groups, each one slot).
+//!
+//! A key's every call goes to its group, and each group keeps its own
+//! guard: its marker, its witnessed tokens, its latch in amnesia. So a
+//! group whose data was lost refuses its keys' writes until an operator
+//! confirms, and the others go on. What spans the store (initialising,
+//! confirming a reset, the heartbeat's marker check, closing) is done for
+//! every group, and says which groups failed.
+
+use async_trait::async_trait;
+
+use crate::store::api::{
+    Advance, Claim, CrashedKey, FenceStore, LeaseOutcome, Lock, Replicas, StartState, StoreError,
+    WriteLease,
+};
+
+use super::backend::Backend;
+use super::store::SharedStore;
+
+/// The groups, and how a key finds its group.
+pub struct Grouped<B: Backend> {
+    groups: Vec<SharedStore<B>>,
+    group_of: fn(&str) -> usize,
+    /// How a group is named in messages (its hash tag, say).
+    names: Vec<String>,
+}
+
+impl<B: Backend> Grouped<B> {
+    /// `group_of` must answer below `groups.len()` for every key.
+    pub fn new(groups: Vec<(String, SharedStore<B>)>, group_of: fn(&str) -> usize) -> Self {
+        let (names, groups) = groups.into_iter().unzip();
+        Self {
+            groups,
+            group_of,
+            names,
+        }
+    }
+
+    fn of(&self, key: &str) -> &SharedStore<B> {
+        &self.groups[(self.group_of)(key)]
+    }
+
+    /// Runs `f` on every group at once; the groups that failed, named.
+    async fn each<'a, T, F, Fut>(&'a self, f: F) -> Result<Vec<T>, StoreError>
+    where
+        F: Fn(&'a SharedStore<B>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let answers = futures_util::future::join_all(self.groups.iter().map(f)).await;
+        let mut failed: Vec<(String, StoreError)> = Vec::new();
+        let mut ok = Vec::new();
+        for (name, a) in self.names.iter().zip(answers) {
+            match a {
+                Ok(v) => ok.push(v),
+                Err(e) => failed.push((name.clone(), e)),
+            }
+        }
+        match failed.first() {
+            None => Ok(ok),
+            Some((_, first)) => {
+                let which = named(failed.iter().map(|(n, _)| n.as_str()));
+                let why = format!(
+                    "{} of {} groups ({which}): {first}",
+                    failed.len(),
+                    self.groups.len()
+                );
+                Err(match first {
+                    StoreError::Amnesia(_) => StoreError::Amnesia(why),
+                    StoreError::Refused(_) => StoreError::Refused(why),
+                    StoreError::Uninitialised => StoreError::Uninitialised,
+                    _ => StoreError::Unavailable(why),
+                })
+            }
+        }
+    }
+}
+
+/// Groups named in a message: the first few, and how many more.
+fn named<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> String {
+    const SHOWN: usize = 6;
+    let more = names.len().saturating_sub(SHOWN);
+    let mut text = names.take(SHOWN).collect::<Vec<_>>().join(", ");
+    if more > 0 {
+        text.push_str(&format!(" and {more} more"));
+    }
+    text
+}
+
+#[async_trait]
+impl<B: Backend> FenceStore for Grouped<B> {
+    fn kind(&self) -> &'static str {
+        self.groups[0].kind()
+    }
+
+    fn exclusive(&self) -> bool {
+        false
+    }
+
+    fn start_state(&self) -> StartState {
+        StartState::Clean
+    }
+
+    async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.of(key).highest(key).await
+    }
+
+    async fn confirm_highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.of(key).confirm_highest(key).await
+    }
+
+    async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError> {
+        self.of(key).advance(key, token).await
+    }
+
+    async fn advance_marked(&self, key: &str, token: u64) -> Result<(Advance, u64), StoreError> {
+        self.of(key).advance_marked(key, token).await
+    }
+
+    async fn mark_in_flight(&self, key: &str, token: u64) -> Result<u64, StoreError> {
+        self.of(key).mark_in_flight(key, token).await
+    }
+
+    fn next_mark(&self) -> u64 {
+        0
+    }
+
+    async fn rotate_marks(
+        &self,
+        keys: Vec<(String, u64)>,
+        watermark: u64,
+    ) -> Result<Vec<u64>, StoreError> {
+        self.groups[0].rotate_marks(keys, watermark).await
+    }
+
+    fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>> {
+        Some(Vec::new())
+    }
+
+    fn key_mapping_at_open(&self) -> Option<u64> {
+        None
+    }
+
+    async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), StoreError> {
+        let _ = fingerprint;
+        Ok(())
+    }
+
+    fn in_flight_marks(&self) -> u64 {
+        0
+    }
+
+    async fn acquire_lease(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: std::time::Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.of(key).acquire_lease(key, lease, ttl).await
+    }
+
+    async fn poll_lease(&self, key: &str, lease: &WriteLease) -> Result<LeaseOutcome, StoreError> {
+        self.of(key).poll_lease(key, lease).await
+    }
+
+    async fn renew_lease(
+        &self,
+        key: &str,
+        lease: &WriteLease,
+        ttl: std::time::Duration,
+    ) -> Result<LeaseOutcome, StoreError> {
+        self.of(key).renew_lease(key, lease, ttl).await
+    }
+
+    async fn release_lease(&self, key: &str, lease: &WriteLease) -> Result<(), StoreError> {
+        self.of(key).release_lease(key, lease).await
+    }
+
+    async fn claim_lock(
+        &self,
+        key: &str,
+        id: &str,
+        holder: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Claim, StoreError> {
+        self.of(key).claim_lock(key, id, holder, ttl).await
+    }
+
+    async fn read_lock(&self, key: &str) -> Result<Option<Lock>, StoreError> {
+        self.of(key).read_lock(key).await
+    }
+
+    async fn renew_lock(
+        &self,
+        key: &str,
+        id: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Option<Lock>, StoreError> {
+        self.of(key).renew_lock(key, id, ttl).await
+    }
+
+    async fn release_lock(&self, key: &str, id: &str) -> Result<bool, StoreError> {
+        self.of(key).release_lock(key, id).await
+    }
+
+    async fn forget(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        self.of(key).forget(key).await
+    }
+
+    /// Marks every group that has no marker; whether any was marked now.
+    async fn initialise(&self) -> Result<bool, StoreError> {
+        Ok(self
+            .each(|g| g.initialise())
+            .await?
+            .into_iter()
+            .any(|created| created))
+    }
+
+    /// The groups in amnesia, named, with the first one's reason.
+    fn amnesia(&self) -> Option<String> {
+        let lost: Vec<(&String, String)> = self
+            .names
+            .iter()
+            .zip(&self.groups)
+            .filter_map(|(n, g)| g.amnesia().map(|why| (n, why)))
+            .collect();
+        let (_, first) = lost.first()?;
+        let which = named(lost.iter().map(|(n, _)| n.as_str()));
+        Some(format!(
+            "{} of {} groups ({which}; only their keys' writes are refused): {first}",
+            lost.len(),
+            self.groups.len()
+        ))
+    }
+
+    /// The group that waited the worst last (fewest confirmations against
+    /// those wanted), and the failed waits of all of them.
+    fn replicas(&self) -> Option<Replicas> {
+        let all: Vec<Replicas> = self.groups.iter().filter_map(|g| g.replicas()).collect();
+        if all.is_empty() {
+            return None;
+        }
+        Some(Replicas {
+            last: all
+                .iter()
+                .filter_map(|r| r.last)
+                .min_by_key(|w| (i64::from(w.confirmed) - i64::from(w.wanted), w.confirmed)),
+            failed_waits: all.iter().map(|r| r.failed_waits).sum(),
+        })
+    }
+
+    /// Confirms every group in amnesia (the others are left alone).
+    async fn confirm_reset(&self) -> Result<(), StoreError> {
+        self.each(|g| async move {
+            if g.amnesia().is_some() {
+                g.confirm_reset().await
+            } else {
+                Ok(())
+            }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.each(|g| g.ping()).await.map(|_| ())
+    }
+
+    async fn check_marker(&self) -> Result<(), StoreError> {
+        self.each(|g| g.check_marker()).await.map(|_| ())
+    }
+
+    async fn close_clean(&self) -> Result<(), StoreError> {
+        self.each(|g| g.close_clean()).await.map(|_| ())
+    }
+}

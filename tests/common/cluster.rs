@@ -695,3 +695,247 @@ pub fn json_field(json: &str, name: &str) -> String {
         .unwrap_or("")
         .to_string()
 }
+
+/// A Redis Cluster of three primaries with one replica each, made by
+/// `redis-cli --cluster create` as an operator makes one: each primary
+/// owns a third of the slots, in ranges. A primary that stops answering
+/// for `node_timeout` is failed over to its replica.
+pub struct RedisCluster {
+    _dir: tempfile::TempDir,
+    pub nodes: Vec<Node>,
+}
+
+impl RedisCluster {
+    pub fn start(node_timeout: Duration) -> RedisCluster {
+        let bin = PathBuf::from(require("redis-server", "redis-server"));
+        let cli = require("redis-cli", "redis-tools");
+        let dir = scratch_dir();
+        let mut nodes: Vec<Node> = (0..6)
+            .map(|i| {
+                let port = free_port();
+                let args: Vec<String> = [
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    &node_timeout.as_millis().to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                let d = dir.path().join(format!("n{i}"));
+                let mut args = args;
+                args.extend(["--dir".to_string(), d.display().to_string()]);
+                Node::new(port, d, bin.clone(), args)
+            })
+            .collect();
+        for n in &mut nodes {
+            n.start();
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new(&cli)
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let c = RedisCluster { _dir: dir, nodes };
+        c.wait_settled();
+        c
+    }
+
+    /// The `--store` URL (two seeds: any node will do).
+    pub fn url(&self) -> String {
+        format!(
+            "redis+cluster://127.0.0.1:{},127.0.0.1:{}",
+            self.nodes[0].port, self.nodes[1].port
+        )
+    }
+
+    /// `CLUSTER NODES` as one live node sees it.
+    fn cluster_nodes(&self) -> Option<String> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .find_map(|n| redis_query(n.port, redis::cmd("CLUSTER").arg("NODES")))
+    }
+
+    /// The port of the primary serving `slot`, as the cluster says.
+    pub fn primary_of(&self, slot: u16) -> Option<u16> {
+        let nodes = self.cluster_nodes()?;
+        nodes.lines().find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let flags = f.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") {
+                return None;
+            }
+            let owns = f[8..].iter().any(|r| {
+                let (a, b) = r.split_once('-').unwrap_or((r, r));
+                match (a.parse::<u16>(), b.parse::<u16>()) {
+                    (Ok(a), Ok(b)) => (a..=b).contains(&slot),
+                    _ => false,
+                }
+            });
+            owns.then(|| f[1].split(['@', ':']).nth(1)?.parse().ok())?
+        })
+    }
+
+    /// How many slots the primary on `port` serves.
+    pub fn slots_of(&self, port: u16) -> usize {
+        let nodes = self.cluster_nodes().expect("CLUSTER NODES");
+        nodes
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .filter(|f| {
+                f.len() > 8 && f[1].split(['@', ':']).nth(1) == Some(port.to_string().as_str())
+            })
+            .flat_map(|f| f[8..].iter().map(|r| r.to_string()).collect::<Vec<_>>())
+            .filter_map(|r| {
+                let (a, b) = r.split_once('-').unwrap_or((&r, &r));
+                Some(b.parse::<usize>().ok()? - a.parse::<usize>().ok()? + 1)
+            })
+            .sum()
+    }
+
+    /// Whether the server on `port` is a primary that owns slots.
+    pub fn primary_of_port_is_primary(&self, port: u16) -> bool {
+        let Some(nodes) = self.cluster_nodes() else {
+            return false;
+        };
+        nodes.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 8
+                && f[2].contains("master")
+                && f[1].split(['@', ':']).nth(1) == Some(port.to_string().as_str())
+        })
+    }
+
+    /// The node id of the server on `port`.
+    pub fn id_of(&self, port: u16) -> String {
+        redis_query(port, redis::cmd("CLUSTER").arg("MYID")).expect("CLUSTER MYID")
+    }
+
+    /// The server on `port`.
+    pub fn node(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("a node on that port")
+    }
+
+    /// The slot of a key (`CLUSTER KEYSLOT`).
+    pub fn slot_of(&self, key: &str) -> u16 {
+        redis_query(
+            self.nodes[0].port,
+            redis::cmd("CLUSTER").arg("KEYSLOT").arg(key),
+        )
+        .expect("CLUSTER KEYSLOT")
+    }
+
+    /// Waits until every live node says the cluster is ok and agrees on
+    /// who serves every slot.
+    pub fn wait_settled(&self) {
+        wait_for("the cluster to be ok", Duration::from_secs(60), || {
+            self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                redis_query::<String>(n.port, redis::cmd("CLUSTER").arg("INFO"))
+                    .is_some_and(|i| i.contains("cluster_state:ok"))
+            })
+        });
+    }
+
+    /// Waits until `redis-cli --cluster check` passes: every node agrees
+    /// on who serves each slot, none is left open (a tool refuses to
+    /// reshard a cluster before that).
+    pub fn wait_agreed(&self) {
+        let cli = require("redis-cli", "redis-tools");
+        let seed = self
+            .nodes
+            .iter()
+            .find(|n| n.child.is_some())
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .expect("a live node");
+        wait_for("the nodes to agree", Duration::from_secs(60), || {
+            Command::new(&cli)
+                .args(["--cluster", "check", &seed])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+    }
+
+    /// Waits until a node other than `old` serves `slot` as a primary.
+    pub fn wait_promoted(&self, old: u16, slot: u16) -> u16 {
+        let mut new = None;
+        wait_for(
+            "the cluster to promote a replica",
+            Duration::from_secs(60),
+            || {
+                new = self.primary_of(slot).filter(|p| *p != old);
+                new.is_some()
+            },
+        );
+        self.wait_settled();
+        new.unwrap()
+    }
+
+    /// `redis-cli --cluster reshard`: `slots` slots moved from the primary
+    /// on `from` to the one on `to`, keys and all, while clients work.
+    pub fn reshard(&self, from: u16, to: u16, slots: usize) {
+        let out = Command::new(require("redis-cli", "redis-tools"))
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
+            .args(["--cluster-from", &self.id_of(from)])
+            .args(["--cluster-to", &self.id_of(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster reshard");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        self.wait_settled();
+        self.wait_agreed();
+    }
+
+    /// `redis-cli --cluster rebalance --cluster-use-empty-masters`: slots
+    /// moved until the primaries own about as many each, those that own
+    /// none included.
+    pub fn rebalance(&self) {
+        self.wait_agreed();
+        let out = Command::new(require("redis-cli", "redis-tools"))
+            .args([
+                "--cluster",
+                "rebalance",
+                &format!("127.0.0.1:{}", self.nodes[0].port),
+                "--cluster-use-empty-masters",
+            ])
+            .output()
+            .expect("run redis-cli --cluster rebalance");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster rebalance: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        self.wait_settled();
+    }
+}

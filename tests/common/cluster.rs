@@ -738,7 +738,15 @@ impl RedisCluster {
                 .collect();
                 let d = dir.path().join(format!("n{i}"));
                 let mut args = args;
-                args.extend(["--dir".to_string(), d.display().to_string()]);
+                // The cluster bus on a port of its own: the default (the
+                // port + 10000) lands in the ephemeral range, where any
+                // outgoing connection may hold it.
+                args.extend([
+                    "--dir".to_string(),
+                    d.display().to_string(),
+                    "--cluster-port".to_string(),
+                    free_port().to_string(),
+                ]);
                 Node::new(port, d, bin.clone(), args)
             })
             .collect();

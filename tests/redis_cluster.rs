@@ -1,0 +1,189 @@
+//! The Redis Cluster store (`redis+cluster://`) on a real cluster of three
+//! primaries with a replica each (`redis-cli --cluster create`), with two
+//! fencegate replicas: the fence holds in every group, a new cluster needs
+//! `init-store`, and a shard that comes back empty has its groups refused
+//! until an operator confirms while the other shards keep taking writes.
+//! The failover and resharding runs under load are in tests/history.rs.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::RedisCluster;
+use common::servers::init_store;
+use common::*;
+use fencegate::store::redis::cluster::{group_of, group_tag, GROUPS};
+
+/// One path per group (on the default route, whose fence key is
+/// `default:PATH`): the first `/g<g>-<n>` that falls in group `g`.
+fn path_in_group(g: usize) -> String {
+    (0..)
+        .map(|n| format!("/g{g}-{n}"))
+        .find(|p| group_of(&format!("default:{p}")) == g)
+        .unwrap()
+}
+
+struct Setup {
+    cluster: RedisCluster,
+    up: Upstream,
+    dir: tempfile::TempDir,
+}
+
+impl Setup {
+    async fn start(node_timeout: Duration) -> Setup {
+        let cluster = tokio::task::spawn_blocking(move || RedisCluster::start(node_timeout))
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("admin-token"), ADMIN_TOKEN).unwrap();
+        Setup {
+            cluster,
+            up: start_upstream().await,
+            dir,
+        }
+    }
+
+    fn replica(&self, name: &str) -> ProxyBuilder {
+        let d = self.dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        ProxyBuilder::new(&self.up.url(), &d)
+            .store_url(&self.cluster.url())
+            .args(&["--store-timeout", "2s"])
+            .args(&[
+                "--admin-token-file",
+                self.dir.path().join("admin-token").to_str().unwrap(),
+            ])
+    }
+}
+
+/// The primary's port serving group `g`.
+fn primary_of_group(c: &RedisCluster, g: usize) -> u16 {
+    c.primary_of(c.slot_of(&group_tag(g)))
+        .expect("a primary serves the group")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_group_fences_across_replicas() {
+    let s = Setup::start(Duration::from_millis(2000)).await;
+    init_store(&s.cluster.url());
+    let (a, b) = (s.replica("a").spawn(), s.replica("b").spawn());
+    for g in 0..GROUPS {
+        let p = path_in_group(g);
+        assert_eq!(put(&a.url(&p), "5").await.status, 200, "{p}");
+        let r = put(&b.url(&p), "4").await;
+        assert_eq!(r.status, 409, "{p}: {}", r.text());
+        assert_eq!(put(&b.url(&p), "6").await.status, 200, "{p}");
+        assert_eq!(put(&a.url(&p), "5").await.status, 409, "{p}");
+        assert_eq!(put(&a.url(&p), "18446744073709551615").await.status, 200);
+        assert_eq!(put(&b.url(&p), "18446744073709551614").await.status, 409);
+    }
+    assert_eq!(
+        s.up.arrivals(),
+        GROUPS * 3,
+        "only the admitted writes arrived"
+    );
+    // Each group's fence is in its own slot, on the primary that serves it.
+    let primaries: std::collections::HashSet<u16> = (0..GROUPS)
+        .map(|g| primary_of_group(&s.cluster, g))
+        .collect();
+    assert_eq!(primaries.len(), 3, "the groups spread over every primary");
+}
+
+/// A cluster nobody initialised is refused at start; `init-store` marks
+/// every group once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_cluster_needs_init_store() {
+    let s = Setup::start(Duration::from_millis(2000)).await;
+    let (status, stderr) = s.replica("a").start_refused();
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("init-store"), "{stderr}");
+    init_store(&s.cluster.url());
+    init_store(&s.cluster.url());
+    let a = s.replica("a").spawn();
+    assert_eq!(put(&a.url("/n"), "4").await.status, 200);
+    assert_eq!(put(&a.url("/n"), "3").await.status, 409);
+}
+
+/// A primary killed and started again empty (its append-only file lost)
+/// before the cluster fails it over: its groups come back with no fence
+/// and no marker, and its replica copies the empty data set. Writes to
+/// those groups are refused (a stale token would pass a store that
+/// forgot) until an operator confirms; the other shards take writes all
+/// along. Confirmed, the fences this replica saw are written back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
+    // Long enough that the restart is back before any failover.
+    let mut s = Setup::start(Duration::from_secs(30)).await;
+    init_store(&s.cluster.url());
+    let a = s.replica("a").spawn();
+    let paths: Vec<String> = (0..GROUPS).map(path_in_group).collect();
+    for p in &paths {
+        assert_eq!(put(&a.url(p), "5").await.status, 200, "{p}");
+    }
+    let victim = primary_of_group(&s.cluster, 0);
+    let (lost, kept): (Vec<usize>, Vec<usize>) =
+        (0..GROUPS).partition(|g| primary_of_group(&s.cluster, *g) == victim);
+    assert!(!lost.is_empty() && !kept.is_empty());
+    let applied = s.up.arrivals();
+    {
+        let node = s.cluster.node(victim);
+        node.kill9();
+        std::fs::remove_dir_all(node.dir.join("appendonlydir")).unwrap();
+    }
+    s.cluster.node(victim).restart();
+    s.cluster.wait_settled();
+    // Stale tokens on the emptied groups: never admitted.
+    for g in &lost {
+        let r = put(&a.url(&paths[*g]), "3").await;
+        assert_eq!(r.status, 503, "{}: {}", paths[*g], r.text());
+    }
+    // The other shards take writes, now and after the heartbeat saw the loss.
+    eventually_async("the replica reports amnesia", || async {
+        metric(&a, "fencegate_store_amnesia ").await == Some(1.0)
+    })
+    .await;
+    for g in &kept {
+        assert_eq!(
+            put(&a.url(&paths[*g]), "6").await.status,
+            200,
+            "{}",
+            paths[*g]
+        );
+        assert_eq!(put(&a.url(&paths[*g]), "4").await.status, 409);
+    }
+    let r = put(&a.url(&paths[lost[0]]), "7").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("lost data"), "{}", r.text());
+    // The status page names the groups in amnesia.
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let status = send(
+        "GET",
+        &a.admin_url("/v1/status"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await
+    .text();
+    assert!(
+        status.contains(&format!("{} of {GROUPS} groups", lost.len())),
+        "{status}"
+    );
+    assert_eq!(
+        s.up.arrivals(),
+        applied + kept.len(),
+        "nothing else arrived"
+    );
+    let r = send(
+        "POST",
+        &a.admin_url("/v1/store/confirm-reset"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for g in &lost {
+        let r = put(&a.url(&paths[*g]), "4").await;
+        assert_eq!(r.status, 409, "the fence was written back: {}", r.text());
+        assert_eq!(put(&a.url(&paths[*g]), "8").await.status, 200);
+    }
+}

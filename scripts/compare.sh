@@ -11,6 +11,9 @@
 #   steady-redis-replica, newkey-redis-replica   on a second Redis with a
 #               replica attached: every call waits for it (WAIT 1), what
 #               a failover that loses nothing costs
+#   steady-redis-cluster, newkey-redis-cluster   on a Redis Cluster of three
+#               primaries (no replicas: beside the lone Redis), all on the
+#               store's core
 #   nginx-tls   nginx terminating TLS (HTTP/1.1, keep-alive) in front of
 #               the upstream
 #   steady-tls  fencegate's TLS listener, steady token (same certificate)
@@ -126,6 +129,14 @@ taskset -c 1 redis-server --port "$REDIS2_PORT" --bind 127.0.0.1 --save "" --app
 REDIS2_PID=$!; PIDS+=($!)
 taskset -c 1 redis-server --port "$REDIS2_REPLICA_PORT" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always --replicaof 127.0.0.1 "$REDIS2_PORT" --dir "$WORK/redis2-replica" >/dev/null &
 PIDS+=($!)
+# A Redis Cluster of three primaries, on the store's core too.
+RC_PORTS=(); RC_PIDS=()
+for i in 1 2 3; do
+  p=$(port); mkdir -p "$WORK/rc$i"
+  taskset -c 1 redis-server --port "$p" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync always \
+    --cluster-enabled yes --cluster-config-file nodes.conf --cluster-port "$(port)" --dir "$WORK/rc$i" >/dev/null &
+  RC_PIDS+=($!); PIDS+=($!); RC_PORTS+=("$p")
+done
 PG_PORT=$(port)
 mkdir -p "$WORK/pg"; chown -R postgres "$WORK/pg"; chmod 777 "$WORK"
 runuser -u postgres -- "$PGBIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
@@ -137,7 +148,12 @@ taskset -c 1 etcd --name compare --data-dir "$WORK/etcd" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
   --initial-cluster "compare=http://127.0.0.1:$ETCD_PEER" >/dev/null 2>&1 &
 ETCD_PID=$!; PIDS+=($!)
-for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $REDIS2_PORT $REDIS2_REPLICA_PORT $PG_PORT $ETCD_PORT; do wait_port "$p"; done
+for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $REDIS_PORT $REDIS2_PORT $REDIS2_REPLICA_PORT $PG_PORT $ETCD_PORT "${RC_PORTS[@]}"; do wait_port "$p"; done
+redis-cli --cluster create $(printf '127.0.0.1:%s ' "${RC_PORTS[@]}") --cluster-replicas 0 --cluster-yes >/dev/null
+for _ in $(seq 100); do
+  redis-cli -p "${RC_PORTS[0]}" cluster info 2>/dev/null | grep -q 'cluster_state:ok' && break; sleep 0.1
+done
+redis-cli -p "${RC_PORTS[0]}" cluster info | grep -q 'cluster_state:ok' || { echo "the Redis Cluster never became ok" >&2; exit 1; }
 for _ in $(seq 100); do
   redis-cli -p "$REDIS2_PORT" info replication 2>/dev/null | grep -q 'state=online' && break; sleep 0.1
 done
@@ -161,10 +177,13 @@ read -r FGR_PID FGR_ADDR < <(start_fencegate redis "redis://127.0.0.1:$REDIS_POR
 init_store "redis://127.0.0.1:$REDIS2_PORT/0"
 read -r FGRR_PID FGRR_ADDR < <(start_fencegate redis-replica "redis://127.0.0.1:$REDIS2_PORT/0" --store-replicas-to-wait 1)
 read -r FGP_PID FGP_ADDR < <(start_fencegate postgres "postgres://postgres@127.0.0.1:$PG_PORT/postgres")
+RC_URL="redis+cluster://127.0.0.1:${RC_PORTS[0]},127.0.0.1:${RC_PORTS[1]}"
+init_store "$RC_URL"
+read -r FGC_PID FGC_ADDR < <(start_fencegate redis-cluster "$RC_URL")
 init_store "etcd://127.0.0.1:$ETCD_PORT"
 read -r FGE_PID FGE_ADDR < <(start_fencegate etcd "etcd://127.0.0.1:$ETCD_PORT")
 # start_fencegate runs in a subshell here: its PIDS+= never reached us.
-PIDS+=("$FG_PID" "$FGR_PID" "$FGRR_PID" "$FGP_PID" "$FGE_PID")
+PIDS+=("$FG_PID" "$FGR_PID" "$FGRR_PID" "$FGC_PID" "$FGP_PID" "$FGE_PID")
 if [ -n "${BASELINE_BIN:-}" ]; then
   read -r FGB_PID FGB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate baseline "$WORK/baseline.redb")
   read -r FGRB_PID FGRB_ADDR < <(FG_BIN=$BASELINE_BIN start_fencegate redis-baseline "redis://127.0.0.1:$REDIS_PORT/0")
@@ -184,9 +203,11 @@ treecpu() {
     END {total = 0; for (p in t) {q = p; while ((q in ppid) && q != root && q > 1) q = ppid[q]; if (q == root) total += t[p]}; print total}' \
     /proc/[0-9]*/stat 2>/dev/null
 }
+# The store's CPU seconds over its servers (a cluster has several).
+storecpu() { local t=0; for p in "$@"; do t=$(python3 -c "print($t + $(treecpu "$p"))"); done; echo "$t"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
 
-SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-redis-replica newkey-redis-replica steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
+SYSTEMS=(direct nginx haproxy steady newkey steady-redis newkey-redis steady-redis-replica newkey-redis-replica steady-redis-cluster newkey-redis-cluster steady-postgres newkey-postgres steady-etcd newkey-etcd nginx-tls steady-tls nginx-h2c steady-h2c nginx-h2 steady-h2)
 # ONLY="steady steady-redis ...": just these rows (a quick look; the docs
 # quote full runs).
 [ -n "${ONLY:-}" ] && read -r -a SYSTEMS <<< "$ONLY"
@@ -217,6 +238,8 @@ for r in $(seq "$ROUNDS"); do
       newkey-redis) url="http://$FGR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGR_PID;;
       steady-redis-replica) url="http://$FGRR_ADDR/k"; script=steady; pid=$FGRR_PID;;
       newkey-redis-replica) url="http://$FGRR_ADDR/new/$r-$sys/"; script=newkey; pid=$FGRR_PID;;
+      steady-redis-cluster) url="http://$FGC_ADDR/k"; script=steady; pid=$FGC_PID;;
+      newkey-redis-cluster) url="http://$FGC_ADDR/new/$r-$sys/"; script=newkey; pid=$FGC_PID;;
       steady-postgres) url="http://$FGP_ADDR/k"; script=steady; pid=$FGP_PID;;
       newkey-postgres) url="http://$FGP_ADDR/new/$r-$sys/"; script=newkey; pid=$FGP_PID;;
       steady-etcd) url="http://$FGE_ADDR/k"; script=steady; pid=$FGE_PID;;
@@ -234,8 +257,8 @@ for r in $(seq "$ROUNDS"); do
     c0=0; [ -n "$pid" ] && c0=$(cpu "$pid")
     # The store server's own CPU on the shared-store rows (it runs on the
     # proxy's core: what it spends per write is what the proxy cannot).
-    case $sys in *-redis|*-redis-base) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
-    s0=0; [ -n "$spid" ] && s0=$(treecpu "$spid")
+    case $sys in *-redis|*-redis-base) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-redis-cluster) spid="${RC_PIDS[*]}";; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
+    s0=0; [ -n "$spid" ] && s0=$(storecpu $spid)
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
       if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
@@ -252,7 +275,7 @@ for r in $(seq "$ROUNDS"); do
     cpu_us=$(python3 -c "print(round(($c1-$c0)*1e6/($rps*$SECS),1))")
     printf 'rps\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$r" "$rps" "$p50" "$p99" "$cpu_us" >> "$ROWS"
     if [ -n "$spid" ]; then
-      s1=$(treecpu "$spid")
+      s1=$(storecpu $spid)
       printf 'store\t%s\t%s\t%s\t-\t-\t-\n' "$sys" "$r" "$(python3 -c "print(round(($s1-$s0)*1e6/($rps*$SECS),1))")" >> "$ROWS"
     fi
     echo "round $r $sys: req/s=$rps p50=${p50}ms p99=${p99}ms cpu/req=${cpu_us}us" >&2

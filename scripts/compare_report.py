@@ -26,6 +26,8 @@ LABELS = {
     "newkey-redis": "fencegate on Redis, new key per request",
     "steady-redis-replica": "fencegate on Redis waiting for its replica, steady token",
     "newkey-redis-replica": "fencegate on Redis waiting for its replica, new key per request",
+    "steady-redis-cluster": "fencegate on a Redis Cluster (3 primaries), steady token",
+    "newkey-redis-cluster": "fencegate on a Redis Cluster (3 primaries), new key per request",
     "steady-postgres": "fencegate on PostgreSQL, steady token",
     "newkey-postgres": "fencegate on PostgreSQL, new key per request",
     "steady-etcd": "fencegate on etcd, steady token",
@@ -109,11 +111,18 @@ def main():
         f"etcd {ratio('steady-etcd', 'steady')} / {ratio('newkey-etcd', 'newkey')}",
         f"- waiting for a Redis replica (WAIT 1 after each call) vs a lone Redis (steady / new key): "
         f"{ratio('steady-redis-replica', 'steady-redis')} / {ratio('newkey-redis-replica', 'newkey-redis')}",
+        f"- a Redis Cluster of three primaries vs a lone Redis (steady / new key): "
+        f"{ratio('steady-redis-cluster', 'steady-redis')} / {ratio('newkey-redis-cluster', 'newkey-redis')}",
         "- store server CPU per request, same rounds (µs; it runs on the proxy's core): "
         + ", ".join(
             f"{name} {fmt(med(f'steady-{s}@store', 'value'), 0)} steady / "
             f"{fmt(med(f'newkey-{s}@store', 'value'), 0)} new key"
-            for name, s in (("Redis", "redis"), ("PostgreSQL", "postgres"), ("etcd", "etcd"))
+            for name, s in (
+                ("Redis", "redis"),
+                ("Redis Cluster", "redis-cluster"),
+                ("PostgreSQL", "postgres"),
+                ("etcd", "etcd"),
+            )
         ),
         f"- fencegate TLS vs nginx terminating TLS: {ratio('steady-tls', 'nginx-tls')}; "
         f"vs its own plain listener: {ratio('steady-tls', 'steady')}",

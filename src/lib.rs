@@ -25,7 +25,9 @@
 //!    validated [`config::Config`] built from it with `TryFrom`.
 //! 3. [`store`]: the [`store::FenceStore`] contract (`store/api.rs`) and
 //!    its engines ([`store::embedded`], redb with group commit; Redis,
-//!    PostgreSQL and etcd behind [`store::shared`]).
+//!    Redis Cluster (`store/redis/cluster.rs`, its fence keys in 64 groups,
+//!    each a store of its own: `store/shared/groups.rs`), PostgreSQL and
+//!    etcd behind [`store::shared`]).
 //! 4. [`fence`]: admission and ordering (stale / equal / raise, waiting
 //!    behind older in-flight writes, crash recovery), one file per concern.
 //! 5. [`error`]: the one place where errors become HTTP answers

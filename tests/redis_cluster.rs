@@ -116,6 +116,9 @@ async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
     let mut s = Setup::start(Duration::from_secs(30)).await;
     init_store(&s.cluster.url());
     let a = s.replica("a").spawn();
+    // B never sees the written keys: what stops its stale writes is the
+    // marker, not a token it remembers.
+    let b = s.replica("b").spawn();
     let paths: Vec<String> = (0..GROUPS).map(path_in_group).collect();
     for p in &paths {
         assert_eq!(put(&a.url(p), "5").await.status, 200, "{p}");
@@ -131,8 +134,32 @@ async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
         std::fs::remove_dir_all(node.dir.join("appendonlydir")).unwrap();
     }
     s.cluster.node(victim).restart();
+    // Stale tokens on the emptied groups, at once (before any heartbeat
+    // could have looked), through the replica that never saw them: never
+    // admitted.
+    let first = &paths[lost[0]];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = put(&b.url(first), "3").await;
+        assert_ne!(
+            r.status,
+            200,
+            "a stale write admitted on {first}: {}",
+            r.text()
+        );
+        if r.text().contains("lost data") {
+            break;
+        }
+        // The node coming back (connection refused, loading): unavailable.
+        assert_eq!(r.status, 503, "{first}: {}", r.text());
+        assert!(std::time::Instant::now() < deadline, "{}", r.text());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for g in &lost {
+        let r = put(&b.url(&paths[*g]), "3").await;
+        assert_eq!(r.status, 503, "{}: {}", paths[*g], r.text());
+    }
     s.cluster.wait_settled();
-    // Stale tokens on the emptied groups: never admitted.
     for g in &lost {
         let r = put(&a.url(&paths[*g]), "3").await;
         assert_eq!(r.status, 503, "{}: {}", paths[*g], r.text());
@@ -173,6 +200,14 @@ async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
         applied + kept.len(),
         "nothing else arrived"
     );
+    // init-store will not mark the lost groups as new.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["init-store", "--store", &s.cluster.url()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("confirm-reset"), "{stderr}");
     let r = send(
         "POST",
         &a.admin_url("/v1/store/confirm-reset"),

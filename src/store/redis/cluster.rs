@@ -25,14 +25,14 @@
 //! the same round trip) by `WAIT` for the replicas wanted: the replicas
 //! of that primary, which is what a failover of that shard promotes.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
-use redis::{Cmd, FromRedisValue, Value};
+use redis::{Cmd, FromRedisValue, Script, Value};
 
 use crate::store::api::{Replicas, StoreError};
 
@@ -136,7 +136,7 @@ impl Cluster {
             conns: dashmap::DashMap::new(),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
-            scripts: Scripts::new(),
+            scripts: Scripts::guarded(),
         }))
     }
 
@@ -181,6 +181,14 @@ pub struct ClusterGroup {
     /// Replicas online at that primary, as last seen (see
     /// [`ClusterGroup::replicas_wanted`]).
     online: AtomicU32,
+    /// A wait failed: the next count read replaces the one kept, even if
+    /// lower (a replica gone for good stops failing every call).
+    recount: AtomicBool,
+    /// The group's marker as the last answer carried it: an answer with
+    /// none, another epoch or a lower sequence starts a new session, so
+    /// that the marker is checked before that answer is used.
+    /// `None` until the first answer; then the marker it carried, if any.
+    marker_seen: Mutex<Option<Option<(String, String)>>>,
     last_wait: AtomicU64,
     failed_waits: AtomicU64,
 }
@@ -198,6 +206,8 @@ impl ClusterGroup {
             session: AtomicU64::new(0),
             run_id: Mutex::new(None),
             online: AtomicU32::new(0),
+            recount: AtomicBool::new(false),
+            marker_seen: Mutex::new(None),
             last_wait: AtomicU64::new(u64::MAX),
             failed_waits: AtomicU64::new(0),
         }
@@ -250,6 +260,77 @@ impl ClusterGroup {
         }
     }
 
+    /// The marker an answer carried (`None`: the group has none there).
+    /// Anything but the marker seen before, or a later sequence of it,
+    /// starts a new session: the answer is used only once the marker was
+    /// checked (`SharedStore::recheck`).
+    fn saw_marker(&self, epoch: Option<String>, seq: Option<String>) {
+        let now = epoch.zip(seq);
+        let mut seen = self.marker_seen.lock().expect("marker seen");
+        let same = match (&*seen, &now) {
+            // The first answer: the session's own check covers it.
+            (None, Some(_)) => true,
+            (Some(Some((e0, s0))), Some((e1, s1))) => {
+                e0 == e1 && s1.parse::<u64>().ok() >= s0.parse::<u64>().ok()
+            }
+            _ => false,
+        };
+        if !same {
+            self.session.fetch_add(1, Ordering::AcqRel);
+        }
+        *seen = Some(now);
+    }
+
+    /// Runs `p` (its first `count` commands answered), then `WAIT` for the
+    /// replicas wanted, in one round trip on the group's primary; the
+    /// answers without the wait's.
+    async fn waited(&self, mut p: redis::Pipeline, count: usize) -> Result<Vec<Value>, StoreError> {
+        let wanted = self.replicas_wanted();
+        let wait_ms = self.cluster.wait_ms();
+        if wanted > 0 {
+            p.cmd("WAIT").arg(wanted).arg(wait_ms);
+        }
+        let total = count + usize::from(wanted > 0);
+        let answered = self.on_primary(&p, total).await;
+        let mut values = match answered {
+            Ok(v) if v.len() == total => v,
+            Ok(v) => {
+                self.last_wait.store(u64::MAX, Ordering::Relaxed);
+                return Err(unavailable(format!(
+                    "{} answers to {total} commands",
+                    v.len()
+                )));
+            }
+            Err(e) => {
+                self.last_wait.store(u64::MAX, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        // A command's own error fails the call (the lone primary's
+        // pipeline fails on any).
+        if let Some(Value::ServerError(e)) =
+            values.iter().find(|v| matches!(v, Value::ServerError(_)))
+        {
+            return Err(self.failed(e.clone().into()));
+        }
+        if wanted > 0 {
+            let confirmed: u32 = parse(values.pop().expect("counted"))?;
+            self.last_wait.store(
+                u64::from(wanted) << 32 | u64::from(confirmed),
+                Ordering::Relaxed,
+            );
+            if confirmed < wanted {
+                self.failed_waits.fetch_add(1, Ordering::Relaxed);
+                self.recount.store(true, Ordering::Relaxed);
+                self.session.fetch_add(1, Ordering::AcqRel);
+                return Err(unavailable(format!(
+                    "{confirmed} of {wanted} replicas of the shard confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
+                )));
+            }
+        }
+        Ok(values)
+    }
+
     fn failed(&self, e: redis::RedisError) -> StoreError {
         // Whatever broke, the marker is checked again before the next
         // answer counts: the slot may be served by another node now.
@@ -300,60 +381,60 @@ impl Calls for ClusterGroup {
         &self.cluster.scripts
     }
 
+    /// A command other than a script (a fence read, the marker read): the
+    /// group's marker read with it, the sync key written and the replicas
+    /// waited for, as a script's guard does.
     async fn query<T: FromRedisValue + Send>(&self, cmd: Cmd) -> Result<T, StoreError> {
-        let wanted = self.replicas_wanted();
-        let wait_ms = self.cluster.wait_ms();
         let mut p = redis::pipe();
-        p.add_command(cmd);
-        if wanted > 0 {
-            p.cmd("SET")
-                .arg(self.keys.sync())
-                .arg(1)
-                .cmd("WAIT")
-                .arg(wanted)
-                .arg(wait_ms);
-        }
-        let count = if wanted > 0 { 3 } else { 1 };
-        let answered = self.on_primary(&p, count).await;
-        let mut values = match answered {
-            Ok(v) if v.len() == count => v.into_iter(),
-            Ok(v) => {
-                self.last_wait.store(u64::MAX, Ordering::Relaxed);
-                return Err(unavailable(format!(
-                    "{} answers to {count} commands",
-                    v.len()
-                )));
-            }
-            Err(e) => {
-                self.last_wait.store(u64::MAX, Ordering::Relaxed);
-                return Err(e);
-            }
-        };
-        let first = values.next().expect("counted");
-        if let Value::ServerError(e) = &first {
-            return Err(self.failed(e.clone().into()));
-        }
-        if wanted == 0 {
-            return parse(first);
-        }
-        let confirmed: u32 = parse(values.nth(1).expect("counted"))?;
-        self.last_wait.store(
-            u64::from(wanted) << 32 | u64::from(confirmed),
-            Ordering::Relaxed,
-        );
-        if confirmed < wanted {
-            self.failed_waits.fetch_add(1, Ordering::Relaxed);
-            self.session.fetch_add(1, Ordering::AcqRel);
-            return Err(unavailable(format!(
-                "{confirmed} of {wanted} replicas of the shard confirmed the call within {wait_ms} ms (store_replicas_to_wait, docs/stores.md)"
-            )));
-        }
-        parse(first)
+        p.add_command(cmd)
+            .cmd("HMGET")
+            .arg(self.keys.marker())
+            .arg("epoch")
+            .arg("seq")
+            .cmd("SET")
+            .arg(self.keys.sync())
+            .arg(1);
+        let mut v = self.waited(p, 3).await?.into_iter();
+        let (answer, marker) = (v.next().expect("counted"), v.next().expect("counted"));
+        let marker: Vec<Option<String>> = parse(marker)?;
+        let mut m = marker.into_iter();
+        self.saw_marker(m.next().flatten(), m.next().flatten());
+        parse(answer)
+    }
+
+    /// A script, in its guarded form (see `scripts::GUARD`): the group's
+    /// marker and sync keys after the script's own, the marker carried
+    /// back with the answer.
+    async fn script<T: FromRedisValue + Send>(
+        &self,
+        script: &Script,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<T, StoreError> {
+        let mut p = redis::pipe();
+        p.cmd("EVALSHA")
+            .arg(script.get_hash())
+            .arg(keys.len() + 2)
+            .arg(keys)
+            .arg(self.keys.marker())
+            .arg(self.keys.sync())
+            .arg(args);
+        let v = self
+            .waited(p, 1)
+            .await?
+            .into_iter()
+            .next()
+            .expect("counted");
+        let (answer, epoch, seq): (Value, String, String) = parse(v)?;
+        let given = |s: String| Some(s).filter(|s| !s.is_empty());
+        self.saw_marker(given(epoch), given(seq));
+        parse(answer)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        // A key, not PING: PING would go to any node with a connection.
         let mut p = redis::pipe();
-        p.cmd("PING");
+        p.cmd("EXISTS").arg(self.keys.marker());
         self.on_primary(&p, 1).await.map(|_| ())
     }
 
@@ -361,15 +442,27 @@ impl Calls for ClusterGroup {
         // Who serves the slot now, and with how many replicas: a new
         // primary (a failover, a reshard, a restart) means a new session,
         // and its own count of replicas (never the old primary's).
+        // INFO has no key: the EXISTS before it takes the pipeline to the
+        // slot's primary (a MOVED sends it all there), never to whichever
+        // node the client has a connection to. One section per INFO
+        // (Redis 6 takes no more).
         let mut p = redis::pipe();
-        p.cmd("INFO").arg("server").arg("replication");
-        let info: String = match self.on_primary(&p, 1).await {
-            Ok(mut v) => match parse(v.remove(0)) {
-                Ok(info) => info,
-                // An ACL without INFO: the replicas are not known.
-                Err(_) => return Ok(()),
+        p.cmd("EXISTS")
+            .arg(self.keys.marker())
+            .cmd("INFO")
+            .arg("server")
+            .cmd("INFO")
+            .arg("replication");
+        let info: String = match self.on_primary(&p, 3).await {
+            Ok(v) => match (parse::<String>(v[1].clone()), parse::<String>(v[2].clone())) {
+                (Ok(server), Ok(replication)) => format!("{server}\n{replication}"),
+                // An ACL without INFO: the replicas are not known, and
+                // the setting (or none) decides the wait.
+                _ => {
+                    tracing::warn!(group = self.keys.tag(), "redis cluster refuses INFO to fencegate's user: the shard's replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
+                    return Ok(());
+                }
             },
-            Err(StoreError::Refused(_)) => return Ok(()),
             Err(e) => return Err(e),
         };
         let run_id = info
@@ -385,13 +478,19 @@ impl Calls for ClusterGroup {
             )));
         }
         let mut seen = self.run_id.lock().expect("run id");
+        let recount = self.recount.swap(false, Ordering::Relaxed);
         if *seen != run_id {
             if seen.is_some() {
                 self.session.fetch_add(1, Ordering::AcqRel);
             }
             *seen = run_id;
             self.online.store(online, Ordering::Relaxed);
+        } else if recount {
+            self.online.store(online, Ordering::Relaxed);
         } else {
+            // Never lower on the same primary: a primary that lost its
+            // replica to a partition must not take writes unwaited that a
+            // failover to that replica would lose (a failed wait recounts).
             self.online.fetch_max(online, Ordering::Relaxed);
         }
         Ok(())
@@ -418,6 +517,42 @@ mod tests {
                 let hashed = &hashed[..hashed.find('}').unwrap()];
                 assert_eq!(usize::from(slot_of(hashed.as_bytes())), slot, "{name}");
             }
+        }
+    }
+
+    #[test]
+    fn an_answer_without_the_marker_seen_starts_a_new_session() {
+        let seeds = crate::config::RedisCluster {
+            seeds: vec![("127.0.0.1".into(), 1)],
+            user: None,
+            password: None,
+        };
+        let cluster = Cluster::new(ClusterOptions {
+            cluster: &seeds,
+            password: None,
+            tls: None,
+            timeout: Duration::from_secs(1),
+            replicas_to_wait: None,
+        })
+        .unwrap();
+        let g = ClusterGroup::new(cluster, 3);
+        let m = |e: &str, s: &str| (Some(e.to_string()), Some(s.to_string()));
+        let session = || Calls::session(&g);
+        let steps = [
+            // (the marker an answer carried, whether a new session starts)
+            (m("e1", "5"), false), // the first seen
+            (m("e1", "5"), false),
+            (m("e1", "6"), false), // the heartbeat's bump
+            ((None, None), true),  // gone: wiped, or a node that lost it
+            (m("e1", "6"), true),  // back: must be checked all the same
+            (m("e1", "4"), true),  // lower: a restored backup
+            (m("e2", "1"), true),  // another epoch: a confirmed reset
+            (m("e2", "9"), false),
+        ];
+        for (i, ((epoch, seq), new)) in steps.into_iter().enumerate() {
+            let before = session();
+            g.saw_marker(epoch, seq);
+            assert_eq!(session() != before, new, "step {i}");
         }
     }
 

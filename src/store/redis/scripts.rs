@@ -296,9 +296,40 @@ pub struct Scripts {
     pub(super) replace_marker: Script,
 }
 
+/// A cluster group's wrapper around every script: the group's marker
+/// key and sync key come last in KEYS. The script writes the sync key
+/// (so that `WAIT`, next in the round trip, covers the call) and answers
+/// `{reply, epoch, seq}`: the group's marker read in the same atomic
+/// call, so that an answer from a node that lost the group's data (a
+/// restart, a failover to a replica that missed writes) is never used
+/// before the marker is checked.
+const GUARD: &str = r#"
+local r = call()
+if r == nil then r = false end
+redis.call('SET', KEYS[#KEYS], '1')
+local m = redis.call('HMGET', KEYS[#KEYS - 1], 'epoch', 'seq')
+return {r, m[1] or '', m[2] or ''}
+"#;
+
 impl Scripts {
     pub(super) fn new() -> Self {
-        let with_lib = |body: &str| Script::new(&format!("{LT}\n{body}"));
+        Self::made(|lib, body| match lib {
+            "" => Script::new(body),
+            lib => Script::new(&format!("{lib}\n{body}")),
+        })
+    }
+
+    /// The scripts as a cluster group runs them (see [`GUARD`]).
+    pub(super) fn guarded() -> Self {
+        Self::made(|lib, body| {
+            Script::new(&format!(
+                "{lib}\nlocal function call()\n{body}\nend\n{GUARD}"
+            ))
+        })
+    }
+
+    fn made(make: impl Fn(&str, &str) -> Script) -> Self {
+        let with_lib = |body: &str| make(LT, body);
         Self {
             acquire: with_lib(ACQUIRE),
             poll: with_lib(POLL),
@@ -306,9 +337,9 @@ impl Scripts {
             advance: with_lib(ADVANCE),
             release: with_lib(RELEASE),
             lock: with_lib(LOCK),
-            bump_marker: Script::new(BUMP_MARKER),
-            create_marker: Script::new(CREATE_MARKER),
-            replace_marker: Script::new(REPLACE_MARKER),
+            bump_marker: make("", BUMP_MARKER),
+            create_marker: make("", CREATE_MARKER),
+            replace_marker: make("", REPLACE_MARKER),
         }
     }
 

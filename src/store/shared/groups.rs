@@ -56,6 +56,15 @@ impl<B: Backend> Grouped<B> {
                 Err(e) => failed.push((name.clone(), e)),
             }
         }
+        // The gravest first: a lost group must not hide behind a group
+        // that is only unreachable (the start refuses on the former).
+        let rank = |e: &StoreError| match e {
+            StoreError::Amnesia(_) => 0,
+            StoreError::Uninitialised => 1,
+            StoreError::Refused(_) => 2,
+            _ => 3,
+        };
+        failed.sort_by_key(|(_, e)| rank(e));
         match failed.first() {
             None => Ok(ok),
             Some((_, first)) => {
@@ -207,8 +216,28 @@ impl<B: Backend> FenceStore for Grouped<B> {
         self.of(key).forget(key).await
     }
 
-    /// Marks every group that has no marker; whether any was marked now.
+    /// Marks every group, on a store none of whose groups has a marker;
+    /// whether any was marked now. Some groups marked and others not is a
+    /// loss (a shard that came back empty): refused, since marking them
+    /// would take their lost fences for new keys; `confirm-reset` on a
+    /// running replica writes back what it knew.
     async fn initialise(&self) -> Result<bool, StoreError> {
+        let marked = self.each(|g| g.backend().read_marker()).await?;
+        let unmarked: Vec<&str> = self
+            .names
+            .iter()
+            .zip(&marked)
+            .filter(|(_, m)| m.is_none())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if !unmarked.is_empty() && unmarked.len() < self.groups.len() {
+            return Err(StoreError::Amnesia(format!(
+                "{} of {} groups ({}) have no marker while the others have theirs: their shard lost its data; confirm the loss with confirm-reset on a running replica (docs/operations.md) instead of init-store",
+                unmarked.len(),
+                self.groups.len(),
+                named(unmarked.into_iter())
+            )));
+        }
         Ok(self
             .each(|g| g.initialise())
             .await?

@@ -1,7 +1,7 @@
 //! What the shared-store admission asks of Redis ([`Backend`]): each
 //! operation one script call, and how its answer is read; the same over a
-//! lone primary ([`RedisBackend`]) and over one group of a cluster
-//! ([`ClusterGroup`](super::cluster::ClusterGroup)), through [`Calls`].
+//! lone primary (`conn.rs`) and over one group of a cluster (`cluster.rs`),
+//! through [`Calls`], which both implement.
 
 use std::time::Duration;
 
@@ -13,7 +13,6 @@ use crate::store::shared::{
     advance_answer, lock_reply, stored_token, Acquire, Backend, LockCall, LockReply, Marker,
 };
 
-use super::conn::*;
 use super::scripts::*;
 
 /// A connection the operations run on: a lone primary's, or a cluster
@@ -237,6 +236,10 @@ impl<C: Calls> Backend for C {
             .await?;
         marker(v)?.ok_or_else(|| unavailable("marker not readable after replacement"))
     }
+}
+
+pub(super) fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("redis: {e}"))
 }
 
 /// The marker from `HMGET epoch seq` (a script's nil: none).

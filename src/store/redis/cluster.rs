@@ -36,8 +36,8 @@ use redis::{Cmd, FromRedisValue, Script, Value};
 
 use crate::store::api::{Replicas, StoreError};
 
-use super::backend::Calls;
-use super::conn::{connect_failed, replication, unavailable};
+use super::backend::{unavailable, Calls};
+use super::conn::{connect_failed, replication};
 use super::scripts::{Keyspace, Scripts};
 
 /// How many groups the fence keys are spread over. Fixed: a key's group

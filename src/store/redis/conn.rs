@@ -15,7 +15,7 @@ use redis::{
 
 use crate::store::api::{Replicas, StoreError};
 
-use super::backend::Calls;
+use super::backend::{unavailable, Calls};
 
 use super::scripts::*;
 use super::sentinel::Sentinels;
@@ -75,10 +75,6 @@ pub struct RedisBackend {
     pub(super) failed_waits: AtomicU64,
     pub(super) keys: Keyspace,
     pub(super) scripts: Scripts,
-}
-
-pub(super) fn unavailable(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Unavailable(format!("redis: {e}"))
 }
 
 /// A failed connect: refused (wrong password or user, a certificate that

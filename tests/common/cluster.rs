@@ -708,7 +708,8 @@ pub struct RedisCluster {
 impl RedisCluster {
     pub fn start(node_timeout: Duration) -> RedisCluster {
         let bin = PathBuf::from(require("redis-server", "redis-server"));
-        let cli = require("redis-cli", "redis-tools");
+        // Both binaries checked before any node starts.
+        require("redis-cli", "redis-tools");
         let dir = scratch_dir();
         let mut nodes: Vec<Node> = (0..6)
             .map(|i| {
@@ -757,17 +758,10 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new(&cli)
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        let mut create: Vec<&str> = vec!["create"];
+        create.extend(addrs.iter().map(String::as_str));
+        create.extend(["--cluster-replicas", "1", "--cluster-yes"]);
+        cluster_cli(&create);
         let c = RedisCluster { _dir: dir, nodes };
         c.wait_settled();
         c
@@ -909,18 +903,17 @@ impl RedisCluster {
     /// `redis-cli --cluster reshard`: `slots` slots moved from the primary
     /// on `from` to the one on `to`, keys and all, while clients work.
     pub fn reshard(&self, from: u16, to: u16, slots: usize) {
-        let out = Command::new(require("redis-cli", "redis-tools"))
-            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
-            .args(["--cluster-from", &self.id_of(from)])
-            .args(["--cluster-to", &self.id_of(to)])
-            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
-            .output()
-            .expect("run redis-cli --cluster reshard");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster reshard: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        cluster_cli(&[
+            "reshard",
+            &format!("127.0.0.1:{from}"),
+            "--cluster-from",
+            &self.id_of(from),
+            "--cluster-to",
+            &self.id_of(to),
+            "--cluster-slots",
+            &slots.to_string(),
+            "--cluster-yes",
+        ]);
         self.wait_settled();
         self.wait_agreed();
     }
@@ -930,20 +923,26 @@ impl RedisCluster {
     /// none included.
     pub fn rebalance(&self) {
         self.wait_agreed();
-        let out = Command::new(require("redis-cli", "redis-tools"))
-            .args([
-                "--cluster",
-                "rebalance",
-                &format!("127.0.0.1:{}", self.nodes[0].port),
-                "--cluster-use-empty-masters",
-            ])
-            .output()
-            .expect("run redis-cli --cluster rebalance");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster rebalance: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        cluster_cli(&[
+            "rebalance",
+            &format!("127.0.0.1:{}", self.nodes[0].port),
+            "--cluster-use-empty-masters",
+        ]);
         self.wait_settled();
     }
+}
+
+/// `redis-cli --cluster ARGS...`, which must succeed.
+fn cluster_cli(args: &[&str]) {
+    let out = Command::new(require("redis-cli", "redis-tools"))
+        .arg("--cluster")
+        .args(args)
+        .output()
+        .expect("run redis-cli --cluster");
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout)
+    );
 }

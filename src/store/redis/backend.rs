@@ -3,6 +3,7 @@
 //! lone primary (`conn.rs`) and over one group of a cluster (`cluster.rs`),
 //! through [`Calls`], which both implement.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -236,6 +237,20 @@ impl<C: Calls> Backend for C {
             .await?;
         marker(v)?.ok_or_else(|| unavailable("marker not readable after replacement"))
     }
+}
+
+/// [`Backend::replicas`] from a connection's record: the last call's wait
+/// packed in one word (wanted in the high half, confirmed in the low;
+/// `u64::MAX`: none), and the waits that failed.
+pub(super) fn replicas_seen(last_wait: &AtomicU64, failed_waits: &AtomicU64) -> Option<Replicas> {
+    let w = last_wait.load(Ordering::Relaxed);
+    Some(Replicas {
+        last: (w != u64::MAX).then_some(crate::store::api::LastWait {
+            wanted: (w >> 32) as u32,
+            confirmed: w as u32,
+        }),
+        failed_waits: failed_waits.load(Ordering::Relaxed),
+    })
 }
 
 pub(super) fn unavailable(e: impl std::fmt::Display) -> StoreError {

@@ -36,7 +36,7 @@ use redis::{Cmd, FromRedisValue, Script, Value};
 
 use crate::store::api::{Replicas, StoreError};
 
-use super::backend::{unavailable, Calls};
+use super::backend::{replicas_seen, unavailable, Calls};
 use super::conn::{connect_failed, replication};
 use super::scripts::{Keyspace, Scripts};
 
@@ -363,14 +363,7 @@ impl Calls for ClusterGroup {
     }
 
     fn replicas(&self) -> Option<Replicas> {
-        let w = self.last_wait.load(Ordering::Relaxed);
-        Some(Replicas {
-            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
-                wanted: (w >> 32) as u32,
-                confirmed: w as u32,
-            }),
-            failed_waits: self.failed_waits.load(Ordering::Relaxed),
-        })
+        replicas_seen(&self.last_wait, &self.failed_waits)
     }
 
     fn keys(&self) -> &Keyspace {

@@ -15,7 +15,7 @@ use redis::{
 
 use crate::store::api::{Replicas, StoreError};
 
-use super::backend::{unavailable, Calls};
+use super::backend::{replicas_seen, unavailable, Calls};
 
 use super::scripts::*;
 use super::sentinel::Sentinels;
@@ -456,14 +456,7 @@ impl Calls for RedisBackend {
     }
 
     fn replicas(&self) -> Option<Replicas> {
-        let w = self.last_wait.load(Ordering::Relaxed);
-        Some(Replicas {
-            last: (w != u64::MAX).then_some(crate::store::api::LastWait {
-                wanted: (w >> 32) as u32,
-                confirmed: w as u32,
-            }),
-            failed_waits: self.failed_waits.load(Ordering::Relaxed),
-        })
+        replicas_seen(&self.last_wait, &self.failed_waits)
     }
 
     fn keys(&self) -> &Keyspace {

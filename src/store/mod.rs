@@ -75,14 +75,16 @@ pub fn connect_shared(
             )
         }
         SharedEngine::RedisCluster(cluster) => {
-            let tls = match &c.tls {
-                None => None,
-                Some(t) => Some(Some(crate::tls::store_pem(t).map_err(tls)?)),
-            };
+            let pem = c
+                .tls
+                .as_ref()
+                .map(crate::tls::store_pem)
+                .transpose()
+                .map_err(tls)?;
             let shared = redis::cluster::Cluster::new(redis::cluster::ClusterOptions {
                 cluster,
                 password: c.password.as_ref(),
-                tls,
+                pem,
                 timeout: c.timeout,
                 replicas_to_wait: c.replicas_to_wait,
             })

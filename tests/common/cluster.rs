@@ -170,6 +170,32 @@ fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A redis-server on loopback `port` with its data in `dir`, durable as
+/// fencegate asks (every write fsynced to the append-only file).
+fn durable_redis(port: u16, dir: &std::path::Path) -> Vec<String> {
+    [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        // A new replica's full sync starts at once (Debian's default
+        // waits 5 s, a window with an unsynced replica).
+        "--repl-diskless-sync-delay",
+        "0",
+        "--dir",
+        &dir.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// The master name the Sentinels monitor.
 pub const SENTINEL_MASTER: &str = "fg";
 
@@ -189,29 +215,8 @@ impl RedisSentinels {
         let primary = free_port();
         let data_node = |i: usize, port: u16, replica_of: Option<u16>| {
             let d = dir.path().join(format!("n{i}"));
-            let mut args: Vec<String> = [
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--protected-mode",
-                "no",
-                // A new replica's full sync starts at once (Debian's
-                // default waits 5 s, a window with an unsynced replica).
-                "--repl-diskless-sync-delay",
-                "0",
-                "--dir",
-                &d.display().to_string(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            let mut args = durable_redis(port, &d);
+            args.extend(["--protected-mode".into(), "no".into()]);
             if let Some(p) = replica_of {
                 args.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
             }
@@ -714,40 +719,22 @@ impl RedisCluster {
         let mut nodes: Vec<Node> = (0..6)
             .map(|i| {
                 let port = free_port();
-                let args: Vec<String> = [
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    &node_timeout.as_millis().to_string(),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "always",
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
                 let d = dir.path().join(format!("n{i}"));
-                let mut args = args;
+                let mut args = durable_redis(port, &d);
                 // The cluster bus on a port of its own: the default (the
                 // port + 10000) lands in the ephemeral range, where any
                 // outgoing connection may hold it.
-                args.extend([
-                    "--dir".to_string(),
-                    d.display().to_string(),
-                    "--cluster-port".to_string(),
-                    free_port().to_string(),
-                ]);
+                for (k, v) in [
+                    ("--cluster-enabled", "yes".to_string()),
+                    ("--cluster-config-file", "nodes.conf".to_string()),
+                    (
+                        "--cluster-node-timeout",
+                        node_timeout.as_millis().to_string(),
+                    ),
+                    ("--cluster-port", free_port().to_string()),
+                ] {
+                    args.extend([k.to_string(), v]);
+                }
                 Node::new(port, d, bin.clone(), args)
             })
             .collect();

@@ -74,7 +74,7 @@ pub struct ClusterOptions<'a> {
     /// Replaces the URL's password.
     pub password: Option<&'a crate::config::Secret>,
     /// TLS (`rediss+cluster://`): the CA and client certificate, if given.
-    pub tls: Option<Option<crate::tls::StorePem>>,
+    pub pem: Option<crate::tls::StorePem>,
     /// Bounds connects and every command.
     pub timeout: Duration,
     /// Replicas a change must reach on its shard (`None`: one while the
@@ -95,7 +95,7 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn new(o: ClusterOptions<'_>) -> Result<Arc<Self>, String> {
-        let scheme = if o.tls.is_some() { "rediss" } else { "redis" };
+        let scheme = if o.pem.is_some() { "rediss" } else { "redis" };
         let seeds: Vec<String> = o
             .cluster
             .seeds
@@ -117,19 +117,16 @@ impl Cluster {
         if let Some(pw) = o.password.or(o.cluster.password.as_ref()) {
             b = b.password(pw.expose());
         }
-        if let Some(pem) = o.tls {
-            b = b.tls(redis::TlsMode::Secure);
-            if let Some(pem) = pem {
-                b = b.certs(redis::TlsCertificates {
-                    client_tls: pem.client.map(|(client_cert, client_key)| {
-                        redis::ClientTlsConfig {
-                            client_cert,
-                            client_key,
-                        }
+        if let Some(pem) = o.pem {
+            b = b.tls(redis::TlsMode::Secure).certs(redis::TlsCertificates {
+                client_tls: pem
+                    .client
+                    .map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
                     }),
-                    root_cert: pem.ca,
-                });
-            }
+                root_cert: pem.ca,
+            });
         }
         Ok(Arc::new(Self {
             client: b.build().map_err(|e| e.to_string())?,
@@ -523,7 +520,7 @@ mod tests {
         let cluster = Cluster::new(ClusterOptions {
             cluster: &seeds,
             password: None,
-            tls: None,
+            pem: None,
             timeout: Duration::from_secs(1),
             replicas_to_wait: None,
         })

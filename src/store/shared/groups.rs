@@ -107,7 +107,7 @@ impl<B: Backend> FenceStore for Grouped<B> {
     }
 
     fn start_state(&self) -> StartState {
-        StartState::Clean
+        self.groups[0].start_state()
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
@@ -130,8 +130,10 @@ impl<B: Backend> FenceStore for Grouped<B> {
         self.of(key).mark_in_flight(key, token).await
     }
 
+    // Marks and crash records are an exclusive store's: every group
+    // answers as a shared store does, so the first speaks for all.
     fn next_mark(&self) -> u64 {
-        0
+        self.groups[0].next_mark()
     }
 
     async fn rotate_marks(
@@ -143,20 +145,19 @@ impl<B: Backend> FenceStore for Grouped<B> {
     }
 
     fn in_flight_at_crash(&self) -> Option<Vec<CrashedKey>> {
-        Some(Vec::new())
+        self.groups[0].in_flight_at_crash()
     }
 
     fn key_mapping_at_open(&self) -> Option<u64> {
-        None
+        self.groups[0].key_mapping_at_open()
     }
 
     async fn record_key_mapping(&self, fingerprint: u64) -> Result<(), StoreError> {
-        let _ = fingerprint;
-        Ok(())
+        self.groups[0].record_key_mapping(fingerprint).await
     }
 
     fn in_flight_marks(&self) -> u64 {
-        0
+        self.groups[0].in_flight_marks()
     }
 
     async fn acquire_lease(

@@ -128,6 +128,28 @@ impl Admin {
                 self.metrics
                     .store_amnesia
                     .set(i64::from(self.fence.store().amnesia().is_some()));
+                if let Some(shards) = self.fence.store().shards().await {
+                    let m = &self.metrics;
+                    for g in [
+                        &m.store_shard_up,
+                        &m.store_shard_groups,
+                        &m.store_shard_groups_lost,
+                    ] {
+                        g.reset();
+                    }
+                    for s in shards {
+                        let at = [s.shard.as_str()];
+                        m.store_shard_up
+                            .with_label_values(&at)
+                            .set(i64::from(s.up()));
+                        m.store_shard_groups
+                            .with_label_values(&at)
+                            .set(i64::try_from(s.groups).unwrap_or(i64::MAX));
+                        m.store_shard_groups_lost
+                            .with_label_values(&at)
+                            .set(i64::try_from(s.lost).unwrap_or(i64::MAX));
+                    }
+                }
                 let replicas = self.fence.store().replicas();
                 let last = replicas.and_then(|r| r.last);
                 self.metrics
@@ -155,12 +177,14 @@ impl Admin {
                 true => {
                     let started = std::time::Instant::now();
                     let store = self.fence.store().ping().await.map_err(|e| e.to_string());
+                    let pinged = started.elapsed();
+                    let shards = self.fence.store().shards().await;
                     json_response(
                         StatusCode::OK,
                         status::status(
                             &self.fence,
                             &self.metrics,
-                            (store, started.elapsed()),
+                            (store, pinged, shards),
                             self.draining.is_cancelled(),
                             self.refusals.newest(),
                         ),
@@ -487,21 +511,35 @@ impl Admin {
             );
         }
         let recovering = self.fence.recovering_for().map(|d| d.as_secs_f64());
-        match self.fence.store().ping().await {
-            Ok(()) => {
-                self.metrics.store_up.set(1);
-                json_response(
-                    StatusCode::OK,
-                    json!({"status": "ready", "store": self.fence.store().kind(), "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
-                )
-            }
-            Err(e) => {
-                self.metrics.store_up.set(0);
-                json_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    json!({"status": "store unavailable", "store": self.fence.store().kind(), "error": e.to_string()}),
-                )
-            }
+        let store = self.fence.store();
+        let pinged = store.ping().await;
+        let shards = store.shards().await;
+        // A store over shards is ready while some shard serves: every
+        // replica sees the same shards, so turning them all away would
+        // stop the healthy shards' writes too. The failing ones are named.
+        let serving = shards
+            .as_ref()
+            .is_some_and(|s| s.iter().any(|s| s.groups > s.unreachable + s.lost));
+        // The store answers only if every part does (a degraded store
+        // counts as down in the metric operators alert on).
+        self.metrics.store_up.set(i64::from(pinged.is_ok()));
+        let (status, mut body) = match pinged {
+            Ok(()) => (
+                StatusCode::OK,
+                json!({"status": "ready", "store": store.kind(), "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
+            ),
+            Err(e) if serving => (
+                StatusCode::OK,
+                json!({"status": "degraded", "store": store.kind(), "error": e.to_string(), "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
+            ),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "store unavailable", "store": store.kind(), "error": e.to_string()}),
+            ),
+        };
+        if let Some(shards) = shards {
+            body["shards"] = json!(shards);
         }
+        json_response(status, body)
     }
 }

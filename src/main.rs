@@ -24,7 +24,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // The Redis Cluster client warns of every slot refresh, which
+        // resharding and failover make routine; fencegate logs what
+        // failed for a write itself.
+        .unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("info,redis::cluster_handling=error")
+        });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -61,6 +61,13 @@ pub struct Metrics {
     pub in_flight_marks: IntGauge,
     /// 1 while a shared store is suspected of having lost data.
     pub store_amnesia: IntGauge,
+    /// A store spread over shards (Redis Cluster), by shard (its primary's
+    /// `host:port`): 1 while every group of fence keys it serves answers;
+    /// the groups it serves; those in amnesia. Set at each scrape from the
+    /// groups' last calls, so a shard no longer in the topology drops out.
+    pub store_shard_up: IntGaugeVec,
+    pub store_shard_groups: IntGaugeVec,
+    pub store_shard_groups_lost: IntGaugeVec,
     /// Redis: replicas the last answered store call waited for (`WAIT`),
     /// and how many confirmed it; -1 when there is none (before the
     /// first, the store unreachable) and for stores that do not count
@@ -265,6 +272,23 @@ impl Metrics {
         registry
             .register(Box::new(store_amnesia.clone()))
             .expect("register");
+        let by_shard = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["shard"]).expect("metric");
+            registry.register(Box::new(g.clone())).expect("register");
+            g
+        };
+        let store_shard_up = by_shard(
+            "fencegate_store_shard_up",
+            "Redis Cluster: 1 while every group of fence keys the shard serves answers, by shard (its primary).",
+        );
+        let store_shard_groups = by_shard(
+            "fencegate_store_shard_groups",
+            "Redis Cluster: groups of fence keys the shard serves, by shard (its primary).",
+        );
+        let store_shard_groups_lost = by_shard(
+            "fencegate_store_shard_groups_lost",
+            "Redis Cluster: groups of the shard in amnesia (writes refused until confirm-reset), by shard (its primary).",
+        );
         let int_gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).expect("metric");
             registry.register(Box::new(g.clone())).expect("register");
@@ -382,6 +406,9 @@ impl Metrics {
             reloads,
             last_reload_ok,
             store_amnesia,
+            store_shard_up,
+            store_shard_groups,
+            store_shard_groups_lost,
             store_replicas_wanted,
             store_replicas_confirmed,
             store_replica_wait_failures,

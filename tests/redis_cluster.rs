@@ -181,6 +181,29 @@ async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
     let r = put(&a.url(&paths[lost[0]]), "7").await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.text().contains("lost data"), "{}", r.text());
+    // Readiness, the metrics and the probe name the shard that lost its
+    // data, and say the others serve.
+    let victim_name = format!("127.0.0.1:{victim}");
+    assert_shards(&a, &victim_name, lost.len()).await;
+    let probe = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["probe", &a.admin_url("/readyz")])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&probe.stderr);
+    assert!(probe.status.success(), "{said}");
+    assert!(
+        said.contains("degraded") && said.contains(&victim_name),
+        "{said}"
+    );
+    // A replica started now, having never seen the store whole, starts:
+    // it finds the lost groups without their marker while the others have
+    // theirs, and refuses only those.
+    let c = s.replica("c").spawn();
+    let r = put(&c.url(&paths[lost[0]]), "9").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("lost data"), "{}", r.text());
+    assert_eq!(put(&c.url(&paths[kept[0]]), "5").await.status, 409);
+    assert_shards(&c, &victim_name, lost.len()).await;
     // The status page names the groups in amnesia.
     let auth = format!("Bearer {ADMIN_TOKEN}");
     let status = send(
@@ -208,17 +231,88 @@ async fn a_shard_restarted_empty_is_refused_alone_until_confirmed() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("confirm-reset"), "{stderr}");
-    let r = send(
-        "POST",
-        &a.admin_url("/v1/store/confirm-reset"),
-        &[("authorization", &auth)],
-        "",
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        stderr.contains(&victim_name),
+        "the shard is named: {stderr}"
+    );
+    // The operator confirms on each replica; A writes back what it knew.
+    for p in [&a, &b, &c] {
+        let r = send(
+            "POST",
+            &p.admin_url("/v1/store/confirm-reset"),
+            &[("authorization", &auth)],
+            "",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
     for g in &lost {
-        let r = put(&a.url(&paths[*g]), "4").await;
+        let r = put(&b.url(&paths[*g]), "4").await;
         assert_eq!(r.status, 409, "the fence was written back: {}", r.text());
-        assert_eq!(put(&a.url(&paths[*g]), "8").await.status, 200);
+        assert_eq!(put(&c.url(&paths[*g]), "8").await.status, 200);
+        assert_eq!(put(&a.url(&paths[*g]), "7").await.status, 409);
+    }
+    let ready = send("GET", &c.admin_url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert!(
+        ready.text().contains(r#""status":"ready""#),
+        "{}",
+        ready.text()
+    );
+}
+
+/// `/readyz` answers 200 `degraded` with `victim`'s `lost` groups named
+/// and the other shards whole; the per-shard gauges say the same.
+async fn assert_shards(p: &Proxy, victim: &str, lost: usize) {
+    // Every lost group is found within a heartbeat of its marker check.
+    eventually_async("every lost group to be seen", || async {
+        let t = send("GET", &p.admin_url("/readyz"), &[], "").await.text();
+        serde_json::from_str::<serde_json::Value>(&t).is_ok_and(|v| {
+            v["shards"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["shard"] == victim && s["lost"] == lost))
+        })
+    })
+    .await;
+    let ready = send("GET", &p.admin_url("/readyz"), &[], "").await;
+    let text = ready.text();
+    assert_eq!(ready.status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["status"], "degraded", "{text}");
+    let shards = v["shards"].as_array().expect("shards");
+    assert_eq!(shards.len(), 3, "{text}");
+    assert_eq!(
+        shards
+            .iter()
+            .map(|s| s["groups"].as_u64().unwrap())
+            .sum::<u64>(),
+        GROUPS as u64,
+        "{text}"
+    );
+    let m = send("GET", &p.admin_url("/metrics"), &[], "").await.text();
+    for s in shards {
+        let name = s["shard"].as_str().unwrap();
+        let up = |v: f64| {
+            assert_series(
+                &m,
+                &format!("fencegate_store_shard_up{{shard=\"{name}\"}}"),
+                v,
+            )
+        };
+        let lost_series = format!("fencegate_store_shard_groups_lost{{shard=\"{name}\"}}");
+        if name == victim {
+            assert_eq!(s["lost"], lost, "{text}");
+            assert_eq!(s["groups"], lost, "{text}");
+            assert!(s["failing"].as_str().unwrap().contains("{fg"), "{text}");
+            assert!(s["error"].as_str().unwrap().contains("marker"), "{text}");
+            up(0.0);
+            assert_series(&m, &lost_series, lost as f64);
+        } else {
+            assert_eq!(s["lost"], 0, "{text}");
+            assert_eq!(s["unreachable"], 0, "{text}");
+            assert!(s["failing"].is_null(), "{text}");
+            up(1.0);
+            assert_series(&m, &lost_series, 0.0);
+        }
     }
 }

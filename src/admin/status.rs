@@ -47,12 +47,16 @@ fn store_calls(metrics: &Metrics) -> Value {
     json!({ "count": count, "seconds": seconds })
 }
 
-/// The answer of `GET /v1/status`; `store` is the outcome of a ping and
-/// the time it took.
+/// The answer of `GET /v1/status`; `store` is the outcome of a ping, the
+/// time it took, and the shards of a store spread over several.
 pub(super) fn status(
     fence: &Fence,
     metrics: &Metrics,
-    (store, ping): (Result<(), String>, std::time::Duration),
+    (store, ping, shards): (
+        Result<(), String>,
+        std::time::Duration,
+        Option<Vec<crate::store::Shard>>,
+    ),
     draining: bool,
     refusals_newest: u64,
 ) -> Value {
@@ -78,6 +82,8 @@ pub(super) fn status(
             // Redis: the replicas the last call waited for and how many
             // confirmed it.
             "replicas": s.replicas(),
+            // Redis Cluster: each shard (its primary) and its groups.
+            "shards": shards,
         },
         "recovery": {
             "seconds_left": fence.recovering_for().map(|d| d.as_secs_f64()),

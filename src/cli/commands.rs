@@ -143,7 +143,9 @@ pub(crate) fn explain(
     }
 }
 
-/// `fencegate probe URL`: exit 0 on 2xx within 5 s.
+/// `fencegate probe URL`: exit 0 on 2xx within 5 s. A `/readyz` that
+/// answers `degraded` (a Redis Cluster with some shards failing) passes,
+/// and the failing shards are printed.
 pub(crate) fn probe(url: &str) -> ExitCode {
     use http_body_util::Empty;
     use hyper_util::client::legacy::Client;
@@ -155,10 +157,27 @@ pub(crate) fn probe(url: &str) -> ExitCode {
         };
         let client: Client<_, Empty<bytes::Bytes>> =
             Client::builder(TokioExecutor::new()).build_http();
-        match tokio::time::timeout(std::time::Duration::from_secs(5), client.get(uri)).await {
-            Ok(Ok(resp)) if resp.status().is_success() => ExitCode::SUCCESS,
-            Ok(Ok(resp)) => {
-                eprintln!("fencegate probe: {}", resp.status());
+        let answer = async {
+            let resp = client.get(uri).await?;
+            let status = resp.status();
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            Ok::<_, hyper_util::client::legacy::Error>((status, body))
+        };
+        match tokio::time::timeout(std::time::Duration::from_secs(5), answer).await {
+            Ok(Ok((status, body))) if status.is_success() => {
+                if let Some(note) = degraded(&body) {
+                    eprintln!("fencegate probe: {note}");
+                }
+                ExitCode::SUCCESS
+            }
+            Ok(Ok((status, body))) => {
+                eprintln!(
+                    "fencegate probe: {status} {}",
+                    String::from_utf8_lossy(&body)
+                );
                 ExitCode::FAILURE
             }
             Ok(Err(e)) => {
@@ -171,6 +190,35 @@ pub(crate) fn probe(url: &str) -> ExitCode {
             }
         }
     })
+}
+
+/// What a `degraded` readiness answer says is failing: the error, and
+/// each failing shard with its groups.
+fn degraded(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if v["status"] != "degraded" {
+        return None;
+    }
+    let shards: Vec<String> = v["shards"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["failing"].is_string())
+        .map(|s| {
+            format!(
+                "{} ({} of {} groups failing: {})",
+                s["shard"].as_str().unwrap_or("?"),
+                s["unreachable"].as_u64().unwrap_or(0) + s["lost"].as_u64().unwrap_or(0),
+                s["groups"],
+                s["failing"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    Some(format!(
+        "degraded: {}; failing shards: {}",
+        v["error"].as_str().unwrap_or("?"),
+        shards.join("; ")
+    ))
 }
 
 /// `fencegate lease ...`: one request to the lease API.

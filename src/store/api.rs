@@ -23,6 +23,35 @@ pub enum Advance {
 }
 
 /// A store's replica waits ([`FenceStore::replicas`]).
+/// One shard of a store that spreads its keys over several
+/// ([`FenceStore::shards`]): the groups of fence keys it serves, and how
+/// they answered last.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Shard {
+    /// The shard's primary (`host:port`), as the store's topology names
+    /// it; `unknown` while that cannot be read.
+    pub shard: String,
+    /// Groups of fence keys it serves.
+    pub groups: usize,
+    /// Of those, the groups whose last call failed: their keys' writes
+    /// fail closed (503) until they answer.
+    pub unreachable: usize,
+    /// Of those, the groups in amnesia (lost data): their keys' writes are
+    /// refused until an operator confirms (`confirm-reset`).
+    pub lost: usize,
+    /// The groups failing, by name (a few, then how many more).
+    pub failing: Option<String>,
+    /// The first failure's reason.
+    pub error: Option<String>,
+}
+
+impl Shard {
+    /// Whether every group it serves answers.
+    pub fn up(&self) -> bool {
+        self.unreachable == 0 && self.lost == 0
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Replicas {
     /// The last call that got an answer: the replicas it waited for and
@@ -373,6 +402,14 @@ pub trait FenceStore: Send + Sync + 'static {
             "resetting a fence is not supported on the {} store",
             self.kind()
         )))
+    }
+
+    /// For a store that spreads its keys over shards (a Redis Cluster):
+    /// each shard with its groups' health as last seen (the heartbeat's
+    /// marker checks, the last ping), so that an operator sees which shard
+    /// fails and that the others serve. `None` for a store of one part.
+    async fn shards(&self) -> Option<Vec<Shard>> {
+        None
     }
 
     /// Cheap liveness probe for `/readyz`: `Ok` if a write could be

@@ -167,6 +167,9 @@ impl FenceStore for InstrumentedStore {
     fn replicas(&self) -> Option<crate::store::api::Replicas> {
         self.inner.replicas()
     }
+    async fn shards(&self) -> Option<Vec<crate::store::api::Shard>> {
+        self.inner.shards().await
+    }
     async fn confirm_reset(&self) -> Result<(), StoreError> {
         self.inner.confirm_reset().await
     }

@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use crate::config::{SharedEngine, SharedStoreConfig};
 pub use api::{
-    Advance, Claim, CrashedKey, FenceStore, LastWait, LeaseOutcome, Lock, Replicas, StartState,
-    StoreError, WriteLease, KEY_MAPPING_MIXED,
+    Advance, Claim, CrashedKey, FenceStore, LastWait, LeaseOutcome, Lock, Replicas, Shard,
+    StartState, StoreError, WriteLease, KEY_MAPPING_MIXED,
 };
 
 /// Why a shared store could not be set up from its config.

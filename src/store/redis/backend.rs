@@ -26,6 +26,10 @@ pub trait Calls: Send + Sync + 'static {
     /// See [`Backend::session`].
     fn session(&self) -> u64;
     fn replicas(&self) -> Option<Replicas>;
+    /// See [`Backend::serving`].
+    async fn serving(&self) -> Option<String> {
+        None
+    }
     /// Where this connection's keys are.
     fn keys(&self) -> &Keyspace;
     fn scripts(&self) -> &Scripts;
@@ -94,6 +98,10 @@ impl<C: Calls> Backend for C {
 
     fn replicas(&self) -> Option<Replicas> {
         Calls::replicas(self)
+    }
+
+    async fn serving(&self) -> Option<String> {
+        Calls::serving(self).await
     }
 
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {

@@ -36,7 +36,7 @@ use redis::{Cmd, FromRedisValue, Script, Value};
 
 use crate::store::api::{Replicas, StoreError};
 
-use super::backend::{replicas_seen, unavailable, Calls};
+use super::backend::{replicas_seen, Calls};
 use super::conn::{connect_failed, replication};
 use super::scripts::{Keyspace, Scripts};
 
@@ -56,6 +56,39 @@ pub fn group_of(key: &str) -> usize {
 /// cluster computes it).
 fn slot_of(key: &[u8]) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(key) % SLOTS as u16
+}
+
+/// Group `g`'s slot.
+fn group_slot(g: usize) -> u16 {
+    slot_of(group_tag(g).trim_matches(['{', '}']).as_bytes())
+}
+
+/// `CLUSTER SLOTS`'s answer: each range with its primary's `host:port`.
+fn slot_ranges(v: Value) -> Option<Topology> {
+    let Value::Array(ranges) = v else { return None };
+    ranges
+        .into_iter()
+        .map(|r| {
+            let Value::Array(f) = r else { return None };
+            let mut f = f.into_iter();
+            let start: u16 = parse(f.next()?).ok()?;
+            let end: u16 = parse(f.next()?).ok()?;
+            let Value::Array(primary) = f.next()? else {
+                return None;
+            };
+            let mut primary = primary.into_iter();
+            let host: String = parse(primary.next()?).ok()?;
+            let port: u16 = parse(primary.next()?).ok()?;
+            let host = match host.as_str() {
+                // A node that announces no address: reached at the one
+                // its peers know it by, which it does not say here.
+                "" | "?" => "?".to_string(),
+                h if h.contains(':') => format!("[{h}]"),
+                h => h.to_string(),
+            };
+            Some((start, end, format!("{host}:{port}")))
+        })
+        .collect()
 }
 
 /// Group `g`'s hash tag, braces included.
@@ -91,7 +124,13 @@ pub struct Cluster {
     timeout: Duration,
     replicas_to_wait: Option<u32>,
     scripts: Scripts,
+    /// Who serves each slot range, as last read (`CLUSTER SLOTS`), and
+    /// when: kept a second, so that the groups asking at once share a call.
+    topology: tokio::sync::Mutex<Option<(std::time::Instant, Arc<Topology>)>>,
 }
+
+/// Slot ranges and the `host:port` of the primary serving each.
+type Topology = Vec<(u16, u16, String)>;
 
 impl Cluster {
     pub fn new(o: ClusterOptions<'_>) -> Result<Arc<Self>, String> {
@@ -134,7 +173,35 @@ impl Cluster {
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
             scripts: Scripts::guarded(),
+            topology: tokio::sync::Mutex::new(None),
         }))
+    }
+
+    /// Who serves each slot range, as a primary of the cluster says: asked
+    /// of a few groups' primaries in turn (spread over the slot range), so
+    /// that one shard down does not hide the others.
+    async fn topology(&self) -> Option<Arc<Topology>> {
+        let mut kept = self.topology.lock().await;
+        if let Some((at, t)) = kept.as_ref() {
+            if at.elapsed() < Duration::from_secs(1) {
+                return Some(t.clone());
+            }
+        }
+        let mut c = self.connection().await.ok()?;
+        for g in [0, GROUPS / 3, 2 * GROUPS / 3] {
+            let mut p = redis::pipe();
+            p.cmd("CLUSTER").arg("SLOTS");
+            let route =
+                SingleNodeRoutingInfo::SpecificNode(Route::new(group_slot(g), SlotAddr::Master));
+            let asked = tokio::time::timeout(self.timeout, c.route_pipeline(p, 0, 1, route)).await;
+            let Ok(Ok(v)) = asked else { continue };
+            if let Some(t) = v.into_iter().next().and_then(slot_ranges) {
+                let t = Arc::new(t);
+                *kept = Some((std::time::Instant::now(), t.clone()));
+                return Some(t);
+            }
+        }
+        None
     }
 
     /// This runtime's connection, made now if it has none.
@@ -168,6 +235,7 @@ impl Cluster {
 pub struct ClusterGroup {
     cluster: Arc<Cluster>,
     keys: Keyspace,
+    slot: u16,
     route: Route,
     /// Bumped when the group's slot is found served by another primary
     /// (a failover, a reshard) or by the same one restarted: the marker is
@@ -192,13 +260,11 @@ pub struct ClusterGroup {
 
 impl ClusterGroup {
     pub fn new(cluster: Arc<Cluster>, g: usize) -> Self {
-        let tag = group_tag(g);
+        let slot = group_slot(g);
         Self {
-            route: Route::new(
-                slot_of(tag.trim_matches(['{', '}']).as_bytes()),
-                SlotAddr::Master,
-            ),
-            keys: Keyspace::group(tag),
+            route: Route::new(slot, SlotAddr::Master),
+            slot,
+            keys: Keyspace::group(group_tag(g)),
             cluster,
             session: AtomicU64::new(0),
             run_id: Mutex::new(None),
@@ -341,6 +407,12 @@ impl ClusterGroup {
     }
 }
 
+/// The cluster's own prefix on a failure (the lone primary's says
+/// `redis:`).
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("redis cluster: {e}"))
+}
+
 fn parse<T: FromRedisValue>(v: Value) -> Result<T, StoreError> {
     T::from_redis_value(v).map_err(unavailable)
 }
@@ -369,6 +441,13 @@ impl Calls for ClusterGroup {
 
     fn scripts(&self) -> &Scripts {
         &self.cluster.scripts
+    }
+
+    async fn serving(&self) -> Option<String> {
+        let t = self.cluster.topology().await?;
+        t.iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&self.slot))
+            .map(|(_, _, node)| node.clone())
     }
 
     /// A command other than a script (a fence read, the marker read): the

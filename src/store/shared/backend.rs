@@ -24,6 +24,12 @@ pub trait Backend: Send + Sync + 'static {
     fn replicas(&self) -> Option<crate::store::api::Replicas> {
         None
     }
+    /// Where the store spreads keys over nodes: the node serving this
+    /// backend's keys now (`host:port`), to name it to an operator. `None`
+    /// elsewhere, or while it cannot be told.
+    async fn serving(&self) -> Option<String> {
+        None
+    }
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError>;
     async fn advance(&self, key: &str, token: u64) -> Result<Advance, StoreError>;
     /// Admits several writes in one round trip (keys distinct): each answer

@@ -209,7 +209,9 @@ impl<B: Backend> FenceStore for SharedStore<B> {
             return Ok(false);
         }
         let m = self.backend.create_marker(&crate::id::unique_id()).await?;
-        tracing::info!(store = self.backend.kind(), epoch = %m.epoch, "fence store initialised");
+        // `init-store` says it once for the whole store (a cluster has a
+        // marker per group).
+        tracing::debug!(store = self.backend.kind(), epoch = %m.epoch, "fence store initialised");
         Ok(true)
     }
 

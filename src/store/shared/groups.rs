@@ -8,11 +8,13 @@
 //! confirming a reset, the heartbeat's marker check, closing) is done for
 //! every group, and says which groups failed.
 
+use std::sync::Mutex;
+
 use async_trait::async_trait;
 
 use crate::store::api::{
-    Advance, Claim, CrashedKey, FenceStore, LeaseOutcome, Lock, Replicas, StartState, StoreError,
-    WriteLease,
+    Advance, Claim, CrashedKey, FenceStore, LeaseOutcome, Lock, Replicas, Shard, StartState,
+    StoreError, WriteLease,
 };
 
 use super::backend::Backend;
@@ -24,13 +26,18 @@ pub struct Grouped<B: Backend> {
     group_of: fn(&str) -> usize,
     /// How a group is named in messages (its hash tag, say).
     names: Vec<String>,
+    /// Each group's failure in the last call made of every group (the
+    /// heartbeat's marker check, a ping), amnesia aside: what
+    /// [`FenceStore::shards`] reports without calling the store.
+    last: Vec<Mutex<Option<String>>>,
 }
 
 impl<B: Backend> Grouped<B> {
     /// `group_of` must answer below `groups.len()` for every key.
     pub fn new(groups: Vec<(String, SharedStore<B>)>, group_of: fn(&str) -> usize) -> Self {
-        let (names, groups) = groups.into_iter().unzip();
+        let (names, groups): (Vec<_>, Vec<_>) = groups.into_iter().unzip();
         Self {
+            last: groups.iter().map(|_| Mutex::new(None)).collect(),
             groups,
             group_of,
             names,
@@ -47,10 +54,28 @@ impl<B: Backend> Grouped<B> {
         F: Fn(&'a SharedStore<B>) -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
     {
-        let answers = futures_util::future::join_all(self.groups.iter().map(f)).await;
+        let mut answers = futures_util::future::join_all(self.groups.iter().map(f)).await;
+        // A group without a marker while others answered with theirs lost
+        // its data (its shard came back empty, or from a backup older than
+        // init-store): latched as such, so that this replica serves the
+        // other groups and an operator's confirm-reset marks it again.
+        // (With no group marked, the store is new: init-store.)
+        if answers.iter().any(Result::is_ok) {
+            for (g, a) in self.groups.iter().zip(answers.iter_mut()) {
+                if matches!(a, Err(StoreError::Uninitialised)) {
+                    *a = Err(g.set_amnesia(
+                        "the group has no marker while other groups of the store have theirs: its shard lost its data (restarted empty, or restored from before init-store)".into(),
+                    ));
+                }
+            }
+        }
         let mut failed: Vec<(String, StoreError)> = Vec::new();
         let mut ok = Vec::new();
-        for (name, a) in self.names.iter().zip(answers) {
+        for ((name, a), last) in self.names.iter().zip(answers).zip(&self.last) {
+            *last.lock().expect("last") = match &a {
+                Ok(_) | Err(StoreError::Amnesia(_)) => None,
+                Err(e) => Some(e.to_string()),
+            };
             match a {
                 Ok(v) => ok.push(v),
                 Err(e) => failed.push((name.clone(), e)),
@@ -232,11 +257,26 @@ impl<B: Backend> FenceStore for Grouped<B> {
             .map(|(n, _)| n.as_str())
             .collect();
         if !unmarked.is_empty() && unmarked.len() < self.groups.len() {
+            let serving = futures_util::future::join_all(
+                self.groups
+                    .iter()
+                    .zip(&marked)
+                    .filter(|(_, m)| m.is_none())
+                    .map(|(g, _)| g.backend().serving()),
+            )
+            .await;
+            let mut shards: Vec<String> = serving
+                .into_iter()
+                .map(|s| s.unwrap_or_else(|| "unknown".into()))
+                .collect();
+            shards.sort();
+            shards.dedup();
             return Err(StoreError::Amnesia(format!(
-                "{} of {} groups ({}) have no marker while the others have theirs: their shard lost its data; confirm the loss with confirm-reset on a running replica (docs/operations.md) instead of init-store",
+                "{} of {} groups ({}) have no marker while the others have theirs: their shard ({}) lost its data; confirm the loss with confirm-reset on a running replica (docs/operations.md) instead of init-store",
                 unmarked.len(),
                 self.groups.len(),
-                named(unmarked.into_iter())
+                named(unmarked.into_iter()),
+                shards.join(", ")
             )));
         }
         Ok(self
@@ -277,6 +317,53 @@ impl<B: Backend> FenceStore for Grouped<B> {
                 .min_by_key(|w| (i64::from(w.confirmed) - i64::from(w.wanted), w.confirmed)),
             failed_waits: all.iter().map(|r| r.failed_waits).sum(),
         })
+    }
+
+    async fn shards(&self) -> Option<Vec<Shard>> {
+        let serving =
+            futures_util::future::join_all(self.groups.iter().map(|g| g.backend().serving())).await;
+        let mut shards: std::collections::BTreeMap<String, (Shard, Vec<&str>)> = Default::default();
+        for (i, node) in serving.into_iter().enumerate() {
+            let node = node.unwrap_or_else(|| "unknown".into());
+            let (s, failing) = shards.entry(node.clone()).or_insert_with(|| {
+                (
+                    Shard {
+                        shard: node,
+                        groups: 0,
+                        unreachable: 0,
+                        lost: 0,
+                        failing: None,
+                        error: None,
+                    },
+                    Vec::new(),
+                )
+            });
+            s.groups += 1;
+            let why = match self.groups[i].amnesia() {
+                Some(why) => {
+                    s.lost += 1;
+                    why
+                }
+                None => match self.last[i].lock().expect("last").clone() {
+                    Some(e) => {
+                        s.unreachable += 1;
+                        e
+                    }
+                    None => continue,
+                },
+            };
+            s.error.get_or_insert(why);
+            failing.push(&self.names[i]);
+        }
+        Some(
+            shards
+                .into_values()
+                .map(|(mut s, failing)| {
+                    s.failing = (!failing.is_empty()).then(|| named(failing.into_iter()));
+                    s
+                })
+                .collect(),
+        )
     }
 
     /// Confirms every group in amnesia (the others are left alone).

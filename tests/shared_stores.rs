@@ -1101,6 +1101,7 @@ async fn wrong_ca_or_password_stops_the_start(kind: Spec) {
     let sec = store.secure.as_ref().unwrap();
     let engine = match kind.kind {
         StoreKind::Redis => "redis",
+        StoreKind::RedisCluster => "redis cluster",
         StoreKind::Postgres => "postgres",
         StoreKind::Etcd => "etcd",
         StoreKind::Embedded => unreachable!(),
@@ -1233,6 +1234,32 @@ suite!(
         a_new_store_needs_init_store
     ]
 );
+// The cluster (three primaries) as a whole, as a lone Redis: every fault
+// hits every node. Faults of one shard are in tests/redis_cluster.rs.
+suite!(
+    redis_cluster,
+    plain(StoreKind::RedisCluster),
+    [
+        a_rollback_seen_once_survives_restarts,
+        a_rollback_while_every_replica_was_down_is_caught_by_state_files,
+        batches_answer_each_write_right,
+        kill_9_mid_batch_loses_nothing_acknowledged,
+        steady_writes_share_a_registration,
+        a_raise_cuts_off_registered_writes,
+        tokens_across_replicas,
+        full_u64_range,
+        ordering_across_replicas,
+        copy_overtaken_across_replicas,
+        racing_tokens_on_one_key,
+        concurrent_advances_then_kill_9,
+        store_outage_fails_closed_and_heals,
+        a_store_restart_fails_no_write,
+        a_restored_backup_is_caught_by_every_replica,
+        replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store
+    ]
+);
 suite!(
     postgres,
     plain(StoreKind::Postgres),
@@ -1296,6 +1323,20 @@ suite!(
         store_outage_fails_closed_and_heals,
         a_store_restart_fails_no_write,
         replica_killed_mid_write,
+        a_wiped_store_is_refused_until_confirmed,
+        a_new_store_needs_init_store,
+        wrong_ca_or_password_stops_the_start
+    ]
+);
+suite!(
+    redis_cluster_tls,
+    secure(StoreKind::RedisCluster),
+    [
+        tokens_across_replicas,
+        a_restored_backup_is_caught_by_every_replica,
+        ordering_across_replicas,
+        racing_tokens_on_one_key,
+        store_outage_fails_closed_and_heals,
         a_wiped_store_is_refused_until_confirmed,
         a_new_store_needs_init_store,
         wrong_ca_or_password_stops_the_start

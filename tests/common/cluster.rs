@@ -708,15 +708,41 @@ pub fn json_field(json: &str, name: &str) -> String {
 pub struct RedisCluster {
     _dir: tempfile::TempDir,
     pub nodes: Vec<Node>,
+    /// On a cluster over TLS with passwords: how the test reaches it.
+    tls: Option<ClusterTls>,
+}
+
+/// A cluster's TLS files and passwords: the nodes serve (and speak to
+/// each other, `tls-cluster`) with `cert`, which is good for both ends;
+/// the test's own calls are the `default` user's.
+pub struct ClusterTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub root_password: String,
+    /// fencegate's user and its password (keys `fencegate:*` only).
+    pub user: String,
+    pub password: String,
 }
 
 impl RedisCluster {
     pub fn start(node_timeout: Duration) -> RedisCluster {
+        Self::start_shaped(3, 1, node_timeout, None)
+    }
+
+    /// `primaries` primaries with `replicas` replicas each, over TLS if
+    /// `tls` is given.
+    pub fn start_shaped(
+        primaries: usize,
+        replicas: usize,
+        node_timeout: Duration,
+        tls: Option<ClusterTls>,
+    ) -> RedisCluster {
         let bin = PathBuf::from(require("redis-server", "redis-server"));
         // Both binaries checked before any node starts.
         require("redis-cli", "redis-tools");
         let dir = scratch_dir();
-        let mut nodes: Vec<Node> = (0..6)
+        let nodes: Vec<Node> = (0..primaries * (1 + replicas))
             .map(|i| {
                 let port = free_port();
                 let d = dir.path().join(format!("n{i}"));
@@ -735,31 +761,195 @@ impl RedisCluster {
                 ] {
                     args.extend([k.to_string(), v]);
                 }
+                if let Some(t) = &tls {
+                    let at = args.iter().position(|a| a == "--port").unwrap();
+                    args[at + 1] = "0".into();
+                    let path = |p: &PathBuf| p.display().to_string();
+                    args.extend(
+                        [
+                            "--tls-port",
+                            &port.to_string(),
+                            "--tls-cluster",
+                            "yes",
+                            "--tls-replication",
+                            "yes",
+                            "--tls-auth-clients",
+                            "yes",
+                            "--tls-cert-file",
+                            &path(&t.cert),
+                            "--tls-key-file",
+                            &path(&t.key),
+                            "--tls-ca-cert-file",
+                            &path(&t.ca),
+                            "--masterauth",
+                            &t.root_password,
+                            // As the lone secure Redis (tests/common/
+                            // servers.rs): the default user keeps a
+                            // password rather than being turned off.
+                            "--user",
+                            "default",
+                            "on",
+                            &format!(">{}", t.root_password),
+                            "~*",
+                            "+@all",
+                            "--user",
+                            &t.user,
+                            "on",
+                            &format!(">{}", t.password),
+                            "~fencegate:*",
+                            "+@all",
+                        ]
+                        .map(String::from),
+                    );
+                }
                 Node::new(port, d, bin.clone(), args)
             })
             .collect();
-        for n in &mut nodes {
-            n.start();
-        }
-        let addrs: Vec<String> = nodes
+        let mut c = RedisCluster {
+            _dir: dir,
+            nodes,
+            tls,
+        };
+        c.start_all();
+        let addrs: Vec<String> = c
+            .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let mut create: Vec<&str> = vec!["create"];
         create.extend(addrs.iter().map(String::as_str));
-        create.extend(["--cluster-replicas", "1", "--cluster-yes"]);
-        cluster_cli(&create);
-        let c = RedisCluster { _dir: dir, nodes };
+        let replicas = replicas.to_string();
+        create.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
+        c.cli(&create);
         c.wait_settled();
         c
     }
 
     /// The `--store` URL (two seeds: any node will do).
     pub fn url(&self) -> String {
+        let (scheme, user) = match &self.tls {
+            None => ("redis", String::new()),
+            Some(t) => ("rediss", format!("{}@", t.user)),
+        };
         format!(
-            "redis+cluster://127.0.0.1:{},127.0.0.1:{}",
+            "{scheme}+cluster://{user}127.0.0.1:{},127.0.0.1:{}",
             self.nodes[0].port, self.nodes[1].port
         )
+    }
+
+    /// One command to the node on `port` (as the `default` user over TLS
+    /// on a secure cluster); `None` if it does not answer within a second.
+    pub fn query<T: redis::FromRedisValue>(&self, port: u16, cmd: &redis::Cmd) -> Option<T> {
+        let Some(t) = &self.tls else {
+            return redis_query(port, cmd);
+        };
+        use redis::IntoConnectionInfo;
+        let info = format!("rediss://127.0.0.1:{port}/")
+            .into_connection_info()
+            .ok()?;
+        let settings = info.redis_settings().clone().set_password(&t.root_password);
+        let client = redis::Client::build_with_tls(
+            info.set_redis_settings(settings),
+            redis::TlsCertificates {
+                client_tls: Some(redis::ClientTlsConfig {
+                    client_cert: std::fs::read(&t.cert).ok()?,
+                    client_key: std::fs::read(&t.key).ok()?,
+                }),
+                root_cert: Some(std::fs::read(&t.ca).ok()?),
+            },
+        )
+        .ok()?;
+        let mut c = client
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .ok()?;
+        c.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+        cmd.query(&mut c).ok()
+    }
+
+    /// Every node started (again, on its data and `nodes.conf`).
+    pub fn start_all(&mut self) {
+        for n in &mut self.nodes {
+            if n.child.is_none() {
+                n.start();
+            }
+        }
+    }
+
+    /// Every node killed (`kill -9`; data stays).
+    pub fn kill_all(&mut self) {
+        for n in &mut self.nodes {
+            n.kill9();
+        }
+    }
+
+    /// Every node stopped (SIGSTOP) for `d`, then let go on.
+    pub async fn freeze(&self, d: Duration) {
+        for n in &self.nodes {
+            n.stop();
+        }
+        tokio::time::sleep(d).await;
+        for n in &self.nodes {
+            n.cont();
+        }
+    }
+
+    /// A copy of every node's data, taken with the nodes stopped; where.
+    pub fn backup(&mut self, to: &std::path::Path) {
+        self.kill_all();
+        for n in &self.nodes {
+            let ok = Command::new("cp")
+                .arg("-a")
+                .arg(n.dir.join("appendonlydir"))
+                .arg(to.join(n.port.to_string()))
+                .status()
+                .unwrap();
+            assert!(ok.success(), "cp -a of a node's data");
+        }
+        self.start_all();
+        self.wait_settled();
+    }
+
+    /// Every node's data replaced by the copy [`Self::backup`] took (each
+    /// keeps its identity, `nodes.conf`).
+    pub fn restore(&mut self, from: &std::path::Path) {
+        self.kill_all();
+        for n in &self.nodes {
+            let data = n.dir.join("appendonlydir");
+            std::fs::remove_dir_all(&data).unwrap();
+            let ok = Command::new("cp")
+                .arg("-a")
+                .arg(from.join(n.port.to_string()))
+                .arg(&data)
+                .status()
+                .unwrap();
+            assert!(ok.success(), "cp -a of a node's backup");
+        }
+        self.start_all();
+        self.wait_settled();
+    }
+
+    /// Every primary's keys removed while it runs (`FLUSHALL`).
+    pub fn wipe(&self) {
+        for n in &self.nodes {
+            // A replica refuses (read-only) and follows its primary.
+            let _: Option<String> = self.query(n.port, &redis::cmd("FLUSHALL"));
+        }
+    }
+
+    /// The write leases held, over every node.
+    pub fn leases(&self) -> usize {
+        let mut total = 0;
+        for n in &self.nodes {
+            let keys: Vec<String> = self
+                .query(n.port, redis::cmd("KEYS").arg("fencegate:*:l:*"))
+                .unwrap_or_default();
+            for k in keys {
+                total += self
+                    .query::<usize>(n.port, redis::cmd("HLEN").arg(&k))
+                    .unwrap_or(0);
+            }
+        }
+        total
     }
 
     /// `CLUSTER NODES` as one live node sees it.
@@ -767,7 +957,7 @@ impl RedisCluster {
         self.nodes
             .iter()
             .filter(|n| n.child.is_some())
-            .find_map(|n| redis_query(n.port, redis::cmd("CLUSTER").arg("NODES")))
+            .find_map(|n| self.query(n.port, redis::cmd("CLUSTER").arg("NODES")))
     }
 
     /// The port of the primary serving `slot`, as the cluster says.
@@ -822,7 +1012,8 @@ impl RedisCluster {
 
     /// The node id of the server on `port`.
     pub fn id_of(&self, port: u16) -> String {
-        redis_query(port, redis::cmd("CLUSTER").arg("MYID")).expect("CLUSTER MYID")
+        self.query(port, redis::cmd("CLUSTER").arg("MYID"))
+            .expect("CLUSTER MYID")
     }
 
     /// The server on `port`.
@@ -835,7 +1026,7 @@ impl RedisCluster {
 
     /// The slot of a key (`CLUSTER KEYSLOT`).
     pub fn slot_of(&self, key: &str) -> u16 {
-        redis_query(
+        self.query(
             self.nodes[0].port,
             redis::cmd("CLUSTER").arg("KEYSLOT").arg(key),
         )
@@ -847,7 +1038,7 @@ impl RedisCluster {
     pub fn wait_settled(&self) {
         wait_for("the cluster to be ok", Duration::from_secs(60), || {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                redis_query::<String>(n.port, redis::cmd("CLUSTER").arg("INFO"))
+                self.query::<String>(n.port, redis::cmd("CLUSTER").arg("INFO"))
                     .is_some_and(|i| i.contains("cluster_state:ok"))
             })
         });
@@ -857,7 +1048,6 @@ impl RedisCluster {
     /// on who serves each slot, none is left open (a tool refuses to
     /// reshard a cluster before that).
     pub fn wait_agreed(&self) {
-        let cli = require("redis-cli", "redis-tools");
         let seed = self
             .nodes
             .iter()
@@ -865,8 +1055,7 @@ impl RedisCluster {
             .map(|n| format!("127.0.0.1:{}", n.port))
             .expect("a live node");
         wait_for("the nodes to agree", Duration::from_secs(60), || {
-            Command::new(&cli)
-                .args(["--cluster", "check", &seed])
+            self.cli_command(&["check", &seed])
                 .output()
                 .is_ok_and(|o| o.status.success())
         });
@@ -890,7 +1079,7 @@ impl RedisCluster {
     /// `redis-cli --cluster reshard`: `slots` slots moved from the primary
     /// on `from` to the one on `to`, keys and all, while clients work.
     pub fn reshard(&self, from: u16, to: u16, slots: usize) {
-        cluster_cli(&[
+        self.cli(&[
             "reshard",
             &format!("127.0.0.1:{from}"),
             "--cluster-from",
@@ -910,26 +1099,44 @@ impl RedisCluster {
     /// none included.
     pub fn rebalance(&self) {
         self.wait_agreed();
-        cluster_cli(&[
+        self.cli(&[
             "rebalance",
             &format!("127.0.0.1:{}", self.nodes[0].port),
             "--cluster-use-empty-masters",
         ]);
         self.wait_settled();
     }
-}
 
-/// `redis-cli --cluster ARGS...`, which must succeed.
-fn cluster_cli(args: &[&str]) {
-    let out = Command::new(require("redis-cli", "redis-tools"))
-        .arg("--cluster")
-        .args(args)
-        .output()
-        .expect("run redis-cli --cluster");
-    assert!(
-        out.status.success(),
-        "redis-cli --cluster {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout)
-    );
+    /// `redis-cli [TLS] --cluster ARGS...`.
+    fn cli_command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(require("redis-cli", "redis-tools"));
+        if let Some(t) = &self.tls {
+            c.arg("--tls")
+                .arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.cert)
+                .arg("--key")
+                .arg(&t.key)
+                .args(["--user", "default", "--pass", &t.root_password])
+                .arg("--no-auth-warning");
+        }
+        c.arg("--cluster").args(args);
+        c
+    }
+
+    /// `redis-cli --cluster ARGS...`, which must succeed.
+    fn cli(&self, args: &[&str]) {
+        let out = self
+            .cli_command(args)
+            .output()
+            .expect("run redis-cli --cluster");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

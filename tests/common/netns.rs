@@ -441,7 +441,9 @@ impl StoreOn {
                     .expect("start postgres");
                 (format!("postgres://postgres@{a}:5432/postgres"), child)
             }
-            StoreKind::Embedded => panic!("the embedded store is no server"),
+            StoreKind::Embedded | StoreKind::RedisCluster => {
+                panic!("{kind:?}: not a server on a test host")
+            }
         };
         let store = StoreOn {
             url,

@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 pub enum StoreKind {
     Embedded,
     Redis,
+    /// Three primaries without replicas (tests/common/cluster.rs): the
+    /// store as a whole, as a lone server is.
+    RedisCluster,
     Postgres,
     Etcd,
 }
@@ -28,6 +31,8 @@ pub struct StoreServer {
     pub port: u16,
     child: Option<Child>,
     pub secure: Option<Secure>,
+    /// The nodes, for [`StoreKind::RedisCluster`].
+    cluster: Option<super::cluster::RedisCluster>,
 }
 
 /// The files of a TLS store with credentials.
@@ -43,7 +48,7 @@ pub struct Secure {
     pub wrong_ca: PathBuf,
     /// The password of etcd's root user and of Redis's default user (auth
     /// setup and test helpers).
-    root_password: String,
+    pub root_password: String,
 }
 
 /// The user fencegate connects as on secure stores.
@@ -270,6 +275,7 @@ impl StoreServer {
             port: free_port(),
             child: None,
             secure,
+            cluster: None,
         };
         if kind == StoreKind::Postgres {
             initdb(s.dir.path());
@@ -286,7 +292,7 @@ impl StoreServer {
         let sec = self.secure.as_ref().expect("secure");
         match self.kind {
             // On the command line (see `run`).
-            StoreKind::Redis | StoreKind::Embedded => {}
+            StoreKind::Redis | StoreKind::RedisCluster | StoreKind::Embedded => {}
             StoreKind::Postgres => {
                 let sql = format!(
                     "CREATE ROLE {STORE_USER} LOGIN PASSWORD '{}'; CREATE DATABASE {STORE_USER} OWNER {STORE_USER};",
@@ -418,6 +424,9 @@ impl StoreServer {
 
     /// The `--store` value.
     pub fn url(&self) -> String {
+        if let Some(c) = &self.cluster {
+            return c.url();
+        }
         let p = self.port;
         match (self.kind, &self.secure) {
             (StoreKind::Embedded, _) => self.dir.path().join("fences.redb").display().to_string(),
@@ -429,6 +438,7 @@ impl StoreServer {
                 format!("postgres://{STORE_USER}@127.0.0.1:{p}/{STORE_USER}?sslmode=verify-full")
             }
             (StoreKind::Etcd, Some(_)) => format!("etcds://{STORE_USER}@127.0.0.1:{p}"),
+            (StoreKind::RedisCluster, _) => unreachable!("a cluster's URL is its own"),
         }
     }
 
@@ -465,6 +475,33 @@ impl StoreServer {
         let path = |p: &Path| p.display().to_string();
         let mut child = match self.kind {
             StoreKind::Embedded => return,
+            StoreKind::RedisCluster => {
+                match &mut self.cluster {
+                    Some(c) => {
+                        c.start_all();
+                        c.wait_settled();
+                    }
+                    None => {
+                        let tls = sec.map(|sec| super::cluster::ClusterTls {
+                            ca: sec.ca.clone(),
+                            cert: sec.server.cert.clone(),
+                            key: sec.server.key.clone(),
+                            root_password: sec.root_password.clone(),
+                            user: STORE_USER.into(),
+                            password: sec.password.clone(),
+                        });
+                        let c = super::cluster::RedisCluster::start_shaped(
+                            3,
+                            0,
+                            Duration::from_secs(5),
+                            tls,
+                        );
+                        self.port = c.nodes[0].port;
+                        self.cluster = Some(c);
+                    }
+                }
+                return;
+            }
             StoreKind::Redis => {
                 let mut c = Command::new(require("redis-server", "redis-server"));
                 match sec {
@@ -599,6 +636,9 @@ impl StoreServer {
     /// Freezes the server (SIGSTOP) for `d`, then lets it go on: requests
     /// already sent are applied late, after their senders gave up.
     pub async fn freeze(&self, d: Duration) {
+        if let Some(c) = &self.cluster {
+            return c.freeze(d).await;
+        }
         let pid = self.child.as_ref().expect("running").id();
         super::signal(pid, "STOP");
         tokio::time::sleep(d).await;
@@ -607,6 +647,9 @@ impl StoreServer {
 
     /// The number of write leases Redis holds, over every key.
     pub async fn redis_leases(&self) -> usize {
+        if let Some(c) = &self.cluster {
+            return c.leases();
+        }
         assert_eq!(self.kind, StoreKind::Redis);
         let client = self.redis_client();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
@@ -628,6 +671,9 @@ impl StoreServer {
     }
 
     pub fn kill9(&mut self) {
+        if let Some(c) = &mut self.cluster {
+            return c.kill_all();
+        }
         if let Some(mut c) = self.child.take() {
             if self.kind == StoreKind::Postgres {
                 self.kill9_postgres_backends();
@@ -716,6 +762,7 @@ impl StoreServer {
         let dir = self.dir.path();
         match self.kind {
             StoreKind::Redis => dir.join("appendonlydir"),
+            StoreKind::RedisCluster => panic!("a cluster's data is its nodes'"),
             StoreKind::Postgres => dir.join("pg"),
             StoreKind::Etcd => dir.join("etcd"),
             StoreKind::Embedded => panic!("the embedded store has no server"),
@@ -725,8 +772,13 @@ impl StoreServer {
     /// Takes a backup of the data (the server stopped, its files copied,
     /// the server started again); returns where it is.
     pub fn backup(&mut self) -> std::path::PathBuf {
-        self.kill9();
         let to = self.dir.path().join("backup");
+        if let Some(c) = &mut self.cluster {
+            std::fs::create_dir_all(&to).unwrap();
+            c.backup(&to);
+            return to;
+        }
+        self.kill9();
         let ok = Command::new("cp")
             .arg("-a")
             .arg(self.data())
@@ -741,6 +793,9 @@ impl StoreServer {
     /// Restores a backup taken by [`Self::backup`]: the server stopped, its
     /// data replaced, started again. What was written since is lost.
     pub fn restore(&mut self, backup: &std::path::Path) {
+        if let Some(c) = &mut self.cluster {
+            return c.restore(backup);
+        }
         self.kill9();
         std::fs::remove_dir_all(self.data()).unwrap();
         let ok = Command::new("cp")
@@ -758,6 +813,10 @@ impl StoreServer {
     pub async fn wipe(&self) {
         match self.kind {
             StoreKind::Embedded => panic!("the embedded store has no wipe"),
+            StoreKind::RedisCluster => {
+                let c = self.cluster.as_ref().expect("a cluster");
+                tokio::task::block_in_place(|| c.wipe());
+            }
             StoreKind::Redis => {
                 let mut c = self
                     .redis_client()

@@ -120,13 +120,17 @@ pub struct Cluster {
     client: redis::cluster::ClusterClient,
     /// One connection per runtime (see [`crate::slot::slot`]), made at its
     /// first call: its driver task lives on the runtime that made it.
-    conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<ClusterConnection>>>>,
+    /// Numbered, so that a failed call drops the connection it used and
+    /// never a newer one.
+    conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>>>,
+    made: AtomicU64,
     timeout: Duration,
     replicas_to_wait: Option<u32>,
     scripts: Scripts,
-    /// Who serves each slot range, as last read (`CLUSTER SLOTS`), and
-    /// when: kept a second, so that the groups asking at once share a call.
-    topology: tokio::sync::Mutex<Option<(std::time::Instant, Arc<Topology>)>>,
+    /// Who serves each slot range, as last read (`CLUSTER SLOTS`; `None`:
+    /// no node told), and when: kept a second, so that the groups asking
+    /// at once share one read, or one failure.
+    topology: tokio::sync::Mutex<Option<(std::time::Instant, Option<Arc<Topology>>)>>,
 }
 
 /// Slot ranges and the `host:port` of the primary serving each.
@@ -170,6 +174,7 @@ impl Cluster {
         Ok(Arc::new(Self {
             client: b.build().map_err(|e| e.to_string())?,
             conns: dashmap::DashMap::new(),
+            made: AtomicU64::new(0),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
             scripts: Scripts::guarded(),
@@ -184,34 +189,39 @@ impl Cluster {
         let mut kept = self.topology.lock().await;
         if let Some((at, t)) = kept.as_ref() {
             if at.elapsed() < Duration::from_secs(1) {
-                return Some(t.clone());
+                return t.clone();
             }
         }
-        let mut c = self.connection().await.ok()?;
-        for g in [0, GROUPS / 3, 2 * GROUPS / 3] {
-            let mut p = redis::pipe();
-            p.cmd("CLUSTER").arg("SLOTS");
-            let route =
-                SingleNodeRoutingInfo::SpecificNode(Route::new(group_slot(g), SlotAddr::Master));
-            let asked = tokio::time::timeout(self.timeout, c.route_pipeline(p, 0, 1, route)).await;
-            let Ok(Ok(v)) = asked else { continue };
-            if let Some(t) = v.into_iter().next().and_then(slot_ranges) {
-                let t = Arc::new(t);
-                *kept = Some((std::time::Instant::now(), t.clone()));
-                return Some(t);
+        let read = async {
+            let (_, mut c) = self.connection().await.ok()?;
+            for g in [0, GROUPS / 3, 2 * GROUPS / 3] {
+                let mut p = redis::pipe();
+                p.cmd("CLUSTER").arg("SLOTS");
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(
+                    group_slot(g),
+                    SlotAddr::Master,
+                ));
+                let Ok(v) = c.route_pipeline(p, 0, 1, route).await else {
+                    continue;
+                };
+                if let Some(t) = v.into_iter().next().and_then(slot_ranges) {
+                    return Some(Arc::new(t));
+                }
             }
-        }
-        None
+            None
+        };
+        // One store timeout in all, so that a report never waits longer.
+        let t = tokio::time::timeout(self.timeout, read)
+            .await
+            .ok()
+            .flatten();
+        *kept = Some((std::time::Instant::now(), t.clone()));
+        t
     }
 
-    /// This runtime's connection, made now if it has none.
-    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
-        let slot = crate::slot::slot();
-        let slot = match self.conns.get(&slot) {
-            Some(s) => s.value().clone(),
-            None => self.conns.entry(slot).or_default().value().clone(),
-        };
-        let mut slot = slot.lock().await;
+    /// This runtime's connection (and its number), made now if it has none.
+    async fn connection(&self) -> Result<(u64, ClusterConnection), StoreError> {
+        let mut slot = self.runtime_slot().lock_owned().await;
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
@@ -219,8 +229,31 @@ impl Cluster {
             .await
             .map_err(|_| unavailable("connect to the cluster timed out"))?
             .map_err(|e| connect_failed(e, "redis cluster"))?;
-        *slot = Some(c.clone());
-        Ok(c)
+        let made = (self.made.fetch_add(1, Ordering::Relaxed), c);
+        *slot = Some(made.clone());
+        Ok(made)
+    }
+
+    fn runtime_slot(&self) -> Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>> {
+        let slot = crate::slot::slot();
+        match self.conns.get(&slot) {
+            Some(s) => s.value().clone(),
+            None => self.conns.entry(slot).or_default().value().clone(),
+        }
+    }
+
+    /// Drops connection `made` after a call on it failed other than by the
+    /// server's own answer (a dropped or refused connection, a timeout):
+    /// the next call connects anew from the seeds. redis-rs's cluster
+    /// client repairs its connections itself, but not always: after every
+    /// node restarted at once it was seen to time out every call from
+    /// then on.
+    fn discard(&self, made: u64) {
+        if let Ok(mut slot) = self.runtime_slot().try_lock_owned() {
+            if slot.as_ref().is_some_and(|(m, _)| *m == made) {
+                *slot = None;
+            }
+        }
     }
 
     /// `WAIT`'s own timeout: half the store timeout, so that the reply
@@ -297,15 +330,32 @@ impl ClusterGroup {
         p: &redis::Pipeline,
         count: usize,
     ) -> Result<Vec<Value>, StoreError> {
-        let mut c = self.cluster.connection().await?;
+        let (made, mut c) = self.cluster.connection().await?;
         let mut loaded = false;
         loop {
             let no_script = |e: &redis::RedisError| {
                 e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
             };
-            let answer = c
-                .route_pipeline(p.clone(), 0, count, self.to_primary())
-                .await;
+            // Bounded below the store timeout, so that a connection that
+            // stopped answering is dropped here before the caller gives up.
+            let bound = self.cluster.timeout.mul_f64(0.9);
+            let answer = tokio::time::timeout(
+                bound,
+                c.route_pipeline(p.clone(), 0, count, self.to_primary()),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "no answer",
+                    format!("within {bound:?}"),
+                )))
+            });
+            if let Err(e) = &answer {
+                if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
+                    self.cluster.discard(made);
+                }
+            }
             let missing = match &answer {
                 Ok(v) => {
                     matches!(v.first(), Some(Value::ServerError(e)) if no_script(&e.clone().into()))
@@ -504,7 +554,13 @@ impl Calls for ClusterGroup {
         // A key, not PING: PING would go to any node with a connection.
         let mut p = redis::pipe();
         p.cmd("EXISTS").arg(self.keys.marker());
-        self.on_primary(&p, 1).await.map(|_| ())
+        let v = self.on_primary(&p, 1).await?;
+        // The group's marker gone (a wipe, a node that came back empty):
+        // a new session, so that the check that follows reads it now.
+        if v.into_iter().next().map(parse::<i64>).transpose()? == Some(0) {
+            self.session.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(())
     }
 
     async fn before_marker_read(&self) -> Result<(), StoreError> {

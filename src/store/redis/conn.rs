@@ -80,9 +80,15 @@ pub struct RedisBackend {
 /// A failed connect: refused (wrong password or user, a certificate that
 /// does not check out) or unavailable.
 pub(super) fn connect_failed(e: redis::RedisError, what: &str) -> StoreError {
+    // The cluster client flattens a node's refusal into its own error's
+    // text ("Failed to create initial connections - ... AuthenticationFailed").
+    let text = e.to_string();
     let auth = matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
         || e.code()
-            .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM");
+            .is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH" || c == "NOPERM")
+        || ["AuthenticationFailed", "WRONGPASS"]
+            .iter()
+            .any(|w| text.contains(w));
     if auth || crate::tls::certificate_refused(&e) {
         StoreError::Refused(format!("{what}: {e}"))
     } else {

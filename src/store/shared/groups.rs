@@ -8,8 +8,6 @@
 //! confirming a reset, the heartbeat's marker check, closing) is done for
 //! every group, and says which groups failed.
 
-use std::sync::Mutex;
-
 use async_trait::async_trait;
 
 use crate::store::api::{
@@ -26,10 +24,6 @@ pub struct Grouped<B: Backend> {
     group_of: fn(&str) -> usize,
     /// How a group is named in messages (its hash tag, say).
     names: Vec<String>,
-    /// Each group's failure in the last call made of every group (the
-    /// heartbeat's marker check, a ping), amnesia aside: what
-    /// [`FenceStore::shards`] reports without calling the store.
-    last: Vec<Mutex<Option<String>>>,
 }
 
 impl<B: Backend> Grouped<B> {
@@ -37,7 +31,6 @@ impl<B: Backend> Grouped<B> {
     pub fn new(groups: Vec<(String, SharedStore<B>)>, group_of: fn(&str) -> usize) -> Self {
         let (names, groups): (Vec<_>, Vec<_>) = groups.into_iter().unzip();
         Self {
-            last: groups.iter().map(|_| Mutex::new(None)).collect(),
             groups,
             group_of,
             names,
@@ -50,6 +43,57 @@ impl<B: Backend> Grouped<B> {
 
     /// Runs `f` on every group at once; the groups that failed, named.
     async fn each<'a, T, F, Fut>(&'a self, f: F) -> Result<Vec<T>, StoreError>
+    where
+        F: Fn(&'a SharedStore<B>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let answers = self.each_answer(f).await;
+        let mut failed: Vec<(String, StoreError)> = Vec::new();
+        let mut ok = Vec::new();
+        for (name, a) in self.names.iter().zip(answers) {
+            match a {
+                Ok(v) => ok.push(v),
+                Err(e) => failed.push((name.clone(), e)),
+            }
+        }
+        // The gravest first: a lost group must not hide behind a group
+        // that is only unreachable (the start refuses on the former).
+        let rank = |e: &StoreError| match e {
+            StoreError::Amnesia(_) => 0,
+            StoreError::Uninitialised => 1,
+            StoreError::Refused(_) => 2,
+            _ => 3,
+        };
+        failed.sort_by_key(|(_, e)| rank(e));
+        match failed.first() {
+            None => Ok(ok),
+            Some((_, first)) => {
+                let which = named(failed.iter().map(|(n, _)| n.as_str()));
+                // The first group's reason without its error's own words,
+                // which the error made here says once.
+                let reason = match first {
+                    StoreError::Amnesia(r)
+                    | StoreError::Refused(r)
+                    | StoreError::Unavailable(r) => r.clone(),
+                    other => other.to_string(),
+                };
+                let why = format!(
+                    "{} of {} groups ({which}): {reason}",
+                    failed.len(),
+                    self.groups.len()
+                );
+                Err(match first {
+                    StoreError::Amnesia(_) => StoreError::Amnesia(why),
+                    StoreError::Refused(_) => StoreError::Refused(why),
+                    StoreError::Uninitialised => StoreError::Uninitialised,
+                    _ => StoreError::Unavailable(why),
+                })
+            }
+        }
+    }
+
+    /// Runs `f` on every group at once; each group's answer.
+    async fn each_answer<'a, T, F, Fut>(&'a self, f: F) -> Vec<Result<T, StoreError>>
     where
         F: Fn(&'a SharedStore<B>) -> Fut,
         Fut: std::future::Future<Output = Result<T, StoreError>>,
@@ -69,44 +113,7 @@ impl<B: Backend> Grouped<B> {
                 }
             }
         }
-        let mut failed: Vec<(String, StoreError)> = Vec::new();
-        let mut ok = Vec::new();
-        for ((name, a), last) in self.names.iter().zip(answers).zip(&self.last) {
-            *last.lock().expect("last") = match &a {
-                Ok(_) | Err(StoreError::Amnesia(_)) => None,
-                Err(e) => Some(e.to_string()),
-            };
-            match a {
-                Ok(v) => ok.push(v),
-                Err(e) => failed.push((name.clone(), e)),
-            }
-        }
-        // The gravest first: a lost group must not hide behind a group
-        // that is only unreachable (the start refuses on the former).
-        let rank = |e: &StoreError| match e {
-            StoreError::Amnesia(_) => 0,
-            StoreError::Uninitialised => 1,
-            StoreError::Refused(_) => 2,
-            _ => 3,
-        };
-        failed.sort_by_key(|(_, e)| rank(e));
-        match failed.first() {
-            None => Ok(ok),
-            Some((_, first)) => {
-                let which = named(failed.iter().map(|(n, _)| n.as_str()));
-                let why = format!(
-                    "{} of {} groups ({which}): {first}",
-                    failed.len(),
-                    self.groups.len()
-                );
-                Err(match first {
-                    StoreError::Amnesia(_) => StoreError::Amnesia(why),
-                    StoreError::Refused(_) => StoreError::Refused(why),
-                    StoreError::Uninitialised => StoreError::Uninitialised,
-                    _ => StoreError::Unavailable(why),
-                })
-            }
-        }
+        answers
     }
 }
 
@@ -319,11 +326,16 @@ impl<B: Backend> FenceStore for Grouped<B> {
         })
     }
 
+    /// Each group pinged now (its marker checked when due), with the shard
+    /// serving it.
     async fn shards(&self) -> Option<Vec<Shard>> {
-        let serving =
-            futures_util::future::join_all(self.groups.iter().map(|g| g.backend().serving())).await;
+        let (pings, serving) = futures_util::future::join(
+            self.each_answer(|g| g.ping()),
+            futures_util::future::join_all(self.groups.iter().map(|g| g.backend().serving())),
+        )
+        .await;
         let mut shards: std::collections::BTreeMap<String, (Shard, Vec<&str>)> = Default::default();
-        for (i, node) in serving.into_iter().enumerate() {
+        for (i, (node, ping)) in serving.into_iter().zip(pings).enumerate() {
             let node = node.unwrap_or_else(|| "unknown".into());
             let (s, failing) = shards.entry(node.clone()).or_insert_with(|| {
                 (
@@ -344,12 +356,12 @@ impl<B: Backend> FenceStore for Grouped<B> {
                     s.lost += 1;
                     why
                 }
-                None => match self.last[i].lock().expect("last").clone() {
-                    Some(e) => {
+                None => match ping {
+                    Err(e) => {
                         s.unreachable += 1;
-                        e
+                        e.to_string()
                     }
-                    None => continue,
+                    Ok(()) => continue,
                 },
             };
             s.error.get_or_insert(why);
@@ -366,10 +378,22 @@ impl<B: Backend> FenceStore for Grouped<B> {
         )
     }
 
-    /// Confirms every group in amnesia (the others are left alone).
+    /// Confirms every group in amnesia here, and every group whose marker
+    /// is not the one this replica knows (gone, recorded as gone back, or
+    /// confirmed already through another replica: joined). A group whose
+    /// marker is as known is left alone: confirming it would give it a new
+    /// epoch, and every other replica would take that for a loss.
     async fn confirm_reset(&self) -> Result<(), StoreError> {
         self.each(|g| async move {
-            if g.amnesia().is_some() {
+            let known = g.guard.lock().expect("guard lock").known.clone();
+            let due = g.amnesia().is_some() || {
+                let now = g.backend().read_marker().await?;
+                match (&known, &now) {
+                    (Some(k), Some(m)) => m.epoch != k.epoch || m.trip_reason().is_some(),
+                    _ => true,
+                }
+            };
+            if due {
                 g.confirm_reset().await
             } else {
                 Ok(())

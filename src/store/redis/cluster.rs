@@ -122,7 +122,7 @@ pub struct Cluster {
     /// first call: its driver task lives on the runtime that made it.
     /// Numbered, so that a failed call drops the connection it used and
     /// never a newer one.
-    conns: dashmap::DashMap<usize, Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>>>,
+    conns: dashmap::DashMap<usize, RuntimeSlot>,
     made: AtomicU64,
     timeout: Duration,
     replicas_to_wait: Option<u32>,
@@ -132,6 +132,9 @@ pub struct Cluster {
     /// at once share one read, or one failure.
     topology: tokio::sync::Mutex<Option<(std::time::Instant, Option<Arc<Topology>>)>>,
 }
+
+/// A runtime's connection, numbered.
+type RuntimeSlot = Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>>;
 
 /// Slot ranges and the `host:port` of the primary serving each.
 type Topology = Vec<(u16, u16, String)>;
@@ -234,7 +237,7 @@ impl Cluster {
         Ok(made)
     }
 
-    fn runtime_slot(&self) -> Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>> {
+    fn runtime_slot(&self) -> RuntimeSlot {
         let slot = crate::slot::slot();
         match self.conns.get(&slot) {
             Some(s) => s.value().clone(),

@@ -121,7 +121,8 @@ pub(crate) struct Opts {
     pub(crate) upstream: Option<String>,
     /// Fence store: a file path (or redb://PATH) for the embedded store, or
     /// a shared store's URL for several replicas: redis://, rediss:// or
-    /// redis+sentinel://HOST:PORT[,...]/MASTER, postgres:// or postgresql://, etcd:// or etcds://HOST:PORT[,HOST:PORT...]
+    /// redis+sentinel://HOST:PORT[,...]/MASTER, redis+cluster:// or rediss+cluster://HOST:PORT[,...],
+    /// postgres:// or postgresql://, etcd:// or etcds://HOST:PORT[,HOST:PORT...]
     /// (docs/stores.md).
     #[arg(long, env = "FENCEGATE_STORE", global = true)]
     pub(crate) store: Option<String>,

@@ -125,10 +125,13 @@ impl Admin {
                 self.metrics
                     .in_flight_marks
                     .set(i64::try_from(self.fence.store().in_flight_marks()).unwrap_or(i64::MAX));
+                // Pinged first, so that the amnesia gauge agrees with the
+                // shards' in the same scrape.
+                let shards = self.fence.store().shards().await;
                 self.metrics
                     .store_amnesia
                     .set(i64::from(self.fence.store().amnesia().is_some()));
-                if let Some(shards) = self.fence.store().shards().await {
+                if let Some(shards) = shards {
                     let m = &self.metrics;
                     for g in [
                         &m.store_shard_up,
@@ -176,9 +179,12 @@ impl Admin {
                 false => unauthorized(),
                 true => {
                     let started = std::time::Instant::now();
-                    let store = self.fence.store().ping().await.map_err(|e| e.to_string());
-                    let pinged = started.elapsed();
                     let shards = self.fence.store().shards().await;
+                    let store = match &shards {
+                        Some(s) => crate::store::Shard::failing(s).map_or(Ok(()), Err),
+                        None => self.fence.store().ping().await.map_err(|e| e.to_string()),
+                    };
+                    let pinged = started.elapsed();
                     json_response(
                         StatusCode::OK,
                         status::status(
@@ -512,14 +518,23 @@ impl Admin {
         }
         let recovering = self.fence.recovering_for().map(|d| d.as_secs_f64());
         let store = self.fence.store();
-        let pinged = store.ping().await;
+        // A store over shards pings each of its groups for the report.
         let shards = store.shards().await;
-        // A store over shards is ready while some shard serves: every
-        // replica sees the same shards, so turning them all away would
-        // stop the healthy shards' writes too. The failing ones are named.
+        let pinged = match &shards {
+            Some(s) => match crate::store::Shard::failing(s) {
+                None => Ok(()),
+                Some(why) => Err(why),
+            },
+            None => store.ping().await.map_err(|e| e.to_string()),
+        };
+        // A store over shards is ready while some shard serves: a shard
+        // down is down for every replica alike, and turning them all away
+        // would stop the healthy shards' writes too. The failing ones are
+        // named. (A replica cut off from some shards alone stays in
+        // rotation too; its writes there fail closed.)
         let serving = shards
             .as_ref()
-            .is_some_and(|s| s.iter().any(|s| s.groups > s.unreachable + s.lost));
+            .is_some_and(|s| s.iter().any(crate::store::Shard::serving));
         // The store answers only if every part does (a degraded store
         // counts as down in the metric operators alert on).
         self.metrics.store_up.set(i64::from(pinged.is_ok()));
@@ -530,11 +545,11 @@ impl Admin {
             ),
             Err(e) if serving => (
                 StatusCode::OK,
-                json!({"status": "degraded", "store": store.kind(), "error": e.to_string(), "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
+                json!({"status": "degraded", "store": store.kind(), "error": e, "recovering_seconds": recovering, "recovery_held_keys": self.fence.held_keys()}),
             ),
             Err(e) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                json!({"status": "store unavailable", "store": store.kind(), "error": e.to_string()}),
+                json!({"status": "store unavailable", "store": store.kind(), "error": e}),
             ),
         };
         if let Some(shards) = shards {

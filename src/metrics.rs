@@ -63,8 +63,8 @@ pub struct Metrics {
     pub store_amnesia: IntGauge,
     /// A store spread over shards (Redis Cluster), by shard (its primary's
     /// `host:port`): 1 while every group of fence keys it serves answers;
-    /// the groups it serves; those in amnesia. Set at each scrape from the
-    /// groups' last calls, so a shard no longer in the topology drops out.
+    /// the groups it serves; those in amnesia. Set at each scrape, every
+    /// group pinged then, so a shard no longer in the topology drops out.
     pub store_shard_up: IntGaugeVec,
     pub store_shard_groups: IntGaugeVec,
     pub store_shard_groups_lost: IntGaugeVec,

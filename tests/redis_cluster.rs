@@ -316,3 +316,62 @@ async fn assert_shards(p: &Proxy, victim: &str, lost: usize) {
         }
     }
 }
+
+/// A primary that stops answering (SIGSTOP: its connections stay open,
+/// nothing comes back) before any failover: its groups' writes fail
+/// closed, and the other shards' writes are admitted all along, through
+/// the same connections; `/readyz` says `degraded` and names the shard.
+/// Let go, its groups take writes again with no restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_shard_stops_only_its_groups() {
+    // Long enough that the cluster fails nothing over meanwhile.
+    let mut s = Setup::start(Duration::from_secs(30)).await;
+    init_store(&s.cluster.url());
+    let a = s.replica("a").spawn();
+    let paths: Vec<String> = (0..GROUPS).map(path_in_group).collect();
+    for p in &paths {
+        assert_eq!(put(&a.url(p), "5").await.status, 200, "{p}");
+    }
+    let victim = primary_of_group(&s.cluster, 0);
+    let (hung, kept): (Vec<usize>, Vec<usize>) =
+        (0..GROUPS).partition(|g| primary_of_group(&s.cluster, *g) == victim);
+    s.cluster.node(victim).stop();
+    // Past two store timeouts (the connection's drop rule) and a few
+    // heartbeats: the other shards' writes never stop.
+    let until = std::time::Instant::now() + Duration::from_secs(8);
+    let mut token = 6u64;
+    while std::time::Instant::now() < until {
+        for g in &kept {
+            let r = put(&a.url(&paths[*g]), &token.to_string()).await;
+            assert_eq!(r.status, 200, "{}: {}", paths[*g], r.text());
+        }
+        token += 1;
+    }
+    let r = put(&a.url(&paths[hung[0]]), &token.to_string()).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    let ready = send("GET", &a.admin_url("/readyz"), &[], "").await;
+    let text = ready.text();
+    assert_eq!(ready.status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["status"], "degraded", "{text}");
+    let name = format!("127.0.0.1:{victim}");
+    let shard = v["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["shard"] == name.as_str())
+        .unwrap_or_else(|| panic!("{name} named: {text}"))
+        .clone();
+    assert_eq!(shard["unreachable"], hung.len(), "{text}");
+    s.cluster.node(victim).cont();
+    eventually_async("the shard's groups to take writes again", || {
+        let (url, t) = (a.url(&paths[hung[0]]), (token + 1).to_string());
+        async move { put(&url, &t).await.status == 200 }
+    })
+    .await;
+    for g in &hung {
+        let r = put(&a.url(&paths[*g]), &(token + 2).to_string()).await;
+        assert_eq!(r.status, 200, "{}: {}", paths[*g], r.text());
+        assert_eq!(put(&a.url(&paths[*g]), "5").await.status, 409);
+    }
+}

@@ -1183,6 +1183,13 @@ async fn no_leases_within(store: &StoreServer, d: Duration) {
     }
 }
 
+/// [`suite!`] for each `(module, store)` with the same cases.
+macro_rules! suites {
+    ([$(($store:ident, $kind:expr)),* $(,)?], $cases:tt) => {
+        $(suite!($store, $kind, $cases);)*
+    };
+}
+
 macro_rules! suite {
     ($store:ident, $kind:expr, [$($case:ident),*]) => {
         mod $store {
@@ -1210,9 +1217,16 @@ suite!(
         replica_killed_mid_write
     ]
 );
-suite!(
-    redis,
-    plain(StoreKind::Redis),
+// Every shared store, the same cases. The cluster (three primaries) runs
+// as a whole, as a lone Redis does: every fault hits every node (faults of
+// one shard are in tests/redis_cluster.rs).
+suites!(
+    [
+        (redis, plain(StoreKind::Redis)),
+        (redis_cluster, plain(StoreKind::RedisCluster)),
+        (postgres, plain(StoreKind::Postgres)),
+        (etcd, plain(StoreKind::Etcd)),
+    ],
     [
         a_rollback_seen_once_survives_restarts,
         a_rollback_while_every_replica_was_down_is_caught_by_state_files,
@@ -1229,80 +1243,6 @@ suite!(
         store_outage_fails_closed_and_heals,
         a_store_restart_fails_no_write,
         a_restored_backup_is_caught_by_every_replica,
-        replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed,
-        a_new_store_needs_init_store
-    ]
-);
-// The cluster (three primaries) as a whole, as a lone Redis: every fault
-// hits every node. Faults of one shard are in tests/redis_cluster.rs.
-suite!(
-    redis_cluster,
-    plain(StoreKind::RedisCluster),
-    [
-        a_rollback_seen_once_survives_restarts,
-        a_rollback_while_every_replica_was_down_is_caught_by_state_files,
-        batches_answer_each_write_right,
-        kill_9_mid_batch_loses_nothing_acknowledged,
-        steady_writes_share_a_registration,
-        a_raise_cuts_off_registered_writes,
-        tokens_across_replicas,
-        full_u64_range,
-        ordering_across_replicas,
-        copy_overtaken_across_replicas,
-        racing_tokens_on_one_key,
-        concurrent_advances_then_kill_9,
-        store_outage_fails_closed_and_heals,
-        a_store_restart_fails_no_write,
-        a_restored_backup_is_caught_by_every_replica,
-        replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed,
-        a_new_store_needs_init_store
-    ]
-);
-suite!(
-    postgres,
-    plain(StoreKind::Postgres),
-    [
-        a_rollback_seen_once_survives_restarts,
-        a_rollback_while_every_replica_was_down_is_caught_by_state_files,
-        a_store_restart_fails_no_write,
-        a_restored_backup_is_caught_by_every_replica,
-        batches_answer_each_write_right,
-        kill_9_mid_batch_loses_nothing_acknowledged,
-        steady_writes_share_a_registration,
-        a_raise_cuts_off_registered_writes,
-        tokens_across_replicas,
-        full_u64_range,
-        ordering_across_replicas,
-        copy_overtaken_across_replicas,
-        racing_tokens_on_one_key,
-        concurrent_advances_then_kill_9,
-        store_outage_fails_closed_and_heals,
-        replica_killed_mid_write,
-        a_wiped_store_is_refused_until_confirmed,
-        a_new_store_needs_init_store
-    ]
-);
-suite!(
-    etcd,
-    plain(StoreKind::Etcd),
-    [
-        a_rollback_seen_once_survives_restarts,
-        a_rollback_while_every_replica_was_down_is_caught_by_state_files,
-        a_store_restart_fails_no_write,
-        a_restored_backup_is_caught_by_every_replica,
-        batches_answer_each_write_right,
-        kill_9_mid_batch_loses_nothing_acknowledged,
-        steady_writes_share_a_registration,
-        a_raise_cuts_off_registered_writes,
-        tokens_across_replicas,
-        full_u64_range,
-        ordering_across_replicas,
-        copy_overtaken_across_replicas,
-        racing_tokens_on_one_key,
-        concurrent_advances_then_kill_9,
-        store_outage_fails_closed_and_heals,
         replica_killed_mid_write,
         a_wiped_store_is_refused_until_confirmed,
         a_new_store_needs_init_store

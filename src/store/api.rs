@@ -22,7 +22,6 @@ pub enum Advance {
     Stale { highest: u64 },
 }
 
-/// A store's replica waits ([`FenceStore::replicas`]).
 /// One shard of a store that spreads its keys over several
 /// ([`FenceStore::shards`]): the groups of fence keys it serves, and how
 /// they answered last.
@@ -50,8 +49,34 @@ impl Shard {
     pub fn up(&self) -> bool {
         self.unreachable == 0 && self.lost == 0
     }
+
+    /// Whether some group it serves answers.
+    pub fn serving(&self) -> bool {
+        self.groups > self.unreachable + self.lost
+    }
+
+    /// What fails over `shards`, one clause per failing shard; `None`
+    /// while every group answers.
+    pub fn failing(shards: &[Shard]) -> Option<String> {
+        let clauses: Vec<String> = shards
+            .iter()
+            .filter(|s| !s.up())
+            .map(|s| {
+                format!(
+                    "shard {}: {} of its {} groups failing ({}): {}",
+                    s.shard,
+                    s.unreachable + s.lost,
+                    s.groups,
+                    s.failing.as_deref().unwrap_or(""),
+                    s.error.as_deref().unwrap_or("")
+                )
+            })
+            .collect();
+        (!clauses.is_empty()).then(|| clauses.join("; "))
+    }
 }
 
+/// A store's replica waits ([`FenceStore::replicas`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Replicas {
     /// The last call that got an answer: the replicas it waited for and

@@ -942,11 +942,11 @@ impl RedisCluster {
         for n in &self.nodes {
             let keys: Vec<String> = self
                 .query(n.port, redis::cmd("KEYS").arg("fencegate:*:l:*"))
-                .unwrap_or_default();
+                .expect("KEYS of a node");
             for k in keys {
                 total += self
                     .query::<usize>(n.port, redis::cmd("HLEN").arg(&k))
-                    .unwrap_or(0);
+                    .expect("HLEN of a lease");
             }
         }
         total

@@ -648,7 +648,7 @@ impl StoreServer {
     /// The number of write leases Redis holds, over every key.
     pub async fn redis_leases(&self) -> usize {
         if let Some(c) = &self.cluster {
-            return c.leases();
+            return tokio::task::block_in_place(|| c.leases());
         }
         assert_eq!(self.kind, StoreKind::Redis);
         let client = self.redis_client();

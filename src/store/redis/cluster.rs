@@ -123,7 +123,14 @@ pub struct Cluster {
     /// Numbered, so that a failed call drops the connection it used and
     /// never a newer one.
     conns: dashmap::DashMap<usize, RuntimeSlot>,
+    /// Connections made: part of every group's session, so that the
+    /// first answer on a new connection is used only after the group's
+    /// marker was checked.
     made: AtomicU64,
+    /// When a call last got an answer (ms since `born`): a connection is
+    /// dropped only when none has for a while (see [`Cluster::discard`]).
+    last_answer: AtomicU64,
+    born: std::time::Instant,
     timeout: Duration,
     replicas_to_wait: Option<u32>,
     scripts: Scripts,
@@ -178,6 +185,8 @@ impl Cluster {
             client: b.build().map_err(|e| e.to_string())?,
             conns: dashmap::DashMap::new(),
             made: AtomicU64::new(0),
+            last_answer: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
             scripts: Scripts::guarded(),
@@ -204,7 +213,11 @@ impl Cluster {
                     group_slot(g),
                     SlotAddr::Master,
                 ));
-                let Ok(v) = c.route_pipeline(p, 0, 1, route).await else {
+                // A third of the budget each: a primary that hangs must not
+                // keep the others from being asked.
+                let asked =
+                    tokio::time::timeout(self.timeout / 3, c.route_pipeline(p, 0, 1, route)).await;
+                let Ok(Ok(v)) = asked else {
                     continue;
                 };
                 if let Some(t) = v.into_iter().next().and_then(slot_ranges) {
@@ -232,7 +245,7 @@ impl Cluster {
             .await
             .map_err(|_| unavailable("connect to the cluster timed out"))?
             .map_err(|e| connect_failed(e, "redis cluster"))?;
-        let made = (self.made.fetch_add(1, Ordering::Relaxed), c);
+        let made = (self.made.fetch_add(1, Ordering::AcqRel) + 1, c);
         *slot = Some(made.clone());
         Ok(made)
     }
@@ -245,13 +258,30 @@ impl Cluster {
         }
     }
 
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    /// A call got an answer (any: a server's error is one).
+    fn answered(&self) {
+        self.last_answer.fetch_max(self.now_ms(), Ordering::Relaxed);
+    }
+
     /// Drops connection `made` after a call on it failed other than by the
-    /// server's own answer (a dropped or refused connection, a timeout):
-    /// the next call connects anew from the seeds. redis-rs's cluster
-    /// client repairs its connections itself, but not always: after every
-    /// node restarted at once it was seen to time out every call from
-    /// then on.
+    /// server's own answer (a dropped or refused connection, a timeout),
+    /// if no call has been answered for two store timeouts: the next call
+    /// connects anew from the seeds. redis-rs's cluster client repairs its
+    /// connections itself, but not always: after every node restarted at
+    /// once it was seen to time out every call from then on. One shard
+    /// that stops answering drops nothing while the others answer: a new
+    /// connection is made to every node, and would wait on that one.
     fn discard(&self, made: u64) {
+        let quiet = self
+            .now_ms()
+            .saturating_sub(self.last_answer.load(Ordering::Relaxed));
+        if quiet < 2 * self.timeout.as_millis() as u64 {
+            return;
+        }
         if let Ok(mut slot) = self.runtime_slot().try_lock_owned() {
             if slot.as_ref().is_some_and(|(m, _)| *m == made) {
                 *slot = None;
@@ -334,7 +364,7 @@ impl ClusterGroup {
         count: usize,
     ) -> Result<Vec<Value>, StoreError> {
         let (made, mut c) = self.cluster.connection().await?;
-        let mut loaded = false;
+        let (mut loaded, mut reconnected) = (false, false);
         loop {
             let no_script = |e: &redis::RedisError| {
                 e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
@@ -354,10 +384,20 @@ impl ClusterGroup {
                     format!("within {bound:?}"),
                 )))
             });
-            if let Err(e) = &answer {
-                if !matches!(e.kind(), redis::ErrorKind::Server(_)) {
+            match &answer {
+                Err(e) if !matches!(e.kind(), redis::ErrorKind::Server(_)) => {
                     self.cluster.discard(made);
+                    // A connection the server closed (a restart): made
+                    // once more, as on a lone primary; the client connects
+                    // to that node again. Its answer counts only after the
+                    // marker check: a new session.
+                    if e.is_connection_dropped() && !e.is_timeout() && !reconnected {
+                        reconnected = true;
+                        self.session.fetch_add(1, Ordering::AcqRel);
+                        continue;
+                    }
                 }
+                _ => self.cluster.answered(),
             }
             let missing = match &answer {
                 Ok(v) => {
@@ -481,7 +521,8 @@ impl Calls for ClusterGroup {
     }
 
     fn session(&self) -> u64 {
-        self.session.load(Ordering::Acquire)
+        // Both only go up: so does their sum.
+        self.session.load(Ordering::Acquire) + self.cluster.made.load(Ordering::Acquire)
     }
 
     fn replicas(&self) -> Option<Replicas> {

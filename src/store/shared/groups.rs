@@ -378,23 +378,28 @@ impl<B: Backend> FenceStore for Grouped<B> {
         )
     }
 
-    /// Confirms every group in amnesia here, and every group whose marker
-    /// is not the one this replica knows (gone, recorded as gone back, or
-    /// confirmed already through another replica: joined). A group whose
-    /// marker is as known is left alone: confirming it would give it a new
-    /// epoch, and every other replica would take that for a loss.
+    /// Confirms every group in amnesia here, and joins every group that
+    /// another replica confirmed already (its marker of another epoch, no
+    /// record of a loss in it). A group whose marker is as this replica
+    /// knows it is left alone: confirming it would give it a new epoch,
+    /// which every other replica would take for a loss. So is a group
+    /// found gone or recorded as gone back that this replica has not
+    /// latched yet: a loss the operator has not been shown is not
+    /// confirmed with another; it is latched by its next check and needs
+    /// a confirmation of its own. Each decision is made with the group's
+    /// marker check held off, so that the marker known cannot change
+    /// between the decision and the confirmation.
     async fn confirm_reset(&self) -> Result<(), StoreError> {
         self.each(|g| async move {
+            let _one = g.check_lock.lock().await;
             let known = g.guard.lock().expect("guard lock").known.clone();
-            let due = g.amnesia().is_some() || {
-                let now = g.backend().read_marker().await?;
-                match (&known, &now) {
-                    (Some(k), Some(m)) => m.epoch != k.epoch || m.trip_reason().is_some(),
-                    _ => true,
-                }
-            };
+            let due = g.amnesia().is_some()
+                || match (known, g.backend().read_marker().await?) {
+                    (Some(k), Some(m)) => m.epoch != k.epoch && m.trip_reason().is_none(),
+                    _ => false,
+                };
             if due {
-                g.confirm_reset().await
+                g.confirm_reset_checked().await
             } else {
                 Ok(())
             }

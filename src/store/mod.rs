@@ -46,14 +46,17 @@ pub fn connect_shared(
             .transpose()
             .map_err(tls)
     };
+    // Redis (lone or cluster): the CA and client certificate as PEM.
+    let redis_pem = || {
+        c.tls
+            .as_ref()
+            .map(crate::tls::store_pem)
+            .transpose()
+            .map_err(tls)
+    };
     Ok(match &c.engine {
         SharedEngine::Redis { sentinel } => {
-            let pem = c
-                .tls
-                .as_ref()
-                .map(crate::tls::store_pem)
-                .transpose()
-                .map_err(tls)?;
+            let pem = redis_pem()?;
             Arc::new(
                 shared::SharedStore::new(
                     redis::RedisBackend::new(
@@ -75,12 +78,7 @@ pub fn connect_shared(
             )
         }
         SharedEngine::RedisCluster(cluster) => {
-            let pem = c
-                .tls
-                .as_ref()
-                .map(crate::tls::store_pem)
-                .transpose()
-                .map_err(tls)?;
+            let pem = redis_pem()?;
             let shared = redis::cluster::Cluster::new(redis::cluster::ClusterOptions {
                 cluster,
                 password: c.password.as_ref(),

@@ -8,7 +8,9 @@ backticks. The forms understood:
   `src/key/tests.rs::name`         src/key/tests.rs, `fn name`
   `shared_stores.rs::*::name`      a test inside some module of the file
   `file.rs::module::name`          `mod module` (or a macro-made module
-                                   `suite!(module, ...)`) and `fn name`
+                                   `suite!(module, ...)`, or a pair
+                                   `(module, ...)` in `suites!`) and
+                                   `fn name`
   `src/token.rs`, `shared_stores.rs`   a whole file: it must exist
   `tests/s3/test_s3.py::test_x`    a pytest function, `def test_x`
   `test_s3.py::Class::test_x`      a pytest method: `class Class`, `def test_x`
@@ -87,6 +89,8 @@ def check_rust(source, parts):
             continue
         mod_def = re.search(r"\bmod\s+%s\b" % re.escape(m), src)
         macro_mod = re.search(r"\w!\s*[({\[]\s*%s\s*," % re.escape(m), src)
+        # `suites!([(module, store), ...], [cases])`: one module per pair.
+        macro_mod = macro_mod or re.search(r"[\[,]\s*\(\s*%s\s*," % re.escape(m), src)
         if not (mod_def or macro_mod):
             return "no `mod %s` in the file" % m
     if not re.search(r"\bfn\s+%s\s*[(<]" % re.escape(name), src):

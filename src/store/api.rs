@@ -32,8 +32,8 @@ pub struct Shard {
     pub shard: String,
     /// Groups of fence keys it serves.
     pub groups: usize,
-    /// Of those, the groups whose last call failed: their keys' writes
-    /// fail closed (503) until they answer.
+    /// Of those, the groups that failed the ping this report made: their
+    /// keys' writes fail closed (503) until they answer.
     pub unreachable: usize,
     /// Of those, the groups in amnesia (lost data): their keys' writes are
     /// refused until an operator confirms (`confirm-reset`).
@@ -430,8 +430,8 @@ pub trait FenceStore: Send + Sync + 'static {
     }
 
     /// For a store that spreads its keys over shards (a Redis Cluster):
-    /// each shard with its groups' health as last seen (the heartbeat's
-    /// marker checks, the last ping), so that an operator sees which shard
+    /// each shard with its groups' health, each group pinged now (its
+    /// marker checked when due), so that an operator sees which shard
     /// fails and that the others serve. `None` for a store of one part.
     async fn shards(&self) -> Option<Vec<Shard>> {
         None

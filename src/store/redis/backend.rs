@@ -104,6 +104,10 @@ impl<C: Calls> Backend for C {
         Calls::serving(self).await
     }
 
+    fn group(&self) -> Option<&str> {
+        self.keys().group_tag()
+    }
+
     async fn highest(&self, key: &str) -> Result<Option<u64>, StoreError> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.keys().fence(key));

@@ -35,6 +35,7 @@ use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, FromRedisValue, Script, Value};
 
 use crate::store::api::{Replicas, StoreError};
+use crate::store::shared::dial::{dial_bound, Slot};
 
 use super::backend::{replicas_seen, Calls};
 use super::conn::{connect_failed, replication};
@@ -120,19 +121,19 @@ pub struct Cluster {
     client: redis::cluster::ClusterClient,
     /// One connection per runtime (see [`crate::slot::slot`]), made at its
     /// first call: its driver task lives on the runtime that made it.
-    /// Numbered, so that a failed call drops the connection it used and
-    /// never a newer one.
-    conns: dashmap::DashMap<usize, RuntimeSlot>,
+    conns: dashmap::DashMap<usize, (RuntimeSlot, Held)>,
     /// Connections made: part of every group's session, so that the
     /// first answer on a new connection is used only after the group's
     /// marker was checked.
     made: AtomicU64,
-    /// When a call last got an answer (ms since `born`): a connection is
-    /// dropped only when none has for a while (see [`Cluster::discard`]).
+    /// When a call on any connection last got an answer (ms since `born`;
+    /// see [`Cluster::discard`]).
     last_answer: AtomicU64,
     born: std::time::Instant,
     timeout: Duration,
     replicas_to_wait: Option<u32>,
+    /// INFO was refused (an ACL without it), and that was said.
+    info_refused: AtomicBool,
     scripts: Scripts,
     /// Who serves each slot range, as last read (`CLUSTER SLOTS`; `None`:
     /// no node told), and when: kept a second, so that the groups asking
@@ -140,8 +141,22 @@ pub struct Cluster {
     topology: tokio::sync::Mutex<Option<(std::time::Instant, Option<Arc<Topology>>)>>,
 }
 
-/// A runtime's connection, numbered.
-type RuntimeSlot = Arc<tokio::sync::Mutex<Option<(u64, ClusterConnection)>>>;
+/// A runtime's connection, or its dial going on.
+type RuntimeSlot = Arc<tokio::sync::Mutex<Slot<ClusterConnection>>>;
+
+/// A runtime's connection as its calls use it: the slot holds the bare
+/// connection, and this, its number and answers.
+type Held = Arc<tokio::sync::Mutex<Option<Conn>>>;
+
+/// A connection to the cluster, numbered (so that a failed call drops the
+/// connection it used and never a newer one), with when a call on it last
+/// got an answer (ms since the cluster's `born`; its making counts as one).
+#[derive(Clone)]
+struct Conn {
+    made: u64,
+    conn: ClusterConnection,
+    last_answer: Arc<AtomicU64>,
+}
 
 /// Slot ranges and the `host:port` of the primary serving each.
 type Topology = Vec<(u16, u16, String)>;
@@ -162,7 +177,7 @@ impl Cluster {
             })
             .collect();
         let mut b = ClusterClientBuilder::new(seeds)
-            .connection_timeout(o.timeout)
+            .connection_timeout(o.timeout / 4)
             .response_timeout(o.timeout);
         if let Some(user) = &o.cluster.user {
             b = b.username(user);
@@ -189,6 +204,7 @@ impl Cluster {
             born: std::time::Instant::now(),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
+            info_refused: AtomicBool::new(false),
             scripts: Scripts::guarded(),
             topology: tokio::sync::Mutex::new(None),
         }))
@@ -205,7 +221,7 @@ impl Cluster {
             }
         }
         let read = async {
-            let (_, mut c) = self.connection().await.ok()?;
+            let mut c = self.connection().await.ok()?.conn;
             for g in [0, GROUPS / 3, 2 * GROUPS / 3] {
                 let mut p = redis::pipe();
                 p.cmd("CLUSTER").arg("SLOTS");
@@ -235,22 +251,50 @@ impl Cluster {
         t
     }
 
-    /// This runtime's connection (and its number), made now if it has none.
-    async fn connection(&self) -> Result<(u64, ClusterConnection), StoreError> {
-        let mut slot = self.runtime_slot().lock_owned().await;
-        if let Some(c) = slot.as_ref() {
+    /// This runtime's connection, made now if it has none.
+    ///
+    /// A new connection connects to every node of the cluster, and waits
+    /// on one that hangs (its connect, then its `PING`, each up to the
+    /// store timeout): the dial runs on in a task of its own
+    /// ([`Slot`]), so that a call that gives up leaves it going for the
+    /// next, and a replica started while a shard hangs gets a connection
+    /// to the others.
+    async fn connection(&self) -> Result<Conn, StoreError> {
+        let (slot, held) = self.runtime_slot();
+        let mut slot = slot.lock_owned().await;
+        let mut held = held.lock_owned().await;
+        if let (Some(c), true) = (held.as_ref(), slot.is_ready(|_| true)) {
             return Ok(c.clone());
         }
-        let c = tokio::time::timeout(self.timeout, self.client.get_async_connection())
-            .await
-            .map_err(|_| unavailable("connect to the cluster timed out"))?
-            .map_err(|e| connect_failed(e, "redis cluster"))?;
-        let made = (self.made.fetch_add(1, Ordering::AcqRel) + 1, c);
-        *slot = Some(made.clone());
+        let client = self.client.clone();
+        let bound = dial_bound(self.timeout);
+        let (c, _) = slot
+            .take(
+                "redis cluster",
+                tokio::time::Instant::now() + self.timeout,
+                |_| true,
+                || {
+                    let client = client.clone();
+                    async move {
+                        tokio::time::timeout(bound, client.get_async_connection())
+                            .await
+                            .map_err(|_| unavailable("connect to the cluster timed out"))?
+                            .map_err(|e| connect_failed(e, "redis cluster"))
+                    }
+                },
+            )
+            .await?;
+        *slot = Slot::Ready(c.clone());
+        let made = Conn {
+            made: self.made.fetch_add(1, Ordering::AcqRel) + 1,
+            conn: c,
+            last_answer: Arc::new(AtomicU64::new(self.now_ms())),
+        };
+        *held = Some(made.clone());
         Ok(made)
     }
 
-    fn runtime_slot(&self) -> RuntimeSlot {
+    fn runtime_slot(&self) -> (RuntimeSlot, Held) {
         let slot = crate::slot::slot();
         match self.conns.get(&slot) {
             Some(s) => s.value().clone(),
@@ -262,29 +306,34 @@ impl Cluster {
         self.born.elapsed().as_millis() as u64
     }
 
-    /// A call got an answer (any: a server's error is one).
-    fn answered(&self) {
-        self.last_answer.fetch_max(self.now_ms(), Ordering::Relaxed);
+    /// A call on `c` got an answer (any: a server's error is one).
+    fn answered(&self, c: &Conn) {
+        let now = self.now_ms();
+        c.last_answer.fetch_max(now, Ordering::Relaxed);
+        self.last_answer.fetch_max(now, Ordering::Relaxed);
     }
 
-    /// Drops connection `made` after a call on it failed other than by the
-    /// server's own answer (a dropped or refused connection, a timeout),
-    /// if no call has been answered for two store timeouts: the next call
-    /// connects anew from the seeds. redis-rs's cluster client repairs its
-    /// connections itself, but not always: after every node restarted at
-    /// once it was seen to time out every call from then on. One shard
-    /// that stops answering drops nothing while the others answer: a new
-    /// connection is made to every node, and would wait on that one.
-    fn discard(&self, made: u64) {
-        let quiet = self
-            .now_ms()
-            .saturating_sub(self.last_answer.load(Ordering::Relaxed));
-        if quiet < 2 * self.timeout.as_millis() as u64 {
+    /// Drops `c` after a call on it failed other than by the server's own
+    /// answer (a dropped or refused connection, a timeout), when
+    /// [`stale`] says so: the next call on this runtime connects anew from
+    /// the seeds. redis-rs's cluster client repairs its connections
+    /// itself, but not always: after every node restarted at once it was
+    /// seen to time out every call from then on.
+    fn discard(&self, c: &Conn) {
+        let now = self.now_ms();
+        let quiet = |at: &AtomicU64| now.saturating_sub(at.load(Ordering::Relaxed));
+        if !stale(
+            quiet(&c.last_answer),
+            quiet(&self.last_answer),
+            self.timeout.as_millis() as u64,
+        ) {
             return;
         }
-        if let Ok(mut slot) = self.runtime_slot().try_lock_owned() {
-            if slot.as_ref().is_some_and(|(m, _)| *m == made) {
-                *slot = None;
+        let (slot, held) = self.runtime_slot();
+        if let (Ok(mut slot), Ok(mut held)) = (slot.try_lock_owned(), held.try_lock_owned()) {
+            if held.as_ref().is_some_and(|h| h.made == c.made) {
+                *held = None;
+                slot.forget();
             }
         }
     }
@@ -294,6 +343,20 @@ impl Cluster {
     fn wait_ms(&self) -> u64 {
         (self.timeout.as_millis() as u64 / 2).max(1)
     }
+}
+
+/// Whether a connection whose last answer came `own` ms ago, while the
+/// cluster's connections last got one `any` ms ago, is to be dropped
+/// (`timeout`: the store timeout, in ms).
+///
+/// Not while others answer, for a while: a new connection is made to
+/// every node and would wait on a shard that stopped answering, so a
+/// runtime whose calls all went to that shard would be cut off from the
+/// others too. But a connection stuck alone (the runtimes' connections
+/// are repaired one by one, and the heartbeat's keeps answering) is
+/// dropped all the same, after longer.
+fn stale(own: u64, any: u64, timeout: u64) -> bool {
+    own >= 2 * timeout && (any >= 2 * timeout || own >= 10 * timeout)
 }
 
 /// One group of a cluster: its keys, its slot, and what its shard's
@@ -363,7 +426,8 @@ impl ClusterGroup {
         p: &redis::Pipeline,
         count: usize,
     ) -> Result<Vec<Value>, StoreError> {
-        let (made, mut c) = self.cluster.connection().await?;
+        let conn = self.cluster.connection().await?;
+        let mut c = conn.conn.clone();
         let (mut loaded, mut reconnected) = (false, false);
         loop {
             let no_script = |e: &redis::RedisError| {
@@ -386,7 +450,7 @@ impl ClusterGroup {
             });
             match &answer {
                 Err(e) if !matches!(e.kind(), redis::ErrorKind::Server(_)) => {
-                    self.cluster.discard(made);
+                    self.cluster.discard(&conn);
                     // A connection the server closed (a restart): made
                     // once more, as on a lone primary; the client connects
                     // to that node again. Its answer counts only after the
@@ -397,7 +461,7 @@ impl ClusterGroup {
                         continue;
                     }
                 }
-                _ => self.cluster.answered(),
+                _ => self.cluster.answered(&conn),
             }
             let missing = match &answer {
                 Ok(v) => {
@@ -622,17 +686,20 @@ impl Calls for ClusterGroup {
             .arg("server")
             .cmd("INFO")
             .arg("replication");
-        let info: String = match self.on_primary(&p, 3).await {
-            Ok(v) => match (parse::<String>(v[1].clone()), parse::<String>(v[2].clone())) {
-                (Ok(server), Ok(replication)) => format!("{server}\n{replication}"),
-                // An ACL without INFO: the replicas are not known, and
-                // the setting (or none) decides the wait.
-                _ => {
-                    tracing::warn!(group = self.keys.tag(), "redis cluster refuses INFO to fencegate's user: the shard's replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
-                    return Ok(());
+        let mut v = self.on_primary(&p, 3).await?.into_iter().skip(1);
+        let info = match (v.next().map(parse::<String>), v.next().map(parse::<String>)) {
+            (Some(Ok(server)), Some(Ok(replication))) => format!("{server}\n{replication}"),
+            // An ACL without INFO: the replicas are not known, and the
+            // setting (or none) decides the wait. Said once, not at each
+            // group's check every second.
+            _ => {
+                if self.cluster.replicas_to_wait.is_none()
+                    && !self.cluster.info_refused.swap(true, Ordering::Relaxed)
+                {
+                    tracing::warn!("redis cluster refuses INFO to fencegate's user: the shards' replicas online are unknown, so changes are not waited for; allow +info or set store_replicas_to_wait (docs/stores.md)");
                 }
-            },
-            Err(e) => return Err(e),
+                return Ok(());
+            }
         };
         let run_id = info
             .lines()
@@ -722,6 +789,23 @@ mod tests {
             let before = session();
             g.saw_marker(epoch, seq);
             assert_eq!(session() != before, new, "step {i}");
+        }
+    }
+
+    #[test]
+    fn a_connection_is_dropped_when_quiet_and_not_while_others_answer() {
+        let t = 1000;
+        // (its last answer, any connection's last answer, dropped)
+        let cases = [
+            (0, 0, false),
+            (1999, 1999, false), // one slow call is not a broken connection
+            (2000, 2000, true),  // nothing answers: all stuck
+            (2000, 10, false),   // others answer: perhaps one shard hangs
+            (9999, 10, false),   //   still
+            (10_000, 10, true),  // stuck alone for long
+        ];
+        for (own, any, dropped) in cases {
+            assert_eq!(stale(own, any, t), dropped, "own {own} ms, any {any} ms");
         }
     }
 

@@ -243,6 +243,11 @@ impl Keyspace {
         self.tag.as_deref().unwrap_or("-")
     }
 
+    /// The group's hash tag, on a cluster.
+    pub(super) fn group_tag(&self) -> Option<&str> {
+        self.tag.as_deref()
+    }
+
     fn name(&self, kind: &str, key: &str) -> String {
         match &self.tag {
             None => format!("fencegate:{kind}:{{{key}}}"),

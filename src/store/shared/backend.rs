@@ -24,6 +24,11 @@ pub trait Backend: Send + Sync + 'static {
     fn replicas(&self) -> Option<crate::store::api::Replicas> {
         None
     }
+    /// Where a store's keys are spread over several backends (a cluster's
+    /// groups): this one's name, for the log lines about it.
+    fn group(&self) -> Option<&str> {
+        None
+    }
     /// Where the store spreads keys over nodes: the node serving this
     /// backend's keys now (`host:port`), to name it to an operator. `None`
     /// elsewhere, or while it cannot be told.

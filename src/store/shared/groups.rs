@@ -103,14 +103,30 @@ impl<B: Backend> Grouped<B> {
         // its data (its shard came back empty, or from a backup older than
         // init-store): latched as such, so that this replica serves the
         // other groups and an operator's confirm-reset marks it again.
-        // (With no group marked, the store is new: init-store.)
+        // (With no group marked, the store is new: init-store.) Its marker
+        // is read once more first: init-store marks the groups at once but
+        // not in one step, and a group marked meanwhile is no loss (its
+        // next check adopts the marker, or finds a rollback).
         if answers.iter().any(Result::is_ok) {
-            for (g, a) in self.groups.iter().zip(answers.iter_mut()) {
-                if matches!(a, Err(StoreError::Uninitialised)) {
-                    *a = Err(g.set_amnesia(
+            let unmarked: Vec<usize> = (0..answers.len())
+                .filter(|&i| matches!(answers[i], Err(StoreError::Uninitialised)))
+                .collect();
+            let again = futures_util::future::join_all(
+                unmarked
+                    .iter()
+                    .map(|&i| self.groups[i].backend().read_marker()),
+            )
+            .await;
+            for (i, marker) in unmarked.into_iter().zip(again) {
+                answers[i] = Err(match marker {
+                    Ok(None) => self.groups[i].set_amnesia(
                         "the group has no marker while other groups of the store have theirs: its shard lost its data (restarted empty, or restored from before init-store)".into(),
-                    ));
-                }
+                    ),
+                    Ok(Some(_)) => StoreError::Unavailable(
+                        "the group was marked while it was checked (init-store running): checked again at its next call".into(),
+                    ),
+                    Err(e) => e,
+                });
             }
         }
         answers

@@ -82,10 +82,7 @@ pub struct SharedStore<B: Backend> {
     pub(super) check_lock: tokio::sync::Mutex<()>,
     /// Highest tokens this replica saw acknowledged, to catch a store whose
     /// answers go backwards. Bounded; eviction only loses detection power.
-    /// Each value carries the ticket of its recording, so that an answer is
-    /// only compared with values acknowledged before its request was sent
-    /// (answers to concurrent requests arrive in any order).
-    pub(super) known_highest: DashMap<String, (u64, u64)>,
+    pub(super) known_highest: DashMap<String, Witnessed>,
     /// Ticket counter for `known_highest`.
     pub(super) tickets: AtomicU64,
     pub(super) known_capacity: usize,
@@ -99,6 +96,46 @@ pub struct SharedStore<B: Backend> {
     pub(super) state_file: Option<StateFile>,
     /// A state file write is under way (one at a time, off the checks).
     pub(super) saving: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// What a replica saw acknowledged for a key: its highest token with the
+/// ticket it was recorded under, and the highest before that. An answer is
+/// only compared with tokens acknowledged before its request was sent
+/// (answers to concurrent requests arrive in any order); the one before is
+/// kept so that a request sent between two acknowledgements is still
+/// compared with the first (the second's later ticket would otherwise
+/// hide it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Witnessed {
+    pub(super) highest: (u64, u64),
+    before: Option<(u64, u64)>,
+}
+
+impl Witnessed {
+    fn new(token: u64, ticket: u64) -> Self {
+        Self {
+            highest: (token, ticket),
+            before: None,
+        }
+    }
+
+    /// `token` acknowledged under `ticket`, if higher than what was.
+    fn raise(&mut self, token: u64, ticket: u64) {
+        if token > self.highest.0 {
+            self.before = Some(self.highest);
+            self.highest = (token, ticket);
+        }
+    }
+
+    /// The highest token known acknowledged before a request sent under
+    /// ticket `sent`.
+    pub(super) fn acknowledged_by(&self, sent: u64) -> Option<u64> {
+        [Some(self.highest), self.before]
+            .into_iter()
+            .flatten()
+            .find(|(_, ticket)| *ticket <= sent)
+            .map(|(token, _)| token)
+    }
 }
 
 impl<B: Backend> SharedStore<B> {
@@ -203,7 +240,7 @@ impl<B: Backend> SharedStore<B> {
     }
 
     pub(super) fn set_amnesia(&self, why: String) -> StoreError {
-        tracing::error!(store = self.backend.kind(), reason = %why, "fence store may have lost data: refusing writes until an operator confirms");
+        tracing::error!(store = self.backend.kind(), group = self.backend.group(), reason = %why, "fence store may have lost data: refusing writes until an operator confirms");
         let mut g = self.guard.lock().expect("guard lock");
         g.amnesia.get_or_insert(why.clone());
         StoreError::Amnesia(why)
@@ -390,7 +427,7 @@ impl<B: Backend> SharedStore<B> {
             let tripped = Marker::tripped(seen, found.seq);
             match self.backend.replace_marker(Some(&found), &tripped).await {
                 Ok(m) if m.epoch == tripped || m.trip_reason().is_some() => {
-                    tracing::error!(store = self.backend.kind(), seen, found = found.seq, "recorded in the store that it went back: every replica refuses writes until an operator confirms");
+                    tracing::error!(store = self.backend.kind(), group = self.backend.group(), seen, found = found.seq, "recorded in the store that it went back: every replica refuses writes until an operator confirms");
                     return;
                 }
                 // Bumped meanwhile (a replica that has not seen it yet):
@@ -399,7 +436,7 @@ impl<B: Backend> SharedStore<B> {
                 // Another epoch: an operator's confirmation, not ours to undo.
                 Ok(_) => return,
                 Err(e) => {
-                    tracing::warn!(store = self.backend.kind(), error = %e, "could not record the rollback in the store");
+                    tracing::warn!(store = self.backend.kind(), group = self.backend.group(), error = %e, "could not record the rollback in the store");
                     return;
                 }
             }
@@ -449,8 +486,17 @@ impl<B: Backend> SharedStore<B> {
         admitted: Option<u64>,
     ) -> Result<(), StoreError> {
         let known = self.known_highest.get(key).map(|v| *v);
-        if let Some((k, ack)) = known.filter(|(_, ack)| *ack <= sent) {
-            let _ = ack;
+        tracing::trace!(
+            store = self.backend.kind(),
+            group = self.backend.group(),
+            key,
+            sent,
+            ?known,
+            ?admitted,
+            ?outcome_highest,
+            "witness"
+        );
+        if let Some(k) = known.and_then(|w| w.acknowledged_by(sent)) {
             if let Some(t) = admitted {
                 if t < k {
                     return Err(self.set_amnesia(format!(
@@ -478,12 +524,8 @@ impl<B: Backend> SharedStore<B> {
             let ack = self.tickets.fetch_add(1, Ordering::AcqRel) + 1;
             self.known_highest
                 .entry(key.to_string())
-                .and_modify(|x| {
-                    if v > x.0 {
-                        *x = (v, ack);
-                    }
-                })
-                .or_insert((v, ack));
+                .and_modify(|x| x.raise(v, ack))
+                .or_insert(Witnessed::new(v, ack));
         }
         Ok(())
     }
@@ -559,8 +601,9 @@ impl<B: Backend> SharedStore<B> {
     /// answer is used. The call may have gone to a server that restarted
     /// from a backup: its answer is from the rolled-back data.
     pub(super) async fn recheck(&self) -> Result<(), StoreError> {
-        let session = self.backend.session();
-        if self.guard.lock().expect("guard lock").checked_on(session) {
+        // Fails while in amnesia: a check that found the loss while this
+        // call was out (on this session too) makes its answer unusable.
+        if self.check_due(self.backend.session())?.0 {
             return Ok(());
         }
         self.ensure().await
@@ -590,7 +633,7 @@ impl<B: Backend> SharedStore<B> {
         let known: Vec<(String, u64)> = self
             .known_highest
             .iter()
-            .map(|e| (e.key().clone(), e.value().0))
+            .map(|e| (e.key().clone(), e.value().highest.0))
             .collect();
         for (key, token) in &known {
             self.backend.advance(key, *token).await?;
@@ -628,7 +671,7 @@ impl<B: Backend> SharedStore<B> {
                 "the marker kept changing while the reset was confirmed".to_string(),
             )
         })?;
-        tracing::warn!(store = self.backend.kind(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
+        tracing::warn!(store = self.backend.kind(), group = self.backend.group(), epoch = %m.epoch, restored = known.len(), "store reset confirmed: known fences written back, new marker recorded");
         self.save_state(&m);
         let mut g = self.guard.lock().expect("guard lock");
         g.known = Some(m);
@@ -655,4 +698,23 @@ pub(super) fn wrong_reply(r: LockReply) -> StoreError {
 
 pub(super) fn no_marks() -> StoreError {
     StoreError::Unavailable("a shared store keeps leases, not in-flight marks".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Witnessed;
+
+    #[test]
+    fn an_answer_is_compared_with_what_was_acknowledged_before_it_was_sent() {
+        // 7 acknowledged under ticket 11, then 9 under 12.
+        let mut w = Witnessed::new(7, 11);
+        w.raise(9, 12);
+        w.raise(8, 13); // lower: changes nothing
+        assert_eq!(w.acknowledged_by(13), Some(9));
+        assert_eq!(w.acknowledged_by(12), Some(9));
+        // Sent between the two: compared with 7, not left unchecked.
+        assert_eq!(w.acknowledged_by(11), Some(7));
+        // Sent before either: its answer may be lower than both.
+        assert_eq!(w.acknowledged_by(10), None);
+    }
 }

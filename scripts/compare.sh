@@ -203,6 +203,16 @@ treecpu() {
     END {total = 0; for (p in t) {q = p; while ((q in ppid) && q != root && q > 1) q = ppid[q]; if (q == root) total += t[p]}; print total}' \
     /proc/[0-9]*/stat 2>/dev/null
 }
+# Redis servers' counters summed over ports: commands, reads (a read
+# carrying several commands: they were sent together) and script calls.
+rstats() {
+  local p
+  for p in "$@"; do redis-cli -p "$p" info all; done | tr -d '\r' | awk -F'[:=,]' '
+    $1 == "total_commands_processed" {c += $2}
+    $1 == "total_reads_processed" {r += $2}
+    $1 == "cmdstat_evalsha" {e += $3}
+    END {print c + 0, r + 0, e + 0}'
+}
 # The store's CPU seconds over its servers (a cluster has several).
 storecpu() { local t=0; for p in "$@"; do t=$(python3 -c "print($t + $(treecpu "$p"))"); done; echo "$t"; }
 to_ms() { python3 -c 'import sys,re; v=sys.argv[1]; m=re.match(r"([\d.]+)(us|ms|s)$",v); x=float(m.group(1)); print({"us":x/1000,"ms":x,"s":x*1000}[m.group(2)])' "$1"; }
@@ -259,6 +269,10 @@ for r in $(seq "$ROUNDS"); do
     # proxy's core: what it spends per write is what the proxy cannot).
     case $sys in *-redis|*-redis-base) spid=$REDIS_PID;; *-redis-replica) spid=$REDIS2_PID;; *-redis-cluster) spid="${RC_PIDS[*]}";; *-postgres) spid=$PG_PID;; *-etcd) spid=$ETCD_PID;; *) spid="";; esac
     s0=0; [ -n "$spid" ] && s0=$(storecpu $spid)
+    # How the writes reach Redis on the new-key rows: commands per read
+    # (the client's pipelining) and writes per script call (its batches).
+    case $sys in newkey-redis) rports="$REDIS_PORT";; newkey-redis-cluster) rports="${RC_PORTS[*]}";; *) rports="";; esac
+    [ -n "$rports" ] && read -r w_c0 w_r0 w_e0 < <(rstats $rports)
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
       if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
@@ -274,6 +288,12 @@ for r in $(seq "$ROUNDS"); do
     c1=0; [ -n "$pid" ] && c1=$(cpu "$pid")
     cpu_us=$(python3 -c "print(round(($c1-$c0)*1e6/($rps*$SECS),1))")
     printf 'rps\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$r" "$rps" "$p50" "$p99" "$cpu_us" >> "$ROWS"
+    if [ -n "$rports" ]; then
+      read -r w_c1 w_r1 w_e1 < <(rstats $rports)
+      printf 'wire\t%s\t%s\t%s\t-\t-\t%s\n' "$sys" "$r" \
+        "$(python3 -c "print(round(($w_c1-$w_c0)/max(1,$w_r1-$w_r0),2))")" \
+        "$(python3 -c "print(round($rps*$SECS/max(1,$w_e1-$w_e0),2))")" >> "$ROWS"
+    fi
     if [ -n "$spid" ]; then
       s1=$(storecpu $spid)
       printf 'store\t%s\t%s\t%s\t-\t-\t-\n' "$sys" "$r" "$(python3 -c "print(round(($s1-$s0)*1e6/($rps*$SECS),1))")" >> "$ROWS"

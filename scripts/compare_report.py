@@ -6,7 +6,9 @@ Usage: compare_report.py ROWS OUT_DIR "machine line" FSYNC_PER_S
 ROWS holds one line per measurement, tab-separated:
   kind  system  round  value  p50_ms  p99_ms  cpu_us_per_req
 where kind is `rps` (wrk or h2load: value is requests/s) or `mibs` (a
-256 MiB transfer with curl: value is MiB/s; the latency columns are `-`).
+256 MiB transfer with curl: value is MiB/s; the latency columns are `-`),
+`store` (the store server's CPU per request in value) or `wire` (Redis's
+commands per read in value, requests per script call in the last column).
 Writes OUT_DIR/results.md (the tables docs/benchmarks.md shows) and
 OUT_DIR/chart.svg (req/s and proxy CPU per request per system), and prints
 the tables. Medians over rounds; every ratio is taken within this run.
@@ -62,9 +64,10 @@ def main():
         if len(parts) != 7:
             continue
         kind, system, _round, value, p50, p99, cpu = parts
-        if kind == "store":
-            # The store server's CPU on a shared-store row, kept apart.
-            system = system + "@store"
+        if kind in ("store", "wire"):
+            # The store server's CPU, or how writes reached Redis, on a
+            # shared-store row: kept apart.
+            system = system + "@" + kind
         if system not in kinds:
             order.append(system)
             kinds[system] = kind
@@ -123,6 +126,12 @@ def main():
                 ("PostgreSQL", "postgres"),
                 ("etcd", "etcd"),
             )
+        ),
+        "- how new-key writes reach Redis (commands per read: calls the client sent together; "
+        "requests per script call: fencegate's batches): "
+        + ", ".join(
+            f"{name} {fmt(med(f'newkey-{s}@wire', 'value'))} / {fmt(med(f'newkey-{s}@wire', 'cpu'))}"
+            for name, s in (("Redis", "redis"), ("Redis Cluster", "redis-cluster"))
         ),
         f"- fencegate TLS vs nginx terminating TLS: {ratio('steady-tls', 'nginx-tls')}; "
         f"vs its own plain listener: {ratio('steady-tls', 'steady')}",

@@ -370,20 +370,7 @@ async fn a_hung_shard_stops_only_its_groups() {
     // Each of the other shards' groups admits a write. Not every call:
     // each call to the hung shard makes the client refresh its view of
     // the cluster, which holds the others' calls meanwhile (docs/stores.md).
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let mut failed = 0;
-    for g in &kept {
-        while put(&c.url(&paths[*g]), &token.to_string()).await.status != 200 {
-            failed += 1;
-            assert!(
-                std::time::Instant::now() < deadline,
-                "a replica started during the hang admitted no write on {}:\n{}",
-                paths[*g],
-                c.stderr()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    let failed = admit_each(&c, &kept, &paths, token).await;
     eprintln!(
         "replica started during the hang: {} groups admitted, {failed} calls refused on the way",
         kept.len()
@@ -398,21 +385,28 @@ async fn a_hung_shard_stops_only_its_groups() {
     // Resumed, the node first works through what queued up meanwhile
     // (the third replica's connects among it): each group takes writes
     // again, and fences as before.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    admit_each(&a, &hung, &paths, token + 1).await;
     for g in &hung {
-        while put(&a.url(&paths[*g]), &(token + 1).to_string())
-            .await
-            .status
-            != 200
-        {
+        assert_eq!(put(&a.url(&paths[*g]), "5").await.status, 409);
+    }
+}
+
+/// Puts `token` through `p` on each of `groups` until admitted (20 s in
+/// all, else fails with its log); the calls refused on the way.
+async fn admit_each(p: &Proxy, groups: &[usize], paths: &[String], token: u64) -> usize {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut refused = 0;
+    for g in groups {
+        while put(&p.url(&paths[*g]), &token.to_string()).await.status != 200 {
+            refused += 1;
             assert!(
                 std::time::Instant::now() < deadline,
-                "{} took no write again after the shard resumed:\n{}",
+                "{} admitted no write:\n{}",
                 paths[*g],
-                a.stderr()
+                p.stderr()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert_eq!(put(&a.url(&paths[*g]), "5").await.status, 409);
     }
+    refused
 }

@@ -273,6 +273,13 @@ for r in $(seq "$ROUNDS"); do
     # (the client's pipelining) and writes per script call (its batches).
     case $sys in newkey-redis) rports="$REDIS_PORT";; newkey-redis-cluster) rports="${RC_PORTS[*]}";; *) rports="";; esac
     [ -n "$rports" ] && read -r w_c0 w_r0 w_e0 < <(rstats $rports)
+    # And how many writes share each fsync of the servers' append-only
+    # files (perf's syscall tracepoints; "-" without perf).
+    perf_pid=""
+    if [ -n "$rports" ] && command -v perf >/dev/null; then
+      perf stat -x, -e syscalls:sys_enter_fdatasync,syscalls:sys_enter_fsync -p "$(echo $spid | tr ' ' ,)" -- sleep "$SECS" 2> "$WORK/perf.txt" &
+      perf_pid=$!
+    fi
     if [ $tool = wrk ]; then
       taskset -c 0 wrk -t1 -c64 -d"${SECS}s" --latency -s "$WORK/$script.lua" "$url" > "$WORK/wrk.txt"
       if grep -q "Non-2xx" "$WORK/wrk.txt"; then echo "non-2xx answers from $sys" >&2; cat "$WORK/wrk.txt" >&2; exit 1; fi
@@ -290,8 +297,13 @@ for r in $(seq "$ROUNDS"); do
     printf 'rps\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$r" "$rps" "$p50" "$p99" "$cpu_us" >> "$ROWS"
     if [ -n "$rports" ]; then
       read -r w_c1 w_r1 w_e1 < <(rstats $rports)
-      printf 'wire\t%s\t%s\t%s\t-\t-\t%s\n' "$sys" "$r" \
-        "$(python3 -c "print(round(($w_c1-$w_c0)/max(1,$w_r1-$w_r0),2))")" \
+      per_fsync=-
+      if [ -n "$perf_pid" ] && wait "$perf_pid"; then
+        fsyncs=$(awk -F, '$1 ~ /^[0-9]+$/ {n += $1} END {print n + 0}' "$WORK/perf.txt")
+        per_fsync=$(python3 -c "print(round($rps*$SECS/max(1,$fsyncs),2))")
+      fi
+      printf 'wire\t%s\t%s\t%s\t%s\t-\t%s\n' "$sys" "$r" \
+        "$(python3 -c "print(round(($w_c1-$w_c0)/max(1,$w_r1-$w_r0),2))")" "$per_fsync" \
         "$(python3 -c "print(round($rps*$SECS/max(1,$w_e1-$w_e0),2))")" >> "$ROWS"
     fi
     if [ -n "$spid" ]; then

@@ -8,7 +8,8 @@ ROWS holds one line per measurement, tab-separated:
 where kind is `rps` (wrk or h2load: value is requests/s) or `mibs` (a
 256 MiB transfer with curl: value is MiB/s; the latency columns are `-`),
 `store` (the store server's CPU per request in value) or `wire` (Redis's
-commands per read in value, requests per script call in the last column).
+commands per read in value, requests per fsync of its append-only files
+in the p50 column, requests per script call in the last).
 Writes OUT_DIR/results.md (the tables docs/benchmarks.md shows) and
 OUT_DIR/chart.svg (req/s and proxy CPU per request per system), and prints
 the tables. Medians over rounds; every ratio is taken within this run.
@@ -128,9 +129,10 @@ def main():
             )
         ),
         "- how new-key writes reach Redis (commands per read: calls the client sent together; "
-        "requests per script call: fencegate's batches): "
+        "requests per fsync: the servers' group commit; requests per script call: fencegate's batches): "
         + ", ".join(
-            f"{name} {fmt(med(f'newkey-{s}@wire', 'value'))} / {fmt(med(f'newkey-{s}@wire', 'cpu'))}"
+            f"{name} {fmt(med(f'newkey-{s}@wire', 'value'))} / {fmt(med(f'newkey-{s}@wire', 'p50'))}"
+            f" / {fmt(med(f'newkey-{s}@wire', 'cpu'))}"
             for name, s in (("Redis", "redis"), ("Redis Cluster", "redis-cluster"))
         ),
         f"- fencegate TLS vs nginx terminating TLS: {ratio('steady-tls', 'nginx-tls')}; "

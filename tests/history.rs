@@ -636,7 +636,9 @@ async fn history_redis_cluster_reshard_and_rebalance_under_load() {
     history_with_one_failover(
         "redis-cluster-reshard",
         StoreKind::Redis,
-        14,
+        // The reshard and the rebalance take 6-11 s here, longer on a busy
+        // machine: writes must go on past them.
+        20,
         url,
         cluster,
         |c| {

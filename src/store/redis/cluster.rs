@@ -141,21 +141,23 @@ pub struct Cluster {
     topology: tokio::sync::Mutex<Option<(std::time::Instant, Option<Arc<Topology>>)>>,
 }
 
-/// A runtime's connection, or its dial going on.
-type RuntimeSlot = Arc<tokio::sync::Mutex<Slot<ClusterConnection>>>;
+/// A runtime's connection, or its dial going on; a connection with when
+/// its dial ended.
+type RuntimeSlot = Arc<tokio::sync::Mutex<Slot<(std::time::Instant, ClusterConnection)>>>;
 
 /// A runtime's connection as its calls use it: the slot holds the bare
 /// connection, and this, its number and answers.
 type Held = Arc<tokio::sync::Mutex<Option<Conn>>>;
 
 /// A connection to the cluster, numbered (so that a failed call drops the
-/// connection it used and never a newer one), with when a call on it last
-/// got an answer (ms since the cluster's `born`; its making counts as one).
+/// connection it used and never a newer one), with since when its calls
+/// fail (ms since the cluster's `born`: its first failed call since its
+/// last answer; `u64::MAX` while they do not).
 #[derive(Clone)]
 struct Conn {
     made: u64,
     conn: ClusterConnection,
-    last_answer: Arc<AtomicU64>,
+    failing_since: Arc<AtomicU64>,
 }
 
 /// Slot ranges and the `host:port` of the primary serving each.
@@ -267,28 +269,31 @@ impl Cluster {
             return Ok(c.clone());
         }
         let client = self.client.clone();
-        let bound = dial_bound(self.timeout);
-        let (c, _) = slot
+        let (bound, timeout) = (dial_bound(self.timeout), self.timeout);
+        let ((at, c), _) = slot
             .take(
                 "redis cluster",
                 tokio::time::Instant::now() + self.timeout,
-                |_| true,
+                // A dial that ended long before a call came for it holds
+                // the cluster's view of then: made anew.
+                |(at, _)| at.elapsed() < timeout,
                 || {
                     let client = client.clone();
                     async move {
-                        tokio::time::timeout(bound, client.get_async_connection())
+                        let c = tokio::time::timeout(bound, client.get_async_connection())
                             .await
                             .map_err(|_| unavailable("connect to the cluster timed out"))?
-                            .map_err(|e| connect_failed(e, "redis cluster"))
+                            .map_err(|e| connect_failed(e, "redis cluster"))?;
+                        Ok((std::time::Instant::now(), c))
                     }
                 },
             )
             .await?;
-        *slot = Slot::Ready(c.clone());
+        *slot = Slot::Ready((at, c.clone()));
         let made = Conn {
             made: self.made.fetch_add(1, Ordering::AcqRel) + 1,
             conn: c,
-            last_answer: Arc::new(AtomicU64::new(self.now_ms())),
+            failing_since: Arc::new(AtomicU64::new(u64::MAX)),
         };
         *held = Some(made.clone());
         Ok(made)
@@ -308,9 +313,8 @@ impl Cluster {
 
     /// A call on `c` got an answer (any: a server's error is one).
     fn answered(&self, c: &Conn) {
-        let now = self.now_ms();
-        c.last_answer.fetch_max(now, Ordering::Relaxed);
-        self.last_answer.fetch_max(now, Ordering::Relaxed);
+        c.failing_since.store(u64::MAX, Ordering::Relaxed);
+        self.last_answer.fetch_max(self.now_ms(), Ordering::Relaxed);
     }
 
     /// Drops `c` after a call on it failed other than by the server's own
@@ -321,10 +325,12 @@ impl Cluster {
     /// seen to time out every call from then on.
     fn discard(&self, c: &Conn) {
         let now = self.now_ms();
-        let quiet = |at: &AtomicU64| now.saturating_sub(at.load(Ordering::Relaxed));
+        // Since its first failure, not its last answer: a connection idle
+        // for long is not a stuck one.
+        let since = c.failing_since.fetch_min(now, Ordering::Relaxed).min(now);
         if !stale(
-            quiet(&c.last_answer),
-            quiet(&self.last_answer),
+            now - since,
+            now.saturating_sub(self.last_answer.load(Ordering::Relaxed)),
             self.timeout.as_millis() as u64,
         ) {
             return;
@@ -345,9 +351,9 @@ impl Cluster {
     }
 }
 
-/// Whether a connection whose last answer came `own` ms ago, while the
-/// cluster's connections last got one `any` ms ago, is to be dropped
-/// (`timeout`: the store timeout, in ms).
+/// Whether a connection whose calls have failed for `own` ms (since its
+/// last answer), while the cluster's connections last got an answer
+/// `any` ms ago, is to be dropped (`timeout`: the store timeout, in ms).
 ///
 /// Not while others answer, for a while: a new connection is made to
 /// every node and would wait on a shard that stopped answering, so a

@@ -61,7 +61,7 @@ fn an_answer_without_the_marker_seen_starts_a_new_session() {
 #[test]
 fn a_connection_is_dropped_when_quiet_and_not_while_others_answer() {
     let t = 1000;
-    // (its last answer, any connection's last answer, dropped)
+    // (failing for, any connection's last answer, dropped)
     let cases = [
         (0, 0, false),
         (1999, 1999, false), // one slow call is not a broken connection

@@ -111,11 +111,17 @@ impl<B: Backend> Grouped<B> {
             let unmarked: Vec<usize> = (0..answers.len())
                 .filter(|&i| matches!(answers[i], Err(StoreError::Uninitialised)))
                 .collect();
-            let again = futures_util::future::join_all(
-                unmarked
-                    .iter()
-                    .map(|&i| self.groups[i].backend().read_marker()),
-            )
+            let again = futures_util::future::join_all(unmarked.iter().map(|&i| async move {
+                let b = self.groups[i].backend();
+                tokio::time::timeout(b.timeout(), b.read_marker())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(StoreError::Unavailable(format!(
+                            "{}: no answer within store_timeout",
+                            b.kind()
+                        )))
+                    })
+            }))
             .await;
             for (i, marker) in unmarked.into_iter().zip(again) {
                 answers[i] = Err(match marker {

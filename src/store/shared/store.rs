@@ -119,11 +119,30 @@ impl Witnessed {
         }
     }
 
-    /// `token` acknowledged under `ticket`, if higher than what was.
+    /// `token` acknowledged under `ticket`. Recordings may come in
+    /// another order than their tickets: an entry that another covers (as
+    /// high a token, acknowledged no later) is dropped, and of the rest
+    /// the two latest are kept (a request in flight was sent lately).
     fn raise(&mut self, token: u64, ticket: u64) {
-        if token > self.highest.0 {
-            self.before = Some(self.highest);
-            self.highest = (token, ticket);
+        let all: Vec<(u64, u64)> = [self.before, Some(self.highest), Some((token, ticket))]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut kept: Vec<(u64, u64)> = all
+            .iter()
+            .copied()
+            .filter(|&(v, t)| {
+                !all.iter()
+                    .any(|&(w, u)| (w, u) != (v, t) && w >= v && u <= t)
+            })
+            .collect();
+        kept.sort_by_key(|&(_, t)| t);
+        kept.dedup();
+        // Not covered by one another: later tickets carry higher tokens.
+        let mut latest = kept.into_iter().rev();
+        if let Some(h) = latest.next() {
+            self.highest = h;
+            self.before = latest.next();
         }
     }
 
@@ -716,5 +735,15 @@ mod tests {
         assert_eq!(w.acknowledged_by(11), Some(7));
         // Sent before either: its answer may be lower than both.
         assert_eq!(w.acknowledged_by(10), None);
+
+        // Recorded out of ticket order: 8 under 13 lands before 9 under
+        // 12, which covers it; 7 under 11 is still compared with.
+        let mut w = Witnessed::new(7, 11);
+        w.raise(8, 13);
+        w.raise(9, 12);
+        assert_eq!(w.acknowledged_by(11), Some(7));
+        assert_eq!(w.acknowledged_by(12), Some(9));
+        assert_eq!(w.acknowledged_by(13), Some(9));
+        assert_eq!(w.highest.0, 9);
     }
 }

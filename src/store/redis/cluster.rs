@@ -126,9 +126,6 @@ pub struct Cluster {
     /// first answer on a new connection is used only after the group's
     /// marker was checked.
     made: AtomicU64,
-    /// When a call on any connection last got an answer (ms since `born`;
-    /// see [`Cluster::discard`]).
-    last_answer: AtomicU64,
     born: std::time::Instant,
     timeout: Duration,
     replicas_to_wait: Option<u32>,
@@ -202,7 +199,6 @@ impl Cluster {
             client: b.build().map_err(|e| e.to_string())?,
             conns: dashmap::DashMap::new(),
             made: AtomicU64::new(0),
-            last_answer: AtomicU64::new(0),
             born: std::time::Instant::now(),
             timeout: o.timeout,
             replicas_to_wait: o.replicas_to_wait,
@@ -314,7 +310,6 @@ impl Cluster {
     /// A call on `c` got an answer (any: a server's error is one).
     fn answered(&self, c: &Conn) {
         c.failing_since.store(u64::MAX, Ordering::Relaxed);
-        self.last_answer.fetch_max(self.now_ms(), Ordering::Relaxed);
     }
 
     /// Drops `c` after a call on it failed other than by the server's own
@@ -328,11 +323,7 @@ impl Cluster {
         // Since its first failure, not its last answer: a connection idle
         // for long is not a stuck one.
         let since = c.failing_since.fetch_min(now, Ordering::Relaxed).min(now);
-        if !stale(
-            now - since,
-            now.saturating_sub(self.last_answer.load(Ordering::Relaxed)),
-            self.timeout.as_millis() as u64,
-        ) {
+        if !stale(now - since, self.timeout.as_millis() as u64) {
             return;
         }
         let (slot, held) = self.runtime_slot();
@@ -351,18 +342,15 @@ impl Cluster {
     }
 }
 
-/// Whether a connection whose calls have failed for `own` ms (since its
-/// last answer), while the cluster's connections last got an answer
-/// `any` ms ago, is to be dropped (`timeout`: the store timeout, in ms).
-///
-/// Not while others answer, for a while: a new connection is made to
-/// every node and would wait on a shard that stopped answering, so a
-/// runtime whose calls all went to that shard would be cut off from the
-/// others too. But a connection stuck alone (the runtimes' connections
-/// are repaired one by one, and the heartbeat's keeps answering) is
-/// dropped all the same, after longer.
-fn stale(own: u64, any: u64, timeout: u64) -> bool {
-    own >= 2 * timeout && (any >= 2 * timeout || own >= 10 * timeout)
+/// Whether a connection whose calls have all failed for `failing` ms
+/// (since the first failure after its last answer) is to be dropped
+/// (`timeout`: the store timeout, in ms). Any answer on it resets the
+/// count: a connection whose calls to one hung shard fail while its
+/// others are answered is kept. One stuck alone is dropped whatever the
+/// other runtimes' connections do: the heartbeat's, stuck after every
+/// node restarted while a worker's answered, checked no group's marker.
+fn stale(failing: u64, timeout: u64) -> bool {
+    failing >= 2 * timeout
 }
 
 /// One group of a cluster: its keys, its slot, and what its shard's

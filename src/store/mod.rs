@@ -37,23 +37,21 @@ pub fn connect_shared(
     let bad = ConnectError;
     let state = || c.state_file.clone().map(shared::StateFile::new);
     let opened = |e: StoreError| ConnectError(e.to_string());
-    let tls = |e: crate::tls::TlsError| ConnectError(e.to_string());
-    // PostgreSQL's and etcd's TLS: a rustls config from the settings.
-    let client_config = || {
+    // The TLS settings as an engine takes them, if TLS is on.
+    fn with_tls<T>(
+        c: &SharedStoreConfig,
+        read: fn(&crate::tls::StoreTls) -> Result<T, crate::tls::TlsError>,
+    ) -> Result<Option<T>, ConnectError> {
         c.tls
             .as_ref()
-            .map(crate::tls::store_client_config)
+            .map(read)
             .transpose()
-            .map_err(tls)
-    };
-    // Redis (lone or cluster): the CA and client certificate as PEM.
-    let redis_pem = || {
-        c.tls
-            .as_ref()
-            .map(crate::tls::store_pem)
-            .transpose()
-            .map_err(tls)
-    };
+            .map_err(|e| ConnectError(e.to_string()))
+    }
+    // PostgreSQL's and etcd's: a rustls config.
+    let client_config = || with_tls(c, crate::tls::store_client_config);
+    // Redis's (lone or cluster): the CA and client certificate as PEM.
+    let redis_pem = || with_tls(c, crate::tls::store_pem);
     Ok(match &c.engine {
         SharedEngine::Redis { sentinel } => {
             let pem = redis_pem()?;
